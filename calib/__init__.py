@@ -1,0 +1,1 @@
+"""Calibration data (corpora, sampling) and block-by-block activation capture."""

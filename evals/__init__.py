@@ -1,0 +1,1 @@
+"""Evaluation: perplexity, KL, multiple-choice tasks, speed and roofline."""

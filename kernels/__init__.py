@@ -1,0 +1,1 @@
+"""Kernels: dequant-matmul and attention, each with a pure-torch reference."""

@@ -1,0 +1,1 @@
+"""Quantizers: pure functions over tensors (RTN, GPTQ, AWQ, FP8, KV-cache scales)."""
