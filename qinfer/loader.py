@@ -1,0 +1,103 @@
+"""Load a Hugging Face model folder (config.json + *.safetensors) into a ``Transformer``.
+
+Safetensors files are memory-mapped and tensors are views into the map (copy-on-write), so loading a
+bf16 checkpoint as bf16 on CPU copies nothing; other dtypes or devices convert tensor by tensor.
+"""
+
+import json
+import mmap
+import struct
+from pathlib import Path
+
+import torch
+
+from qinfer.arch import ModelConfig
+from qinfer.errors import QinferError
+from qinfer.model import Transformer
+
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Memory-map one .safetensors file; checks the header and that the file holds every byte it declares."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise QinferError(f"{path} is truncated (no safetensors header): re-download or re-convert it")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise QinferError(f"{path} is truncated or not a safetensors file: re-download or re-convert it")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise QinferError(f"{path} has a corrupt safetensors header: re-download or re-convert it") from None
+        header.pop("__metadata__", None)
+        ends = [info["data_offsets"][1] for info in header.values()]
+        if ends and 8 + n + max(ends) > size:
+            raise QinferError(
+                f"{path} is truncated ({size} bytes, header declares {8 + n + max(ends)}): re-download or re-convert it"
+            )
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else b""
+    tensors = {}
+    for name, info in header.items():
+        if info["dtype"] not in _DTYPES:
+            raise QinferError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+        dtype = _DTYPES[info["dtype"]]
+        start, end = info["data_offsets"]
+        count = (end - start) // dtype.itemsize
+        t = torch.frombuffer(buf, dtype=dtype, count=count, offset=8 + n + start) if count else torch.empty(0, dtype=dtype)
+        tensors[name] = t.view(info["shape"])
+    return tensors
+
+
+def read_folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise QinferError(f"{folder} has no *.safetensors weights: qinfer reads safetensors checkpoints only")
+    tensors = {}
+    for f in files:
+        tensors.update(read_safetensors(f))
+    return tensors
+
+
+def load_model(folder: Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> Transformer:
+    """Build the decoder for ``folder``'s config and fill it with the folder's weights."""
+    folder = Path(folder)
+    config = ModelConfig.from_folder(folder)
+    tensors = read_folder_tensors(folder)
+    with torch.device("meta"):
+        model = Transformer(config)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    expected = set(shapes)
+    if config.tie_word_embeddings or "lm_head.weight" not in tensors:
+        if "model.embed_tokens.weight" in tensors:
+            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    tensors = {name: t for name, t in tensors.items() if not name.endswith("rotary_emb.inv_freq")}
+    missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+    if missing or unexpected:
+        what = f"missing {', '.join(missing[:3])}" if missing else f"unexpected {', '.join(unexpected[:3])}"
+        raise QinferError(f"{folder}: weights do not match a {config.model_type} model with this config.json ({what})")
+    state = {}
+    for name, t in tensors.items():
+        if tuple(t.shape) != shapes[name]:
+            raise QinferError(f"{folder}: {name} has shape {tuple(t.shape)}, config.json implies {shapes[name]}")
+        state[name] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+    model.load_state_dict(state, assign=True, strict=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()

@@ -1,0 +1,217 @@
+"""The decoder: one module tree for every supported family, steered by the ``ArchSpec`` row.
+
+Module names follow Hugging Face's (``model.layers.3.self_attn.q_proj``), so a checkpoint loads by name and
+the quantize pipeline can address linears the way every other tool does. Every linear is a ``QLinear``:
+the one seam through which quantized kernels come in. Shapes: B batch, T new tokens, S cached tokens,
+H query heads, Hkv key/value heads, D head dim, C hidden size.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qinfer.arch import ModelConfig, RopeConfig
+from qinfer.kernels import attention, linear
+from qinfer.kv_cache import KVCache
+
+
+class QLinear(nn.Module):
+    """A linear layer whose weight is either a dense tensor or a packed quantized weight.
+
+    ``forward`` hands both to ``qinfer.kernels.linear``, which picks the kernel for the weight's format and
+    the device; nothing else in the model knows how weights are stored.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, weight={type(self.weight).__name__}"
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, offset: float, scale_in_fp32: bool):
+        super().__init__()
+        self.eps, self.offset, self.scale_in_fp32 = eps, offset, scale_in_fp32
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The mean of squares is always taken in fp32; bf16 would lose the small terms.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.scale_in_fp32:  # Gemma: (x * (1 + w)) rounded once
+            return (xf * (self.offset + self.weight.float())).type_as(x)
+        return self.weight * xf.type_as(x)  # Llama: round x, then scale in the weight's dtype
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if rope.kind == "linear":
+        return inv_freq / rope.factor
+    if rope.kind == "llama3":
+        # Llama 3.1: long wavelengths are stretched by `factor`, short ones kept, the band between blended.
+        low_wavelen = rope.original_max_position / rope.low_freq_factor
+        high_wavelen = rope.original_max_position / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, blended, scaled)
+    return inv_freq
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, H, T, D]; cos, sin: [T, D] (the rotate-half layout: pairs (i, i + D/2))
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        arch, C, D = config.arch, config.hidden_size, config.head_dim
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, D
+        self.scale = config.attn_scale
+        self.q_proj = QLinear(C, self.n_heads * D, bias=arch.qkv_bias)
+        self.k_proj = QLinear(C, self.n_kv_heads * D, bias=arch.qkv_bias)
+        self.v_proj = QLinear(C, self.n_kv_heads * D, bias=arch.qkv_bias)
+        self.o_proj = QLinear(self.n_heads * D, C)
+        if arch.qk_norm:
+            self.q_norm = _norm(config, D)
+            self.k_norm = _norm(config, D)
+
+    def forward(self, x, cos, sin, mask, cache: KVCache | None, input_pos):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, input_pos, k, v)  # [B, Hkv, S, D]
+        o = attention(q, k, v, mask, self.scale)  # [B, H, T, D]
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        C, F_ = config.hidden_size, config.intermediate_size
+        self.gate_proj, self.up_proj, self.down_proj = QLinear(C, F_), QLinear(C, F_), QLinear(F_, C)
+        self.act = config.arch.activation
+
+    def forward(self, x):
+        gate = self.gate_proj(x)
+        gate = F.gelu(gate, approximate="tanh") if self.act == "gelu_tanh" else F.silu(gate)
+        return self.down_proj(gate * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        arch = config.arch
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = _norm(config)
+        self.post_attention_layernorm = _norm(config)
+        if arch.sandwich_norms:
+            self.pre_feedforward_layernorm = _norm(config)
+            self.post_feedforward_layernorm = _norm(config)
+        self.sandwich = arch.sandwich_norms
+
+    def forward(self, x, cos, sin, mask, cache=None, input_pos=None):
+        h = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, input_pos)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(h)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
+        self.norm = _norm(config)
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM. ``forward`` runs T new tokens at positions ``input_pos`` against the cache."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = Decoder(config)
+        self.lm_head = QLinear(config.hidden_size, config.vocab_size)
+        self.embed_scale = math.sqrt(config.hidden_size) if config.arch.embed_scale else None
+        # RoPE tables per distinct RopeConfig (Gemma 3 has two), built on first use per device.
+        self._inv_freq: dict[RopeConfig, torch.Tensor] = {}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)  # [B, T, C]
+        if self.embed_scale is not None:
+            # Gemma rounds the scale to the weights' dtype before multiplying.
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        return x
+
+    def rope(self, layer_idx: int, input_pos: torch.Tensor, dtype: torch.dtype):
+        rope = self.config.rope[layer_idx]
+        if rope not in self._inv_freq:
+            self._inv_freq[rope] = rope_inv_freq(rope, self.config.head_dim).to(input_pos.device)
+        freqs = input_pos.float()[:, None] * self._inv_freq[rope][None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def masks(self, input_pos: torch.Tensor, n_keys: int) -> dict[int | None, torch.Tensor]:
+        """Boolean masks [T, S] (True = may attend), one per distinct sliding window."""
+        q_pos = input_pos[:, None]
+        k_pos = torch.arange(n_keys, device=input_pos.device)[None, :] if n_keys else input_pos[None, :]
+        causal = k_pos <= q_pos
+        return {w: causal if w is None else causal & (q_pos - k_pos < w) for w in set(self.config.sliding_window)}
+
+    def hidden_states(self, input_ids, input_pos, cache: KVCache | None = None) -> torch.Tensor:
+        """Final-norm hidden states [B, T, C] of T new tokens (``input_ids`` [B, T], ``input_pos`` [T])."""
+        x = self.embed(input_ids)
+        n_keys = int(input_pos[-1]) + 1 if cache is not None else 0
+        masks = self.masks(input_pos, n_keys)
+        for i, layer in enumerate(self.model.layers):
+            cos, sin = self.rope(i, input_pos, x.dtype)
+            x = layer(x, cos, sin, masks[self.config.sliding_window[i]], cache, input_pos)
+        return self.model.norm(x)
+
+    def forward(self, input_ids, input_pos=None, cache: KVCache | None = None, last_only: bool = False):
+        """Logits [B, T, V] (or [B, 1, V] with ``last_only``) in the model's dtype."""
+        if input_pos is None:
+            input_pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+        h = self.hidden_states(input_ids, input_pos, cache)
+        if last_only:
+            h = h[:, -1:]
+        return self.lm_head(h)
+
+
+def _norm(config: ModelConfig, dim: int | None = None) -> RMSNorm:
+    arch = config.arch
+    return RMSNorm(dim or config.hidden_size, config.rms_norm_eps, arch.norm_offset, arch.norm_scale_in_fp32)
