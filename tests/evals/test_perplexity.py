@@ -1,0 +1,44 @@
+import math
+
+import pytest
+import torch
+
+from qinfer.errors import QinferError
+from qinfer.evals.perplexity import perplexity, windows
+
+
+@pytest.mark.parametrize("n,window,stride", [(10, 4, 2), (100, 32, 32), (33, 64, 16), (513, 512, 256)])
+def test_windows_score_every_token_once(n, window, stride):
+    scored = []
+    for start, end, first in windows(n, window, stride):
+        assert end - start <= window and start <= first - 1
+        scored.extend(range(first, end))
+    assert len(scored) == len(set(scored))
+    if stride < window:
+        assert scored == list(range(1, n))
+
+
+def test_uniform_model_has_vocab_perplexity():
+    V = 50
+    tokens = torch.randint(0, V, (300,))
+    result = perplexity(lambda ids: torch.zeros(1, ids.shape[1], V), tokens, window=64, stride=32, progress=False)
+    assert math.isclose(result.ppl, V, rel_tol=1e-6)
+    assert result.tokens == 299
+
+
+def test_perfect_model_has_perplexity_one():
+    tokens = torch.randint(0, 20, (100,))
+
+    def oracle(ids):  # knows the next token of the stream at every position
+        out = torch.full((1, ids.shape[1], 20), -1e4)
+        starts = [i for i in range(100 - ids.shape[1] + 1) if torch.equal(tokens[i : i + ids.shape[1]], ids[0])]
+        nxt = tokens[starts[0] + 1 : starts[0] + ids.shape[1] + 1]
+        out[0, torch.arange(nxt.numel()), nxt] = 0
+        return out
+
+    assert perplexity(oracle, tokens, window=16, stride=8, progress=False).ppl == pytest.approx(1.0)
+
+
+def test_too_short_text_is_a_clear_error():
+    with pytest.raises(QinferError, match="at least 2"):
+        windows(1, 512, 256)
