@@ -1,0 +1,124 @@
+"""Generation: ``prefill`` the prompt, then ``decode_step`` one token at a time, sampling as configured."""
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from qinfer.errors import QinferError
+from qinfer.kv_cache import KVCache
+from qinfer.model import Transformer
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k cut
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise QinferError(f"--max-tokens must be at least 1 (got {self.max_tokens})")
+        if self.temperature < 0:
+            raise QinferError(f"--temperature must be >= 0 (got {self.temperature})")
+        if not 0 < self.top_p <= 1:
+            raise QinferError(f"--top-p must be in (0, 1] (got {self.top_p})")
+        if self.top_k < 0:
+            raise QinferError(f"--top-k must be >= 0 (got {self.top_k})")
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        # The first token comes out of prefill; decode speed counts the steps after it.
+        steps = self.generated_tokens - 1
+        return steps / self.decode_seconds if self.decode_seconds and steps > 0 else 0.0
+
+    def summary(self) -> str:
+        return (
+            f"prefill {self.prompt_tokens} tok at {self.prefill_tps:.1f} tok/s, "
+            f"decode {self.generated_tokens} tok at {self.decode_tps:.1f} tok/s"
+        )
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    # logits: [B, V] -> token ids [B]
+    if params.temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / params.temperature
+    if params.top_k:
+        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum - sorted_logits.softmax(dim=-1) >= params.top_p  # keep the smallest prefix reaching top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def prefill(model: Transformer, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    # ids: [B, T] -> last-position logits [B, V]
+    return model(ids, torch.arange(ids.shape[1], device=ids.device), cache, last_only=True)[:, -1]
+
+
+@torch.no_grad()
+def decode_step(model: Transformer, token: torch.Tensor, pos: int, cache: KVCache) -> torch.Tensor:
+    # token: [B] at position pos -> logits [B, V]
+    return model(token[:, None], torch.tensor([pos], device=token.device), cache)[:, -1]
+
+
+def generate(
+    model: Transformer,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    stop_ids: tuple[int, ...] = (),
+    stats: GenerationStats | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> Iterator[int]:
+    """Yield generated token ids one by one (stop ids are not yielded)."""
+    stats = stats if stats is not None else GenerationStats()
+    max_len = len(prompt_ids) + params.max_tokens
+    if not prompt_ids:
+        raise QinferError("the prompt is empty after tokenization")
+    if max_len > model.config.max_position_embeddings:
+        raise QinferError(
+            f"prompt ({len(prompt_ids)} tokens) + --max-tokens ({params.max_tokens}) exceeds the model's context "
+            f"of {model.config.max_position_embeddings} tokens: shorten the prompt or lower --max-tokens"
+        )
+    generator = None
+    if params.seed is not None:
+        generator = torch.Generator(device=model.device).manual_seed(params.seed)
+    cache = KVCache(model.config, 1, max_len, model.dtype, model.device)
+    ids = torch.tensor([prompt_ids], device=model.device)
+    stats.prompt_tokens = len(prompt_ids)
+    t0 = time.perf_counter()
+    token = sample(prefill(model, ids, cache), params, generator)
+    stats.prefill_seconds = time.perf_counter() - t0
+    for pos in range(len(prompt_ids), max_len):
+        tok = int(token[0])
+        if tok in stop_ids:
+            break
+        stats.generated_tokens += 1
+        yield tok
+        if pos == max_len - 1 or should_stop():
+            break
+        t0 = time.perf_counter()
+        token = sample(decode_step(model, token, pos, cache), params, generator)
+        stats.decode_seconds += time.perf_counter() - t0

@@ -1,0 +1,59 @@
+import pytest
+import torch
+
+from qinfer.errors import QinferError
+from qinfer.generate import GenerationStats, SamplingParams, generate, sample
+from qinfer.loader import load_model
+from tests.tiny_models import make_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gemma3")
+    make_model("gemma3", folder)
+    return load_model(folder, dtype=torch.float32)
+
+
+def test_greedy_generation_matches_uncached_argmax(tiny):
+    prompt = [5, 17, 3, 42]
+    got = list(generate(tiny, prompt, SamplingParams(max_tokens=12)))
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(12):
+            ids.append(int(tiny(torch.tensor([ids]))[0, -1].argmax()))
+    assert got == ids[len(prompt):]
+
+
+def test_stop_ids_end_generation(tiny):
+    prompt = [5, 17, 3, 42]
+    free = list(generate(tiny, prompt, SamplingParams(max_tokens=8)))
+    stats = GenerationStats()
+    stopped = list(generate(tiny, prompt, SamplingParams(max_tokens=8), stop_ids=(free[3],), stats=stats))
+    assert stopped == free[: free.index(free[3])]
+    assert stats.generated_tokens == len(stopped) and stats.prompt_tokens == 4
+
+
+def test_seeded_sampling_is_reproducible(tiny):
+    params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=20, seed=7)
+    a = list(generate(tiny, [1, 2, 3], params))
+    assert a == list(generate(tiny, [1, 2, 3], params))
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    logits = torch.randn(4, 100)
+    g = torch.Generator().manual_seed(0)
+    for params in (SamplingParams(temperature=1.5, top_k=1), SamplingParams(temperature=1.5, top_p=1e-6)):
+        assert torch.equal(sample(logits, params, g), logits.argmax(-1))
+
+
+def test_top_k_keeps_only_k_tokens():
+    logits = torch.randn(1, 50)
+    allowed = set(logits[0].topk(5).indices.tolist())
+    g = torch.Generator().manual_seed(0)
+    draws = {int(sample(logits, SamplingParams(temperature=5.0, top_k=5), g)) for _ in range(200)}
+    assert draws <= allowed and len(draws) > 1
+
+
+def test_context_overflow_is_a_clear_error(tiny):
+    with pytest.raises(QinferError, match="context"):
+        list(generate(tiny, [1] * 250, SamplingParams(max_tokens=10)))
