@@ -1,0 +1,416 @@
+"""The qinfer quantized-weight format, version 1. This docstring is the specification.
+
+A quantized checkpoint is a folder of safetensors files plus ``quant_config.json``: the JSON of a
+:class:`QuantScheme` with one extra key, ``"format_version": 1``. A quantized linear is stored under the
+Hugging Face name of its weight minus the ``.weight`` suffix, its prefix ``P`` (``model.layers.0.mlp.up_proj``).
+``W`` is that linear's weight, shape ``[N, K]`` (out features, in features) as in ``torch.nn.Linear``.
+Tensors that are not quantized keep their original names and dtypes. A quantized lm_head follows
+``scheme.lm_head_scheme()``: the same scheme with ``bits = lm_head_bits``.
+
+Integer weights (``format == "int"``)
+-------------------------------------
+``b = bits`` in {2, 3, 4, 8}; ``G = group_size``, or ``G = K`` when ``group_size == -1`` (per channel).
+Requires ``K % G == 0`` and ``K * b % 8 == 0``.
+
+==============  =======  ==============  ======================================================
+tensor          dtype    shape           content
+==============  =======  ==============  ======================================================
+``P.qweight``   uint8    [N, K * b / 8]  codes ``q[n, k]`` in [0, 2^b), bit-packed as below
+``P.scale``     float16  [N, K / G]      ``scale[n, g]``, finite and > 0
+``P.zero``      uint8    [N, K / G]      ``zero[n, g]`` in [0, 2^b); only when not ``symmetric``
+==============  =======  ==============  ======================================================
+
+Dequantization, with ``g(k) = k // G``::
+
+    w[n, k] = (q[n, k] - zero[n, g(k)]) * scale[n, g(k)]
+
+evaluated in float32 (codes and zeros are small integers, the fp16 scale widens exactly), then cast to
+the compute dtype. A symmetric scheme stores no ``P.zero``; its zero is the constant ``2^(b-1)``, so
+``q - zero`` spans [-2^(b-1), 2^(b-1) - 1].
+
+GPTQ with ``act_order`` visits columns by decreasing Hessian diagonal but uses *static groups*: each
+group's scale and zero are fixed from the columns ``[g*G, (g+1)*G)`` in their original order, so
+``g(k) = k // G`` holds for every method and version 1 has no ``g_idx`` tensor.
+
+Bit packing. Each row of ``qweight`` is a little-endian bit stream: code ``q[n, k]`` occupies stream bits
+``[k*b, (k+1)*b)``, its least significant bit first, and stream bit ``i`` is the bit of value
+``2^(i % 8)`` in byte ``i // 8`` of the row. Spelled out per width (``j`` indexes bytes, ``|`` is OR)::
+
+    b = 8:  byte[j] = q[j]
+    b = 4:  byte[j] = q[2j] | q[2j+1] << 4                      (low nibble = even k)
+    b = 2:  byte[j] = q[4j] | q[4j+1] << 2 | q[4j+2] << 4 | q[4j+3] << 6
+    b = 3:  eight codes fill three bytes,
+            byte[3j]   = q[8j]        | q[8j+1] << 3 | (q[8j+2] & 0b11) << 6
+            byte[3j+1] = q[8j+2] >> 2 | q[8j+3] << 1 | q[8j+4] << 4 | (q[8j+5] & 1) << 7
+            byte[3j+2] = q[8j+5] >> 1 | q[8j+6] << 2 | q[8j+7] << 5
+
+FP8 weights (``format == "fp8"``)
+---------------------------------
+==============  =============  ==================  =============================================
+tensor          dtype          shape               content
+==============  =============  ==================  =============================================
+``P.weight``    float8_e4m3fn  [N, K]              ``W / scale``, rounded to nearest, saturated
+``P.scale``     float32        [N, 1] or [1]       ``fp8_granularity`` "channel" or "tensor"
+==============  =============  ==================  =============================================
+
+Dequantization: ``w = weight.float() * scale`` (broadcast). E4M3 "fn" has 1 sign, 4 exponent (bias 7) and
+3 mantissa bits, no infinities, and a largest finite magnitude of 448; qinfer's quantizers clamp to ±448
+before the cast, so a stored weight is never NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qinfer.errors import QinferError
+
+FORMAT_VERSION = 1
+QUANT_CONFIG_FILE = "quant_config.json"
+
+INT_BITS = (2, 3, 4, 8)
+GROUP_SIZES = (32, 64, 128, -1)
+METHODS = ("rtn", "gptq", "awq", "fp8")
+FORMATS = ("int", "fp8")
+KV_CACHE_DTYPES = ("none", "int8", "fp8")
+FP8_GRANULARITIES = ("channel", "tensor")
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
+
+def _choice(field: str, value, allowed: tuple) -> None:
+    # `type(...) is` rather than isinstance/==: True == 1 and "4" != 4 would otherwise slip through JSON.
+    if not any(type(value) is type(a) and value == a for a in allowed):
+        raise QinferError(f"QuantScheme.{field} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """How a model's linears are quantized; saved as ``quant_config.json`` beside the weights.
+
+    ``damp`` is GPTQ's relative damping (a fraction of the mean Hessian diagonal). ``fp8_granularity``
+    applies to ``format == "fp8"``, where ``bits`` must be 8, ``group_size`` -1 and ``symmetric`` True.
+    ``kv_cache`` is the dtype the engine stores the KV cache in; it does not affect weights.
+    """
+
+    method: str = "rtn"
+    bits: int = 4
+    group_size: int = 128
+    symmetric: bool = True
+    act_order: bool = False
+    format: str = "int"
+    kv_cache: str = "none"
+    quantize_lm_head: bool = False
+    lm_head_bits: int = 8
+    damp: float = 0.01
+    fp8_granularity: str = "channel"
+
+    def __post_init__(self):
+        _choice("method", self.method, METHODS)
+        _choice("format", self.format, FORMATS)
+        _choice("kv_cache", self.kv_cache, KV_CACHE_DTYPES)
+        _choice("fp8_granularity", self.fp8_granularity, FP8_GRANULARITIES)
+        _choice("group_size", self.group_size, GROUP_SIZES)
+        for flag in ("symmetric", "act_order", "quantize_lm_head"):
+            _choice(flag, getattr(self, flag), (True, False))
+        if type(self.damp) is int:  # JSON writes 1.0 back as 1
+            object.__setattr__(self, "damp", float(self.damp))
+        if type(self.damp) is not float or not 0.0 < self.damp <= 1.0:
+            raise QinferError(f"QuantScheme.damp must be a float in (0, 1]; got {self.damp!r}")
+        if (self.method == "fp8") != (self.format == "fp8"):
+            raise QinferError(
+                f"QuantScheme: method {self.method!r} with format {self.format!r}; method 'fp8' goes with "
+                "format 'fp8' and the integer methods (rtn, gptq, awq) with format 'int'"
+            )
+        if self.format == "fp8":
+            _choice("bits", self.bits, (8,))
+            _choice("lm_head_bits", self.lm_head_bits, (8,))
+            if self.group_size != -1:
+                raise QinferError("QuantScheme: fp8 has no groups; set group_size=-1 and choose fp8_granularity")
+            if not self.symmetric:
+                raise QinferError("QuantScheme: fp8 is symmetric (no zero point); set symmetric=True")
+        else:
+            _choice("bits", self.bits, INT_BITS)
+            _choice("lm_head_bits", self.lm_head_bits, INT_BITS)
+        if self.act_order and self.method != "gptq":
+            raise QinferError(f"QuantScheme.act_order applies only to method 'gptq', not {self.method!r}")
+
+    @property
+    def maxq(self) -> int:
+        """The largest integer code, ``2^bits - 1``."""
+        return (1 << self.bits) - 1
+
+    def lm_head_scheme(self) -> QuantScheme:
+        """The scheme the lm_head is quantized with when ``quantize_lm_head`` is set."""
+        return dataclasses.replace(self, bits=self.lm_head_bits)
+
+    def to_json(self) -> str:
+        return json.dumps({"format_version": FORMAT_VERSION, **dataclasses.asdict(self)}, indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> QuantScheme:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise QinferError(f"{QUANT_CONFIG_FILE} is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise QinferError(f"{QUANT_CONFIG_FILE} must hold a JSON object, not {type(data).__name__}")
+        version = data.pop("format_version", None)
+        if version != FORMAT_VERSION:
+            raise QinferError(
+                f"{QUANT_CONFIG_FILE} has format_version {version!r}; this qinfer reads version {FORMAT_VERSION}"
+            )
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise QinferError(f"{QUANT_CONFIG_FILE} has unknown keys {unknown}")
+        return cls(**data)
+
+    def save(self, folder: str | Path) -> Path:
+        path = Path(folder) / QUANT_CONFIG_FILE
+        path.write_text(self.to_json())
+        return path
+
+    @classmethod
+    def load(cls, folder: str | Path) -> QuantScheme:
+        path = Path(folder) / QUANT_CONFIG_FILE
+        if not path.is_file():
+            raise QinferError(f"{path} not found: the folder is not a qinfer-quantized checkpoint")
+        return cls.from_json(path.read_text())
+
+
+def group_count(K: int, group_size: int) -> int:
+    """Number of groups along K: ``K // G``, 1 when per channel."""
+    return 1 if group_size == -1 else K // group_size
+
+
+def check_int_shape(shape: tuple[int, ...], bits: int, group_size: int, name: str = "weight") -> None:
+    """Raise a ``QinferError`` naming ``name`` unless a ``[N, K]`` weight fits the integer layout."""
+    if len(shape) != 2:
+        raise QinferError(f"{name}: expected a 2-D weight [N, K], got shape {tuple(shape)}")
+    K = shape[1]
+    if group_size != -1 and K % group_size:
+        raise QinferError(
+            f"{name}: group_size {group_size} does not divide in_features K={K}; use a group size that divides K "
+            "or -1 (per channel)"
+        )
+    if K * bits % 8:
+        raise QinferError(f"{name}: K={K} codes of {bits} bits do not fill whole bytes (need K*bits % 8 == 0)")
+
+
+# ---------------------------------------------------------------------------------------------- bit packing
+
+
+def _check_bits(bits: int) -> None:
+    if type(bits) is not int or not 1 <= bits <= 8:
+        raise QinferError(f"bits must be an integer in 1..8, got {bits!r}")
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack uint8 codes ``[..., K]`` (each < 2^bits) into uint8 ``[..., K*bits/8]`` per the module spec."""
+    _check_bits(bits)
+    if codes.dtype != torch.uint8:
+        raise QinferError(f"pack: codes must be uint8, got {codes.dtype}")
+    *lead, K = codes.shape
+    if K * bits % 8:
+        raise QinferError(f"pack: K={K} codes of {bits} bits do not fill whole bytes")
+    if bits == 8:
+        return codes.clone()
+    if 8 % bits == 0:
+        # Whole codes per byte: OR them in with uint8 shifts (the loop runs over the <= 4 slots of a byte).
+        per = 8 // bits
+        slots = codes.reshape(*lead, K // per, per)
+        out = slots[..., 0].clone()
+        for j in range(1, per):
+            out |= slots[..., j] << (j * bits)
+        return out
+    # Codes straddle bytes: 8 codes make exactly `bits` bytes. Assemble each 8-code word in an integer wide
+    # enough for 8 * bits bits, then split it into bytes. Pad K to a multiple of 8 with zero codes and drop
+    # the padding's bytes, which lie past the end of the stream.
+    wide = torch.int32 if 8 * bits <= 31 else torch.int64
+    pad = -K % 8
+    c = torch.nn.functional.pad(codes, (0, pad)).to(wide).reshape(*lead, (K + pad) // 8, 8)
+    word = c[..., 0].clone()
+    for j in range(1, 8):
+        word |= c[..., j] << (j * bits)
+    out = torch.stack([(word >> (8 * i)) & 0xFF for i in range(bits)], dim=-1)
+    return out.reshape(*lead, (K + pad) * bits // 8)[..., : K * bits // 8].to(torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int, K: int) -> torch.Tensor:
+    """Inverse of :func:`pack`: uint8 ``[..., K*bits/8]`` -> uint8 codes ``[..., K]``."""
+    _check_bits(bits)
+    if packed.dtype != torch.uint8:
+        raise QinferError(f"unpack: packed must be uint8, got {packed.dtype}")
+    *lead, B = packed.shape
+    if K * bits % 8 or B != K * bits // 8:
+        raise QinferError(f"unpack: {B} bytes per row do not hold K={K} codes of {bits} bits")
+    mask = (1 << bits) - 1
+    if bits == 8:
+        return packed.clone()
+    if 8 % bits == 0:
+        slots = [(packed >> (j * bits)) & mask for j in range(8 // bits)]
+        return torch.stack(slots, dim=-1).reshape(*lead, K)
+    wide = torch.int32 if 8 * bits <= 31 else torch.int64
+    pad = -K % 8
+    b = torch.nn.functional.pad(packed, (0, pad * bits // 8)).to(wide).reshape(*lead, (K + pad) // 8, bits)
+    word = b[..., 0].clone()
+    for i in range(1, bits):
+        word |= b[..., i] << (8 * i)
+    codes = torch.stack([(word >> (j * bits)) & mask for j in range(8)], dim=-1)
+    return codes.reshape(*lead, K + pad)[..., :K].to(torch.uint8)
+
+
+# ---------------------------------------------------------------------------------------------- weights
+
+
+def dequantize_codes(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | int, group_size: int
+) -> torch.Tensor:
+    """``(q - zero[g(k)]) * scale[g(k)]`` in float32 for codes ``[N, K]`` and ``scale``/``zero`` ``[N, K/G]``.
+
+    ``zero`` may be an int (the implicit symmetric zero).
+    """
+    K = codes.shape[-1]
+    G = K if group_size == -1 else group_size
+    s = scale.float().repeat_interleave(G, dim=-1)
+    z = zero.float().repeat_interleave(G, dim=-1) if isinstance(zero, torch.Tensor) else float(zero)
+    return (codes.float() - z) * s
+
+
+def _expect(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+        raise QinferError(f"{name}: expected {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
+
+
+def _get(tensors: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+    if key not in tensors:
+        raise QinferError(f"missing tensor {key!r} in the quantized checkpoint")
+    return tensors[key]
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """An integer-quantized ``[N, K]`` weight in the version-1 layout (see the module docstring).
+
+    ``zero`` is ``None`` for symmetric quantization (implicit zero ``2^(bits-1)``).
+    """
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+    bits: int
+    group_size: int
+    shape: tuple[int, int]
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        _choice("bits", self.bits, INT_BITS)
+        _choice("group_size", self.group_size, GROUP_SIZES)
+        check_int_shape(self.shape, self.bits, self.group_size, "QuantizedWeight")
+        N, K = self.shape
+        _expect("qweight", self.qweight, torch.uint8, (N, K * self.bits // 8))
+        _expect("scale", self.scale, torch.float16, (N, group_count(K, self.group_size)))
+        if self.zero is not None:
+            _expect("zero", self.zero, torch.uint8, (N, group_count(K, self.group_size)))
+
+    @property
+    def symmetric(self) -> bool:
+        return self.zero is None
+
+    def codes(self) -> torch.Tensor:
+        """The unpacked codes, uint8 ``[N, K]``."""
+        return unpack(self.qweight, self.bits, self.shape[1])
+
+    def dequantize(self, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+        zero = 1 << (self.bits - 1) if self.zero is None else self.zero
+        return dequantize_codes(self.codes(), self.scale, zero, self.group_size).to(dtype)
+
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        move = None if self.zero is None else self.zero.to(device)
+        return dataclasses.replace(self, qweight=self.qweight.to(device), scale=self.scale.to(device), zero=move)
+
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        out = {f"{prefix}.qweight": self.qweight, f"{prefix}.scale": self.scale}
+        if self.zero is not None:
+            out[f"{prefix}.zero"] = self.zero
+        return out
+
+    @classmethod
+    def from_tensors(cls, prefix: str, tensors: dict[str, torch.Tensor], scheme: QuantScheme) -> QuantizedWeight:
+        """Read ``prefix``'s entries back; pass ``scheme.lm_head_scheme()`` for the lm_head."""
+        if scheme.format != "int":
+            raise QinferError(f"{prefix}: scheme format is {scheme.format!r}, not 'int'")
+        qweight = _get(tensors, f"{prefix}.qweight")
+        if qweight.dim() != 2 or qweight.shape[1] * 8 % scheme.bits:
+            raise QinferError(f"{prefix}.qweight: shape {list(qweight.shape)} does not hold {scheme.bits}-bit codes")
+        zero_key = f"{prefix}.zero"
+        if scheme.symmetric and zero_key in tensors:
+            raise QinferError(f"{zero_key} present but the scheme is symmetric (checkpoint and quant_config disagree)")
+        zero = None if scheme.symmetric else _get(tensors, zero_key)
+        shape = (qweight.shape[0], qweight.shape[1] * 8 // scheme.bits)
+        try:
+            return cls(qweight, _get(tensors, f"{prefix}.scale"), zero, scheme.bits, scheme.group_size, shape)
+        except QinferError as e:
+            raise QinferError(f"{prefix}: {e}") from None
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """An FP8 (E4M3) ``[N, K]`` weight with a float32 per-channel ``[N, 1]`` or per-tensor ``[1]`` scale."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+
+    def __post_init__(self):
+        if self.weight.dtype != torch.float8_e4m3fn or self.weight.dim() != 2:
+            got = f"{self.weight.dtype} {list(self.weight.shape)}"
+            raise QinferError(f"weight: expected float8_e4m3fn [N, K], got {got}")
+        N = self.weight.shape[0]
+        if self.scale.dtype != torch.float32 or tuple(self.scale.shape) not in ((N, 1), (1,)):
+            got = f"{self.scale.dtype} {list(self.scale.shape)}"
+            raise QinferError(f"scale: expected float32 [{N}, 1] or [1], got {got}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)
+
+    @property
+    def granularity(self) -> str:
+        return "tensor" if self.scale.dim() == 1 else "channel"
+
+    def dequantize(self, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+        return (self.weight.float() * self.scale).to(dtype)
+
+    def to(self, device: torch.device | str) -> Fp8Weight:
+        return Fp8Weight(self.weight.to(device), self.scale.to(device))
+
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {f"{prefix}.weight": self.weight, f"{prefix}.scale": self.scale}
+
+    @classmethod
+    def from_tensors(cls, prefix: str, tensors: dict[str, torch.Tensor], scheme: QuantScheme) -> Fp8Weight:
+        if scheme.format != "fp8":
+            raise QinferError(f"{prefix}: scheme format is {scheme.format!r}, not 'fp8'")
+        try:
+            w = cls(_get(tensors, f"{prefix}.weight"), _get(tensors, f"{prefix}.scale"))
+        except QinferError as e:
+            raise QinferError(f"{prefix}: {e}") from None
+        if w.granularity != scheme.fp8_granularity:
+            raise QinferError(
+                f"{prefix}.scale: shape {list(w.scale.shape)} is per-{w.granularity}, "
+                f"but quant_config says fp8_granularity {scheme.fp8_granularity!r}"
+            )
+        return w
+
+
+def effective_bits(scheme: QuantScheme, shape: tuple[int, int]) -> float:
+    """Stored bits per weight of an ``[N, K]`` linear under ``scheme``, scales and zeros included."""
+    N, K = shape
+    if scheme.format == "fp8":
+        scales = N if scheme.fp8_granularity == "channel" else 1
+        return 8.0 + 32.0 * scales / (N * K)
+    per_group = 16 + (0 if scheme.symmetric else 8)  # fp16 scale (+ uint8 zero)
+    return scheme.bits + per_group * group_count(K, scheme.group_size) / K

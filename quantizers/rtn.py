@@ -1,0 +1,94 @@
+"""Round-to-nearest (RTN) integer quantization, and the grid helpers GPTQ and AWQ share.
+
+Grid of one group (``maxq = 2^b - 1``; the group's values are ``x``):
+
+- asymmetric: the range ``[min(x, 0), max(x, 0)]`` (it always contains 0, so the zero point is a valid
+  code) is split into ``maxq`` steps: ``scale = (hi - lo) / maxq``, ``zero = round(-lo / scale)``.
+- symmetric: ``scale = 2 * absmax / maxq`` with the fixed zero ``2^(b-1)``, the GPTQ convention. The grid
+  ``[-2^(b-1), 2^(b-1) - 1] * scale`` reaches ``absmax`` to within half a step at both ends, so no code is
+  wasted on the side that ``absmax / (2^(b-1) - 1)`` scaling would leave unused.
+
+The scale is stored in float16 and rounded *up* to the next float16 when the cast would shrink it, and
+codes are always computed against the stored scale. Then the grid still covers the group's range and every
+weight reconstructs to within half a step: ``|w - w_hat| <= scale / 2`` (up to float32 rounding of the
+division). A group whose range is 0 (all zeros) gets ``scale = 1``: any scale reproduces 0 exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qinfer.errors import QinferError
+from qinfer.format import QuantizedWeight, QuantScheme, check_int_shape, pack
+
+FP16_MAX = torch.finfo(torch.float16).max
+
+
+def _groups(W: torch.Tensor, group_size: int) -> torch.Tensor:
+    N, K = W.shape
+    G = K if group_size == -1 else group_size
+    return W.reshape(N, K // G, G)
+
+
+def _fp16_scale_up(scale: torch.Tensor, name: str) -> torch.Tensor:
+    if not bool((scale <= FP16_MAX).all()):
+        raise QinferError(f"{name}: weights too large for a float16 scale (max scale {scale.max().item():.3g})")
+    s16 = scale.half()
+    short = s16.float() < scale
+    return torch.where(short, torch.nextafter(s16, torch.full_like(s16, float("inf"))), s16)
+
+
+def rtn_params(
+    W: torch.Tensor, bits: int, group_size: int, symmetric: bool, *, name: str = "weight"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group ``(scale float16 [N, K/G], zero uint8 [N, K/G])`` for ``W [N, K]`` (see the module docstring).
+
+    For symmetric grids ``zero`` is filled with the implicit ``2^(bits-1)``, so callers treat both cases alike.
+    """
+    maxq = (1 << bits) - 1
+    x = _groups(W.float(), group_size)
+    if symmetric:
+        scale = 2.0 * x.abs().amax(dim=-1) / maxq
+    else:
+        lo = x.amin(dim=-1).clamp(max=0.0)
+        hi = x.amax(dim=-1).clamp(min=0.0)
+        scale = (hi - lo) / maxq
+    scale = _fp16_scale_up(torch.where(scale == 0, torch.ones_like(scale), scale), name)
+    if symmetric:
+        zero = torch.full_like(scale, 1 << (bits - 1), dtype=torch.uint8)
+    else:
+        zero = torch.round(-lo / scale.float()).clamp(0, maxq).to(torch.uint8)
+    return scale, zero
+
+
+def quantize_codes(
+    W: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group_size: int
+) -> torch.Tensor:
+    """Codes ``clamp(round(W / scale + zero), 0, 2^bits - 1)`` as uint8 ``[N, K]``, scale/zero ``[N, K/G]``."""
+    maxq = (1 << bits) - 1
+    x = _groups(W.float(), group_size)
+    q = torch.round(x / scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)).clamp(0, maxq)
+    return q.to(torch.uint8).reshape(W.shape)
+
+
+def check_finite(t: torch.Tensor, what: str) -> None:
+    if not bool(torch.isfinite(t).all()):
+        raise QinferError(f"{what} contains NaN or Inf")
+
+
+def rtn_quantize(W: torch.Tensor, scheme: QuantScheme, *, name: str = "weight") -> QuantizedWeight:
+    """Round-to-nearest quantization of ``W [N, K]`` under an integer ``scheme``; ``name`` labels errors."""
+    if scheme.format != "int":
+        raise QinferError(f"{name}: rtn_quantize needs an integer scheme, got format {scheme.format!r}")
+    check_int_shape(tuple(W.shape), scheme.bits, scheme.group_size, name)
+    check_finite(W, f"{name}: weight")
+    scale, zero = rtn_params(W, scheme.bits, scheme.group_size, scheme.symmetric, name=name)
+    codes = quantize_codes(W, scale, zero, scheme.bits, scheme.group_size)
+    return QuantizedWeight(
+        qweight=pack(codes, scheme.bits),
+        scale=scale,
+        zero=None if scheme.symmetric else zero,
+        bits=scheme.bits,
+        group_size=scheme.group_size,
+        shape=tuple(W.shape),
+    )

@@ -1,0 +1,118 @@
+"""RTN is judged by the round-to-nearest bound |w - w_hat| <= scale / 2 and by SNR ordering."""
+
+import pytest
+import torch
+
+from qinfer.errors import QinferError
+from qinfer.format import QuantScheme, dequantize_codes
+from qinfer.quantizers.rtn import quantize_codes, rtn_params, rtn_quantize
+
+
+def _weight(N=32, K=256, seed=0):
+    # Rows of very different magnitude plus a few outliers, like a real projection.
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(N, K, generator=g) * torch.logspace(-2, 1, N)[:, None]
+    W[torch.randint(0, N, (8,), generator=g), torch.randint(0, K, (8,), generator=g)] *= 20
+    return W
+
+
+def _snr_db(W, W_hat):
+    return 10 * torch.log10(W.pow(2).sum() / (W - W_hat).pow(2).sum()).item()
+
+
+def _rtn(W, **scheme):
+    return rtn_quantize(W, QuantScheme(**scheme)).dequantize(torch.float32)
+
+
+def _per_element_scale(qw):
+    K = qw.shape[1]
+    G = K if qw.group_size == -1 else qw.group_size
+    return qw.scale.float().repeat_interleave(G, dim=1)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("group_size", [32, 128, -1])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_error_within_half_a_step(bits, group_size, symmetric):
+    W = _weight()
+    qw = rtn_quantize(W, QuantScheme(bits=bits, group_size=group_size, symmetric=symmetric))
+    err = (W - qw.dequantize(torch.float32)).abs()
+    half_step = _per_element_scale(qw) / 2
+    # The stored fp16 scale is rounded up, so the bound holds up to float32 rounding of w / scale.
+    assert bool((err <= half_step * (1 + 1e-5)).all()), (err / half_step).max()
+    assert bool((qw.scale > 0).all()) and bool(torch.isfinite(qw.scale).all())
+    if not symmetric:
+        assert int(qw.zero.max()) <= (1 << bits) - 1
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_tiny_weights_keep_the_bound(symmetric):
+    # Scales below the fp16 normal range (6e-5) become subnormal; rounding them up keeps them non-zero.
+    W = _weight() * 1e-7
+    qw = rtn_quantize(W, QuantScheme(bits=4, group_size=32, symmetric=symmetric))
+    assert bool((qw.scale > 0).all())
+    err = (W - qw.dequantize(torch.float32)).abs()
+    assert bool((err <= _per_element_scale(qw) / 2 * (1 + 1e-5)).all())
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_all_zero_groups(symmetric):
+    W = _weight(N=4, K=128)
+    W[1, 32:64] = 0.0
+    W[3] = 0.0
+    qw = rtn_quantize(W, QuantScheme(bits=4, group_size=32, symmetric=symmetric))
+    W_hat = qw.dequantize(torch.float32)
+    assert bool(torch.isfinite(W_hat).all())
+    assert bool((W_hat[1, 32:64] == 0).all()) and bool((W_hat[3] == 0).all())
+    assert bool((qw.scale[3] == 1).all())  # the documented choice for an empty range
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("group_size", [32, 128, -1])
+def test_snr_grows_with_bits(symmetric, group_size):
+    W = _weight()
+    bits = (2, 3, 4, 8)
+    snr = {b: _snr_db(W, _rtn(W, bits=b, group_size=group_size, symmetric=symmetric)) for b in bits}
+    # Every extra bit helps by at least 3 dB (observed 3.4-6.9 dB between 2, 3 and 4 bits, where the
+    # clipping of outliers still matters) ...
+    for lo, hi in zip(bits, bits[1:]):
+        assert snr[hi] - snr[lo] >= 3.0 * (hi - lo), snr
+    # ... and at high resolution each bit halves the step: ~6.02 dB per bit (observed 6.0-6.2 from 4 to 8).
+    assert snr[8] - snr[4] >= 4 * 5.5, snr
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_smaller_groups_are_more_accurate(symmetric):
+    W = _weight()
+    snr = [_snr_db(W, _rtn(W, bits=4, group_size=g, symmetric=symmetric)) for g in (32, 128, -1)]
+    assert snr[0] > snr[1] > snr[2], snr
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_quantize_codes_inverts_dequantize_on_grid_points(symmetric):
+    # The helper GPTQ and AWQ reuse: a weight that lies on the grid comes back as its own code.
+    bits, G = 3, 32
+    W = _weight(N=8, K=128)
+    scale, zero = rtn_params(W, bits, G, symmetric)
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 1 << bits, (8, 128), dtype=torch.uint8, generator=g)
+    on_grid = dequantize_codes(codes, scale, zero, G)
+    assert torch.equal(quantize_codes(on_grid, scale, zero, bits, G), codes)
+    if symmetric:
+        assert bool((zero == 1 << (bits - 1)).all())
+
+
+def test_errors_name_the_layer():
+    W = torch.randn(8, 96)
+    name = "model.layers.3.mlp.down_proj"
+    with pytest.raises(QinferError, match=f"{name}: group_size 64 does not divide in_features K=96"):
+        rtn_quantize(W, QuantScheme(group_size=64), name=name)
+    with pytest.raises(QinferError, match="lm_head: K=6 codes of 3 bits"):
+        rtn_quantize(torch.randn(4, 6), QuantScheme(bits=3, group_size=-1), name="lm_head")
+    W[0, 0] = float("nan")
+    with pytest.raises(QinferError, match="q_proj: weight contains NaN or Inf"):
+        rtn_quantize(W, QuantScheme(group_size=32), name="q_proj")
+    with pytest.raises(QinferError, match="too large for a float16 scale"):
+        rtn_quantize(torch.full((2, 32), 1e6), QuantScheme(group_size=32))
+    with pytest.raises(QinferError, match="integer scheme"):
+        rtn_quantize(torch.randn(2, 32), QuantScheme(method="fp8", format="fp8", bits=8, group_size=-1))
