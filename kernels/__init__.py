@@ -1,7 +1,12 @@
 """Kernels: the entry points the model calls, each dispatching to a Triton kernel on CUDA, a CPU fast path
 on CPU, or the pure-torch reference. Nothing here knows about models."""
 
+from qinfer.format import Fp8Weight, QuantizedWeight
 from qinfer.kernels.attention import attention
-from qinfer.kernels.linear import linear
+from qinfer.kernels.linear import linear, register
+from qinfer.kernels.quant_linear import dequant_linear_ref
+
+register(QuantizedWeight, dequant_linear_ref)
+register(Fp8Weight, dequant_linear_ref)
 
 __all__ = ["attention", "linear"]

@@ -13,7 +13,8 @@ import torch
 
 from qinfer.arch import ModelConfig
 from qinfer.errors import QinferError
-from qinfer.model import Transformer
+from qinfer.format import QUANT_CONFIG_FILE, Fp8Weight, QuantizedWeight, QuantScheme
+from qinfer.model import QLinear, Transformer
 
 _DTYPES = {
     "F64": torch.float64,
@@ -82,9 +83,11 @@ def load_model(folder: Path, dtype: torch.dtype = torch.bfloat16, device: str = 
     tensors = read_folder_tensors(folder)
     with torch.device("meta"):
         model = Transformer(config)
-    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    packed = _take_packed(folder, model, tensors, device)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items() if name not in packed}
     expected = set(shapes)
-    if config.tie_word_embeddings or "lm_head.weight" not in tensors:
+    tied = "lm_head.weight" not in packed and (config.tie_word_embeddings or "lm_head.weight" not in tensors)
+    if tied:
         if "model.embed_tokens.weight" in tensors:
             tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     tensors = {name: t for name, t in tensors.items() if not name.endswith("rotary_emb.inv_freq")}
@@ -97,7 +100,44 @@ def load_model(folder: Path, dtype: torch.dtype = torch.bfloat16, device: str = 
         if tuple(t.shape) != shapes[name]:
             raise QinferError(f"{folder}: {name} has shape {tuple(t.shape)}, config.json implies {shapes[name]}")
         state[name] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
-    model.load_state_dict(state, assign=True, strict=True)
-    if config.tie_word_embeddings:
+    model.load_state_dict(state, assign=True, strict=False)
+    for name, weight in packed.items():
+        module: QLinear = model.get_submodule(name.removesuffix(".weight"))
+        del module._parameters["weight"]
+        module.weight = weight
+    if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
+
+
+def _take_packed(folder: Path, model: Transformer, tensors: dict, device: str) -> dict:
+    """Pop the packed linears of a qinfer-quantized folder out of ``tensors``: {"<prefix>.weight": packed}.
+
+    Also pops the KV-cache scales into ``model.kv_scales`` ({layer: (k_scale, v_scale)}).
+    """
+    model.kv_scales = {}
+    if not (folder / QUANT_CONFIG_FILE).exists():
+        return {}
+    scheme = QuantScheme.load(folder)
+    packed = {}
+    for prefix, module in model.named_modules():
+        if not isinstance(module, QLinear):
+            continue
+        s = scheme.lm_head_scheme() if prefix == "lm_head" else scheme
+        if f"{prefix}.qweight" in tensors:
+            w = QuantizedWeight.from_tensors(prefix, tensors, s)
+        elif f"{prefix}.scale" in tensors and tensors.get(f"{prefix}.weight", torch.empty(0)).dtype == torch.float8_e4m3fn:
+            w = Fp8Weight.from_tensors(prefix, tensors, s)
+        else:
+            continue
+        if tuple(w.shape) != (module.out_features, module.in_features):
+            raise QinferError(f"{folder}: {prefix} is packed as {tuple(w.shape)}, config.json implies "
+                              f"{(module.out_features, module.in_features)}")
+        for key in w.tensors(prefix):
+            tensors.pop(key)
+        packed[f"{prefix}.weight"] = w.to(device)
+    for i in range(model.config.num_layers):
+        k, v = (tensors.pop(f"model.layers.{i}.self_attn.{n}_scale", None) for n in "kv")
+        if k is not None and v is not None:
+            model.kv_scales[i] = (k.to(device), v.to(device))
+    return packed

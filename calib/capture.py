@@ -1,0 +1,126 @@
+"""Block-by-block activation capture for calibration.
+
+The calibration batch enters as embeddings; each decoder block is run on its own, with hooks on its
+linears that accumulate what the quantizers need. Only one block's activations are alive at a time:
+``X`` [S, L, C] (S samples of L tokens) goes in, the block's output comes out and replaces it.
+
+Per linear input (linears that share an input, like q/k/v, share one record):
+- the Hessian proxy ``H = sum_t x_t x_t^T`` [K, K] in fp32 (GPTQ),
+- the mean absolute activation per input channel [K] (AWQ's salience),
+- a fixed random subsample of input rows [T_sub, K] (AWQ's scale and clip search).
+Per attention layer: the absolute maximum of the keys (after norm and RoPE, as the cache stores them) and
+values per KV head, for KV-cache quantization scales.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from qinfer.model import Block, QLinear, Transformer
+
+
+@dataclass
+class LinearStats:
+    H: torch.Tensor  # [K, K] fp32, sum of x x^T
+    abs_sum: torch.Tensor  # [K] fp32, sum of |x|
+    n: int = 0  # rows seen
+    sample: list[torch.Tensor] = field(default_factory=list)  # kept input rows, fp32
+
+    @property
+    def abs_mean(self) -> torch.Tensor:
+        return self.abs_sum / max(self.n, 1)
+
+    def inputs(self) -> torch.Tensor:
+        return torch.cat(self.sample) if self.sample else torch.empty(0, self.H.shape[0])
+
+
+@dataclass
+class BlockStats:
+    linears: dict[str, LinearStats]
+    k_absmax: torch.Tensor  # [Hkv]
+    v_absmax: torch.Tensor  # [Hkv]
+
+
+class _StatsCache:
+    """Stands in for the KV cache during calibration: records per-head absmax, stores nothing."""
+
+    def __init__(self, n_kv_heads: int):
+        self.k_absmax = torch.zeros(n_kv_heads)
+        self.v_absmax = torch.zeros(n_kv_heads)
+
+    def update(self, layer, input_pos, k, v):
+        # k, v: [B, Hkv, T, D]
+        self.k_absmax = torch.maximum(self.k_absmax, k.detach().abs().amax(dim=(0, 2, 3)).float().cpu())
+        self.v_absmax = torch.maximum(self.v_absmax, v.detach().abs().amax(dim=(0, 2, 3)).float().cpu())
+        return k, v
+
+
+def embed_samples(model: Transformer, samples: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Block 0's input for the calibration batch: ``samples`` [S, L] token ids -> [S, L, C]."""
+    with torch.no_grad():
+        return torch.cat([model.embed(s[None].to(model.device)) for s in samples]).to(dtype)
+
+
+@torch.no_grad()
+def run_block(model: Transformer, layer_idx: int, X: torch.Tensor, batch: int = 8, cache=None) -> torch.Tensor:
+    """The block's output for every sample: X [S, L, C] -> [S, L, C], computed in X's dtype (the block's
+    weights must be in that dtype too: calibration runs one block in fp32 inside a bf16 model)."""
+    block: Block = model.model.layers[layer_idx]
+    L = X.shape[1]
+    pos = torch.arange(L, device=model.device)
+    mask = model.masks(pos, L if cache is not None else 0)[model.config.sliding_window[layer_idx]]
+    out = torch.empty_like(X)
+    for i in range(0, X.shape[0], batch):
+        x = X[i : i + batch].to(model.device)
+        cos, sin = model.rope(layer_idx, pos, x.dtype)
+        out[i : i + batch] = block(x, cos, sin, mask, cache, pos)
+    return out
+
+
+@torch.no_grad()
+def capture_block(
+    model: Transformer, layer_idx: int, X: torch.Tensor, groups: tuple[tuple[str, ...], ...], keep_rows: int = 0,
+    seed: int = 0,
+) -> BlockStats:
+    """Run block ``layer_idx`` on X [S, L, C] and collect statistics for its linears.
+
+    ``groups`` lists linears that read the same input; each group is hooked once and its members share
+    one ``LinearStats``. ``keep_rows`` input rows are kept (a seeded random subset of the S*L rows) for
+    searches that need real activations (AWQ).
+    """
+    block = model.model.layers[layer_idx]
+    modules: dict[str, QLinear] = {group[0]: block.get_submodule(group[0]) for group in groups}
+    stats = {
+        name: LinearStats(H=torch.zeros(m.in_features, m.in_features), abs_sum=torch.zeros(m.in_features))
+        for name, m in modules.items()
+    }
+    total_rows = X.shape[0] * X.shape[1]
+    gen = torch.Generator().manual_seed(seed)
+    keep = torch.zeros(total_rows, dtype=torch.bool)
+    keep[torch.randperm(total_rows, generator=gen)[: min(keep_rows, total_rows)]] = True
+    seen = {"rows": 0}  # rows of the current batch start at this flat index (shared by all hooks)
+
+    def hook(name):
+        def fn(module, inputs, output):
+            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float().cpu()  # [rows, K]
+            s = stats[name]
+            s.H.addmm_(x.T, x)
+            s.abs_sum += x.abs().sum(0)
+            s.n += x.shape[0]
+            if keep_rows:
+                s.sample.append(x[keep[seen["rows"] : seen["rows"] + x.shape[0]]])
+
+        return fn
+
+    handles = [m.register_forward_hook(hook(name)) for name, m in modules.items()]
+    cache = _StatsCache(model.config.num_kv_heads)
+    try:
+        batch = 8
+        for i in range(0, X.shape[0], batch):
+            run_block(model, layer_idx, X[i : i + batch], batch=batch, cache=cache)
+            seen["rows"] += X[i : i + batch].shape[0] * X.shape[1]
+    finally:
+        for h in handles:
+            h.remove()
+    shared = {name: stats[group[0]] for group in groups for name in group}
+    return BlockStats(linears=shared, k_absmax=cache.k_absmax, v_absmax=cache.v_absmax)

@@ -1,0 +1,79 @@
+"""A terminal chat: the conversation is re-rendered through the model's chat template every turn.
+
+Ctrl-C while the model is answering stops that answer (the partial answer stays in the history);
+Ctrl-C at the prompt clears the line; ``/reset`` forgets the conversation; ``/exit`` or EOF quits.
+"""
+
+import sys
+from collections.abc import Iterator
+
+from qinfer.errors import QinferError
+from qinfer.generate import GenerationStats, SamplingParams, generate
+from qinfer.model import Transformer
+from qinfer.tokenizer import StreamDecoder, Tokenizer
+
+
+class ChatSession:
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, params: SamplingParams, system: str | None = None):
+        if not tokenizer.chat_template:
+            raise QinferError("this model has no chat template (a base model?): use `qinfer generate` instead")
+        self.model, self.tokenizer, self.params, self.system = model, tokenizer, params, system
+        self.messages: list[dict] = []
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def reply(self, text: str, stats: GenerationStats | None = None) -> Iterator[str]:
+        """Stream the assistant's answer to ``text`` as text pieces; the answer joins the history."""
+        self.messages.append({"role": "user", "content": text})
+        prompt = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)
+        ids = self.tokenizer.encode(prompt, add_bos=False)  # templates write their own BOS where they want one
+        stream = StreamDecoder(self.tokenizer)
+        answer = []
+        try:
+            for token in generate(self.model, ids, self.params, stop_ids=self.tokenizer.eos_ids, stats=stats):
+                piece = stream.feed(token)
+                answer.append(piece)
+                yield piece
+            answer.append(stream.flush())
+            yield answer[-1]
+        finally:  # also on Ctrl-C: keep what was said so far
+            self.messages.append({"role": "assistant", "content": "".join(answer)})
+
+
+def repl(session: ChatSession, stdin=None, stdout=None) -> None:
+    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
+    interactive = stdin.isatty()
+    if interactive:
+        stdout.write("qinfer chat: /reset clears the conversation, /exit or Ctrl-D quits, Ctrl-C stops a reply\n")
+    while True:
+        try:
+            if interactive:
+                stdout.write(">>> ")
+                stdout.flush()
+            line = stdin.readline()
+        except KeyboardInterrupt:
+            stdout.write("\n")
+            continue
+        if not line:  # EOF
+            if interactive:
+                stdout.write("\n")
+            return
+        text = line.strip()
+        if not text:
+            continue
+        if text == "/exit":
+            return
+        if text == "/reset":
+            session.reset()
+            stdout.write("(conversation cleared)\n")
+            continue
+        try:
+            for piece in session.reply(text):
+                stdout.write(piece)
+                stdout.flush()
+        except KeyboardInterrupt:
+            stdout.write(" [stopped]")
+        stdout.write("\n")
+        stdout.flush()

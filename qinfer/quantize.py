@@ -1,0 +1,203 @@
+"""The quantize pipeline: walk the model block by block, calibrate, quantize, write the qinfer format.
+
+True sequential: block i is calibrated on the outputs of the already-quantized blocks 0..i-1, so each
+block's quantizer sees (and can compensate) the error that reaches it. Memory stays bounded by the
+bf16 model (memory-mapped) plus one block in fp32 plus one block's activations [S, L, C].
+"""
+
+import json
+import resource
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from qinfer.cache import atomic_dir
+from qinfer.calib.capture import capture_block, embed_samples, run_block
+from qinfer.calib.sampling import sample_windows
+from qinfer.calib.sources import load_calibration_documents
+from qinfer.errors import QinferError
+from qinfer.format import Fp8Weight, QuantizedWeight, QuantScheme
+from qinfer.loader import load_model
+from qinfer.model import QLinear, Transformer
+from qinfer.quantizers.fp8 import fp8_kv_scale, fp8_quantize, int8_kv_scale
+from qinfer.quantizers.gptq import gptq_quantize_ex
+from qinfer.quantizers.rtn import rtn_quantize
+from qinfer.tokenizer import Tokenizer
+
+# Files copied unchanged from the source folder so the output is a complete model folder.
+COPIED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+AWQ_ROWS = 4096  # calibration rows kept per linear for AWQ's searches
+
+
+@dataclass(frozen=True)
+class CalibConfig:
+    source: str = "austen"
+    samples: int = 128
+    seq_len: int = 512
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.samples < 1 or self.seq_len < 2:
+            raise QinferError(f"--samples must be >= 1 and --seq-len >= 2 (got {self.samples}, {self.seq_len})")
+
+
+@dataclass
+class QuantizeReport:
+    out: Path
+    bytes_before: int
+    bytes_after: int
+    quantized_params: int
+    quantized_bits: int  # storage of the quantized linears, scales and zeros included
+    seconds: float
+    peak_rss_bytes: int
+    layer_errors: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def effective_bits(self) -> float:
+        return self.quantized_bits / max(self.quantized_params, 1)
+
+    def summary(self) -> str:
+        mib = 1 << 20
+        return (
+            f"wrote {self.out}\n"
+            f"size {self.bytes_before / mib:.1f} MiB -> {self.bytes_after / mib:.1f} MiB; "
+            f"{self.effective_bits:.3f} bits per quantized weight (scales included); "
+            f"{self.seconds:.0f} s; peak RSS {self.peak_rss_bytes / mib:.0f} MiB"
+        )
+
+
+def calibration_batch(folder: Path, calib: CalibConfig) -> torch.Tensor:
+    """[samples, seq_len] token ids: BOS (when the model has one) + seq_len - 1 tokens of calibration text."""
+    tok = Tokenizer.from_folder(folder)
+    docs = load_calibration_documents(calib.source)
+    bos = [] if tok.bos_id is None else [tok.bos_id]
+    body = sample_windows(docs, lambda t: tok.encode(t, add_bos=False), calib.samples, calib.seq_len - len(bos), calib.seed)
+    return torch.cat([torch.tensor([bos] * calib.samples, dtype=torch.long).reshape(calib.samples, -1), body], dim=1)
+
+
+def quantize_model(folder: Path, out: Path, scheme: QuantScheme, calib: CalibConfig, force: bool = False) -> QuantizeReport:
+    folder, out = Path(folder), Path(out)
+    if out.exists() and not force:
+        raise QinferError(f"{out} already exists: choose another -o or pass --force to replace it")
+    if (folder / "quant_config.json").exists():
+        raise QinferError(f"{folder} is already quantized: quantize the original model instead")
+    start = time.perf_counter()
+    model = load_model(folder, dtype=torch.bfloat16)
+    needs_calib = scheme.method in ("gptq", "awq") or scheme.kv_cache != "none"
+    X = embed_samples(model, calibration_batch(folder, calib), torch.float32) if needs_calib else None
+    tensors: dict[str, torch.Tensor] = {}
+    report = QuantizeReport(out, _folder_bytes(folder), 0, 0, 0, 0.0, 0)
+    names = model.config.arch.linear_names
+    groups = tuple(g.linears for g in model.config.arch.linear_groups)
+    for i in tqdm(range(model.config.num_layers), desc=f"quantizing ({scheme.method})", unit="block"):
+        block = model.model.layers[i].float()
+        stats = None
+        if X is not None:
+            keep = AWQ_ROWS if scheme.method == "awq" else 0
+            stats = capture_block(model, i, X, groups, keep_rows=keep, seed=calib.seed)
+        if scheme.method == "awq":
+            from qinfer.awq_pipeline import apply_awq
+
+            apply_awq(model, i, stats, scheme)
+        for name in names:
+            module: QLinear = block.get_submodule(name)
+            prefix = f"model.layers.{i}.{name}"
+            H = stats.linears[name].H if stats is not None else None
+            qw, err = _quantize_linear(module.weight.data, H, scheme, prefix)
+            report.layer_errors[prefix] = err
+            _account(report, tensors, qw, prefix, module.weight.numel())
+            module.weight.data = qw.dequantize(torch.float32)  # the next blocks see the quantized block
+        if stats is not None and scheme.kv_cache != "none":
+            to_scale = int8_kv_scale if scheme.kv_cache == "int8" else fp8_kv_scale
+            tensors[f"model.layers.{i}.self_attn.k_scale"] = to_scale(stats.k_absmax).float()
+            tensors[f"model.layers.{i}.self_attn.v_scale"] = to_scale(stats.v_absmax).float()
+        if X is not None:
+            X = run_block(model, i, X)
+        for name, t in block.state_dict().items():  # norms (maybe AWQ-rescaled) go back in the model dtype
+            if not any(name.startswith(n + ".") for n in names):
+                tensors[f"model.layers.{i}.{name}"] = t.to(torch.bfloat16).contiguous()
+        model.model.layers[i] = block.to(torch.bfloat16)  # release the fp32 copy
+        del block
+    tensors["model.embed_tokens.weight"] = model.model.embed_tokens.weight.contiguous()
+    tensors["model.norm.weight"] = model.model.norm.weight.contiguous()
+    _lm_head(model, X, scheme, tensors, report)
+    del X
+    with atomic_dir(out, force=force) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "qinfer_format": "1"})
+        for name in COPIED_FILES:
+            if (folder / name).exists():
+                shutil.copy2(folder / name, tmp / name)
+        scheme.save(tmp)
+        report.bytes_after = _folder_bytes(tmp)
+    report.seconds = time.perf_counter() - start
+    report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    (out / "quantize_report.json").write_text(json.dumps(_report_json(report, scheme, calib), indent=2))
+    return report
+
+
+def _quantize_linear(W: torch.Tensor, H: torch.Tensor | None, scheme: QuantScheme, name: str):
+    """(packed weight, output error proxy) for one linear."""
+    if scheme.format == "fp8":
+        qw = fp8_quantize(W, scheme, name=name)
+    elif scheme.method == "gptq":
+        result = gptq_quantize_ex(W, H, scheme, name=name)
+        return result.weight, result.error
+    else:
+        qw = rtn_quantize(W, scheme, name=name)
+    err = float(((qw.dequantize(torch.float32) - W.float()) ** 2).sum()) if H is None else float(
+        torch.einsum("nk,kl,nl->", d := qw.dequantize(torch.float32) - W.float(), H, d)
+    )
+    return qw, err
+
+
+def _account(report: QuantizeReport, tensors: dict, qw, prefix: str, n_weights: int) -> None:
+    packed = qw.tensors(prefix)
+    tensors.update(packed)
+    report.quantized_params += n_weights
+    report.quantized_bits += sum(t.numel() * t.element_size() * 8 for t in packed.values())
+
+
+def _lm_head(model: Transformer, X: torch.Tensor | None, scheme: QuantScheme, tensors: dict, report) -> None:
+    W = model.lm_head.weight.data
+    if not scheme.quantize_lm_head:
+        if not model.config.tie_word_embeddings:
+            tensors["lm_head.weight"] = W.contiguous()
+        return
+    head_scheme = scheme.lm_head_scheme()
+    H = None
+    if X is not None and head_scheme.method == "gptq":
+        h = model.model.norm(X.to(torch.bfloat16)).float().reshape(-1, X.shape[-1])
+        H = h.T @ h
+    qw, err = _quantize_linear(W.float(), H, head_scheme, "lm_head")
+    report.layer_errors["lm_head"] = err
+    _account(report, tensors, qw, "lm_head", W.numel())
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
+
+
+def _report_json(report: QuantizeReport, scheme: QuantScheme, calib: CalibConfig) -> dict:
+    return {
+        "scheme": json.loads(scheme.to_json()),
+        "calibration": calib.__dict__,
+        "bytes_before": report.bytes_before,
+        "bytes_after": report.bytes_after,
+        "effective_bits": report.effective_bits,
+        "seconds": report.seconds,
+        "peak_rss_bytes": report.peak_rss_bytes,
+        "layer_errors": report.layer_errors,
+    }

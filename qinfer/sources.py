@@ -1,0 +1,51 @@
+"""Turn a MODEL argument into a local Hugging Face-style folder.
+
+Accepted: a built-in name (pulled on first use), a folder with config.json + *.safetensors (a user's HF
+checkpoint or a qinfer-quantized one), or a .gguf file (converted once into the cache, keyed by content).
+"""
+
+import hashlib
+from pathlib import Path
+
+from qinfer.cache import atomic_dir, cache_dir
+from qinfer.errors import QinferError
+from qinfer.registry import BUILTINS, pull
+
+
+def resolve_model(spec: str) -> Path:
+    if spec in BUILTINS:
+        return pull(spec)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise QinferError(f"{path} is not a model folder: it has no config.json")
+        if not any(path.glob("*.safetensors")):
+            raise QinferError(f"{path} has no *.safetensors weights: qinfer reads safetensors checkpoints only")
+        return path
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return _converted_gguf(path)
+        raise QinferError(f"{path} is neither a model folder nor a .gguf file")
+    if "/" in spec or spec.endswith(".gguf") or spec.startswith("."):
+        raise QinferError(f"{spec}: no such file or folder")
+    raise QinferError(
+        f"unknown model {spec!r}: not a built-in ({', '.join(BUILTINS)}), a model folder, or a .gguf file"
+    )
+
+
+def _converted_gguf(path: Path) -> Path:
+    # Key the conversion by size + a hash of the head and tail: cheap, and a changed file gets a new folder.
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        h.update(f.read())
+    target = cache_dir() / "converted" / f"{path.stem}-{h.hexdigest()[:16]}"
+    if (target / "config.json").exists():
+        return target
+    from qinfer.gguf_convert import convert_gguf
+
+    with atomic_dir(target, force=True) as tmp:
+        convert_gguf(path, tmp)
+    return target

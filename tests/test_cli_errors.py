@@ -1,0 +1,65 @@
+"""Bad input gets one clear line and a non-zero exit, never a traceback (run as a user would)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.tiny_models import make_model
+
+
+def run_qinfer(*args, env=None, timeout=300):
+    env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "qinfer", *args], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def assert_one_line_error(proc, *needles):
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("Error:")]
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_missing_path():
+    assert_one_line_error(run_qinfer("generate", "./no/such/model", "hi"), "no such file or folder")
+
+
+def test_unknown_builtin():
+    assert_one_line_error(run_qinfer("generate", "gemma9-1t", "hi"), "unknown model 'gemma9-1t'", "gemma3-270m")
+    assert_one_line_error(run_qinfer("pull", "gemma9-1t"), "unknown built-in model")
+
+
+def test_folder_without_config(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert_one_line_error(run_qinfer("generate", str(tmp_path), "hi"), "no config.json")
+
+
+def test_truncated_safetensors(tmp_path):
+    make_model("llama", tmp_path)
+    weights = tmp_path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    assert_one_line_error(run_qinfer("generate", str(tmp_path), "hi"), "truncated")
+
+
+def test_unsupported_architecture(tmp_path):
+    make_model("llama", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["model_type"] = "mamba"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert_one_line_error(run_qinfer("generate", str(tmp_path), "hi"), "unsupported architecture 'mamba'")
+
+
+def test_no_network_while_pulling(tmp_path):
+    # pip pointed at nothing stands in for a machine without network.
+    env = {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(tmp_path), "PIP_EXTRA_INDEX_URL": "", "PIP_CONSTRAINT": ""}
+    assert_one_line_error(run_qinfer("pull", "smollm2-135m-instruct", env=env), "could not download")
+
+
+@pytest.mark.parametrize("args", [["--max-tokens", "0"], ["--top-p", "1.5"], ["--temperature", "-1"]])
+def test_bad_sampling_options(args):
+    assert_one_line_error(run_qinfer("generate", "gemma3-270m", "hi", *args))
