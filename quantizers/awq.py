@@ -1,0 +1,298 @@
+"""AWQ (Lin et al., 2023, "AWQ: Activation-aware Weight Quantization for LLM Compression and Acceleration"):
+protect the weights that meet large activations by scaling input channels before round-to-nearest.
+
+For a linear ``y = x W^T`` and any positive per-input-channel ``s [K]``, ``x W^T = (x / s) (W s)^T`` exactly.
+Quantizing ``W s`` instead of ``W`` multiplies a salient column (one whose input channel carries large
+activations) by ``s_k > 1`` before rounding, so its relative rounding error shrinks, while the ``1 / s``
+moves into whatever produces ``x`` (a norm's weight, a preceding linear's rows) at no runtime cost.
+
+Scale search (:func:`awq_search_scales`), in float32:
+
+- ``x_mean[k] = mean_t |X[t, k]|`` over the calibration tokens.
+- For ``ratio`` in ``{0, 1/n, ..., (n-1)/n}``: ``s = clamp(x_mean^ratio, min=1e-4)``, normalised to
+  ``s / sqrt(max(s) min(s))`` so it straddles 1. The candidate weights are ``Q(W_i s) / s`` for every
+  linear ``W_i`` that reads ``X`` (RTN with the caller's scheme), and the candidate's error is the mean
+  squared output difference, ``sum_i ||X W_i^T - X (Q(W_i s) / s)^T||^2 / (T sum_i N_i)``, or the mean
+  squared difference of ``forward(candidate weights)`` from ``forward(original weights)`` when the caller
+  passes the block's forward. The smallest error wins; ties go to the smaller ratio.
+- This is the paper's scale ``x_mean^ratio``, not AutoAWQ's default "duo scaling"
+  ``x_mean^ratio / w_mean^(1 - ratio)`` (``w_mean`` being the mean group-normalised ``|W|`` per column).
+  Reason: at ``ratio = 0`` the paper's grid gives ``s = 1`` exactly, i.e. plain RTN, so the searched
+  result is never worse than RTN on the calibration objective; duo scaling's ``ratio = 0`` point is
+  ``1 / w_mean``, which has no such guarantee. :func:`awq_search_scales` takes ``duo_scaling=True`` to
+  get AutoAWQ's grid when comparing against its checkpoints.
+- A candidate whose ``W s`` would need a group scale past float16's range cannot be stored and gets the
+  error ``inf`` (only possible for extreme activation spreads; ``ratio = 0`` is always storable).
+
+Clip search (:func:`awq_search_clip`), applied to the already scaled weights ``W s`` with inputs ``X / s``:
+for every group, shrink its absmax by ``1 - i / n_grid`` for ``i = 0 .. max_shrink * n_grid`` (``1.0`` down
+to ``1 - max_shrink`` inclusive; AutoAWQ stops one step short of the last), clamp the group to
+``[-max_val, max_val]``, quantize, and keep the ``max_val`` whose group output error
+``mean_t (X_g (W_g - Q_g)^T)^2`` on a token subsample is smallest. Shrink 1.0 is a no-op clamp, so no group's
+error exceeds its unclipped error. The clamp is symmetric about 0 for asymmetric schemes too, as in
+AutoAWQ: it trims whichever side of the group reaches past ``max_val``, and the asymmetric grid then spans
+the trimmed range.
+
+The search results (scales, ratio, error curve, clip values) are data. Applying them is separate:
+:func:`fold_scales_into_norm` / :func:`fold_scales_into_linear` divide the producer of ``X`` by ``s``,
+:func:`scale_linear_inputs` multiplies each consumer's columns by ``s``, and :func:`apply_clip` clamps
+before the final quantization. Which norm or linear feeds which is the architecture table's business.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from qinfer.errors import QinferError
+from qinfer.format import QuantScheme, check_int_shape, dequantize_codes
+from qinfer.quantizers.rtn import FP16_MAX, check_finite, quantize_codes, rtn_params
+
+MIN_SCALE = 1e-4  # floor for x_mean^ratio: dead channels (x_mean = 0) must not produce a zero or infinite 1/s
+_CHUNK = 1 << 24  # elements of one [groups, tokens, rows] error block in the clip search (64 MiB in fp32)
+
+
+@dataclass(frozen=True)
+class AwqScaleResult:
+    """The chosen per-input-channel scales and the whole search curve.
+
+    ``scales`` is float32 ``[K]``, positive and finite: divide the input by it (fold into the producer),
+    multiply the weights' columns by it. ``errors[i]`` is the error of ``ratios[i]`` (``inf`` where the
+    scaled weights do not fit a float16 scale); ``ratio == ratios[argmin(errors)]``.
+    """
+
+    scales: torch.Tensor
+    ratio: float
+    ratios: tuple[float, ...]
+    errors: tuple[float, ...]
+
+    @property
+    def error(self) -> float:
+        """The error of the chosen scales."""
+        return min(self.errors)
+
+
+def fake_quantize(W: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """RTN quantize-dequantize of ``W [N, K]`` in float32: exactly what ``rtn_quantize(W).dequantize`` gives."""
+    scale, zero = rtn_params(W, scheme.bits, scheme.group_size, scheme.symmetric)
+    codes = quantize_codes(W, scale, zero, scheme.bits, scheme.group_size)
+    return dequantize_codes(codes, scale, zero, scheme.group_size)
+
+
+def _check_int_scheme(scheme: QuantScheme) -> None:
+    if scheme.format != "int":
+        raise QinferError(f"AWQ needs an integer scheme, got format {scheme.format!r}; use method 'fp8' for FP8")
+
+
+def _check_inputs(X: torch.Tensor, weights: Sequence[torch.Tensor], scheme: QuantScheme) -> None:
+    _check_int_scheme(scheme)
+    if X.dim() != 2:
+        raise QinferError(f"AWQ: calibration inputs must be 2-D [tokens, K], got shape {list(X.shape)}")
+    if X.shape[0] == 0:
+        raise QinferError("AWQ: calibration inputs have no tokens; capture at least one calibration sample")
+    if not weights:
+        raise QinferError("AWQ: no weights given; pass the linears that read these inputs")
+    check_finite(X, "AWQ: calibration inputs")
+    K = X.shape[1]
+    for i, W in enumerate(weights):
+        name = f"AWQ weights[{i}]"
+        check_int_shape(tuple(W.shape), scheme.bits, scheme.group_size, name)
+        if W.shape[1] != K:
+            raise QinferError(f"{name}: in_features {W.shape[1]} != the inputs' K={K}; pass the linears that read X")
+        check_finite(W, f"{name}: weight")
+
+
+def _check_grid(n_grid: int) -> None:
+    if type(n_grid) is not int or n_grid < 1:
+        raise QinferError(f"AWQ: n_grid must be a positive int, got {n_grid!r}")
+
+
+def _group_normalised_abs_mean(weights: Sequence[torch.Tensor], group_size: int) -> torch.Tensor:
+    """``w_mean [K]``: mean over all rows of ``|W|`` divided by its group's absmax (AutoAWQ's duo scaling)."""
+    W = torch.cat([w.float() for w in weights], dim=0).abs()
+    N, K = W.shape
+    G = K if group_size == -1 else group_size
+    g = W.reshape(N, K // G, G)
+    return (g / (g.amax(dim=-1, keepdim=True) + 1e-6)).reshape(N, K).mean(dim=0)
+
+
+def _candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor | None, ratio: float) -> torch.Tensor:
+    if w_mean is None:
+        s = x_mean.pow(ratio).clamp(min=MIN_SCALE)
+    else:
+        s = (x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + MIN_SCALE)).clamp(min=MIN_SCALE)
+    return s / (s.max() * s.min()).sqrt()
+
+
+def _storable(W: torch.Tensor, scheme: QuantScheme) -> bool:
+    # Both grids have scale <= 2 * absmax / maxq (asymmetric: (hi - lo) / maxq with lo <= 0 <= hi).
+    return 2.0 * float(W.abs().max()) / scheme.maxq <= FP16_MAX
+
+
+def awq_search_scales(
+    X: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    scheme: QuantScheme,
+    forward: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
+    n_grid: int = 20,
+    *,
+    duo_scaling: bool = False,
+) -> AwqScaleResult:
+    """Search per-input-channel scales ``s [K]`` for the linears ``weights`` (each ``[N_i, K]``) reading ``X [T, K]``.
+
+    ``forward``, when given, maps a list of float32 weights (same order and shapes as ``weights``) to the
+    output of the block they belong to on the calibration inputs; it is called once with the original
+    weights and once per candidate with ``Q(W_i s) / s``, which is what the block computes once ``1 / s``
+    is folded into its input. See the module docstring for the grid and the default error.
+    """
+    _check_inputs(X, weights, scheme)
+    _check_grid(n_grid)
+    Xf = X.float()
+    Ws = [w.float() for w in weights]
+    x_mean = Xf.abs().mean(dim=0)
+    w_mean = _group_normalised_abs_mean(Ws, scheme.group_size) if duo_scaling else None
+
+    if forward is None:
+        count = Xf.shape[0] * sum(w.shape[0] for w in Ws)
+
+        def error(candidate: list[torch.Tensor]) -> float:
+            return sum(float((Xf @ (w - c).T).pow(2).sum()) for w, c in zip(Ws, candidate)) / count
+
+    else:
+        reference = forward(Ws).float()
+        check_finite(reference, "AWQ: forward(original weights)")
+
+        def error(candidate: list[torch.Tensor]) -> float:
+            out = forward(candidate).float()
+            if out.shape != reference.shape:
+                raise QinferError(f"AWQ: forward returned shape {list(out.shape)}, expected {list(reference.shape)}")
+            check_finite(out, "AWQ: forward(candidate weights)")
+            return float((out - reference).pow(2).mean())
+
+    ratios = tuple(i / n_grid for i in range(n_grid))
+    errors: list[float] = []
+    best, best_err = None, math.inf
+    for ratio in ratios:
+        s = _candidate_scales(x_mean, w_mean, ratio)
+        scaled = [w * s for w in Ws]
+        if not all(_storable(w, scheme) for w in scaled):
+            errors.append(math.inf)
+            continue
+        err = error([fake_quantize(w, scheme) / s for w in scaled])
+        errors.append(err)
+        if err < best_err:
+            best, best_err = (s, ratio), err
+    if best is None:
+        raise QinferError(
+            "AWQ: weights too large for a float16 scale at every ratio; check the weights for overflowed values"
+        )
+    return AwqScaleResult(scales=best[0], ratio=best[1], ratios=ratios, errors=tuple(errors))
+
+
+def _groups_of(W: torch.Tensor, group_size: int) -> tuple[int, int]:
+    K = W.shape[1]
+    G = K if group_size == -1 else group_size
+    return G, K // G
+
+
+def apply_clip(W: torch.Tensor, max_val: torch.Tensor) -> torch.Tensor:
+    """Clamp each group of ``W [N, K]`` to ``[-max_val, max_val]``, ``max_val [N, K/G]``; keeps W's dtype."""
+    if W.dim() != 2 or max_val.dim() != 2 or max_val.shape[0] != W.shape[0] or W.shape[1] % max_val.shape[1]:
+        raise QinferError(
+            f"apply_clip: max_val {list(max_val.shape)} does not give whole groups of W {list(W.shape)}; "
+            "pass the [N, K/G] result of awq_search_clip for this weight"
+        )
+    check_finite(max_val, "apply_clip: max_val")
+    if bool((max_val < 0).any()):
+        raise QinferError("apply_clip: max_val has negative entries; it is a per-group magnitude")
+    N, K = W.shape
+    G = K // max_val.shape[1]
+    m = max_val.float().unsqueeze(-1)
+    return W.float().reshape(N, K // G, G).clamp(-m, m).reshape(N, K).to(W.dtype)
+
+
+def awq_search_clip(
+    X: torch.Tensor,
+    W: torch.Tensor,
+    scheme: QuantScheme,
+    n_grid: int = 20,
+    max_shrink: float = 0.5,
+    n_tokens: int = 512,
+) -> torch.Tensor:
+    """Per-group clip values ``max_val`` float32 ``[N, K/G]`` for ``W [N, K]`` reading ``X [T, K]``.
+
+    Every ``ceil(T / n_tokens)``-th token is used (at most ~``n_tokens``). See the module docstring.
+    """
+    _check_inputs(X, [W], scheme)
+    _check_grid(n_grid)
+    if not 0.0 <= max_shrink < 1.0:
+        raise QinferError(f"AWQ clip: max_shrink must be in [0, 1), got {max_shrink!r}")
+    if type(n_tokens) is not int or n_tokens < 1:
+        raise QinferError(f"AWQ clip: n_tokens must be a positive int, got {n_tokens!r}")
+    N, K = W.shape
+    G, n_groups = _groups_of(W, scheme.group_size)
+    Xs = X.float()[:: -(-X.shape[0] // n_tokens)]
+    T = Xs.shape[0]
+    Xg = Xs.reshape(T, n_groups, G).transpose(0, 1)  # [groups, T, G]
+    Wf = W.float()
+    absmax = Wf.abs().reshape(N, n_groups, G).amax(dim=-1)  # [N, groups]
+    best = absmax.clone()
+    best_err = torch.full_like(absmax, math.inf)
+    rows = max(1, _CHUNK // (n_groups * T))
+    for i in range(int(round(max_shrink * n_grid)) + 1):
+        max_val = absmax * (1.0 - i / n_grid)
+        D = (Wf - fake_quantize(apply_clip(Wf, max_val), scheme)).reshape(N, n_groups, G)
+        err = torch.empty_like(absmax)
+        for r in range(0, N, rows):
+            Dg = D[r : r + rows].permute(1, 2, 0)  # [groups, G, rows]
+            err[r : r + rows] = torch.bmm(Xg, Dg).pow(2).mean(dim=1).T  # group outputs' error [rows, groups]
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best = torch.where(better, max_val, best)
+    return best
+
+
+# ---------------------------------------------------------------------------------------------- folding
+
+
+def _check_scales(s: torch.Tensor, K: int, what: str) -> torch.Tensor:
+    if s.dim() != 1 or s.shape[0] != K:
+        raise QinferError(f"{what}: scales have shape {list(s.shape)}, expected [{K}]")
+    check_finite(s, f"{what}: scales")
+    if bool((s <= 0).any()):
+        raise QinferError(f"{what}: scales must be positive; pass AwqScaleResult.scales")
+    return s.float()
+
+
+def fold_scales_into_norm(
+    weight: torch.Tensor, s: torch.Tensor, *, offset: float = 0.0, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Divide a norm's output by ``s``: returns the new ``(weight, bias)`` in their original dtypes.
+
+    The norm multiplies by ``offset + weight`` (``offset`` 0 for Llama-style RMSNorm, 1 for Gemma's
+    ``(1 + w)``), so the stored weight becomes ``(offset + weight) / s - offset``; a LayerNorm bias
+    becomes ``bias / s``.
+    """
+    s = _check_scales(s, weight.shape[-1], "fold_scales_into_norm")
+    new_weight = ((offset + weight.float()) / s - offset).to(weight.dtype)
+    new_bias = None if bias is None else (bias.float() / s).to(bias.dtype)
+    return new_weight, new_bias
+
+
+def fold_scales_into_linear(
+    weight: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Divide the outputs of a preceding linear ``weight [K, K_in]`` by ``s [K]``: rows and bias, original dtypes."""
+    s = _check_scales(s, weight.shape[0], "fold_scales_into_linear")
+    new_weight = (weight.float() / s[:, None]).to(weight.dtype)
+    new_bias = None if bias is None else (bias.float() / s).to(bias.dtype)
+    return new_weight, new_bias
+
+
+def scale_linear_inputs(weight: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Multiply the input columns of a following linear ``weight [N, K]`` by ``s [K]`` (original dtype)."""
+    s = _check_scales(s, weight.shape[-1], "scale_linear_inputs")
+    return (weight.float() * s).to(weight.dtype)

@@ -1,0 +1,309 @@
+"""AWQ is judged by held-out output error against plain RTN on inputs with salient channels, by the exact
+equivalence of its folding, and by the guarantees of its grids (ratio 0 is RTN, clip 1.0 is no clip)."""
+
+import math
+
+import pytest
+import torch
+
+from qinfer.errors import QinferError
+from qinfer.format import QuantScheme
+from qinfer.quantizers.awq import (
+    apply_clip,
+    awq_search_clip,
+    awq_search_scales,
+    fake_quantize,
+    fold_scales_into_linear,
+    fold_scales_into_norm,
+    scale_linear_inputs,
+)
+from qinfer.quantizers.rtn import rtn_quantize
+
+K = 256
+
+
+def _problem(seed=0, Ns=(96, 64), T=512, n_salient=8, boost=20.0):
+    """Calibration and held-out inputs whose few salient channels carry ~20x the typical magnitude (the
+    AWQ paper's premise), and two linears reading them (like gate_proj and up_proj)."""
+    g = torch.Generator().manual_seed(seed)
+    mag = torch.rand(K, generator=g) * 0.5 + 0.5
+    mag[torch.randperm(K, generator=g)[:n_salient]] *= boost
+    X = torch.randn(2 * T, K, generator=g) * mag
+    Ws = [torch.randn(n, K, generator=g) * 0.05 for n in Ns]
+    return X[:T], X[T:], Ws
+
+
+def _out_err(X, Ws, W_hats):
+    """Mean squared output error over all linears (the search's default objective)."""
+    total = sum(float((X @ (w - h).T).pow(2).sum()) for w, h in zip(Ws, W_hats))
+    return total / (X.shape[0] * sum(w.shape[0] for w in Ws))
+
+
+def _scheme(bits=4, group_size=128, symmetric=True):
+    return QuantScheme(method="awq", bits=bits, group_size=group_size, symmetric=symmetric)
+
+
+@pytest.mark.parametrize("bits", [4, 3])
+@pytest.mark.parametrize("group_size", [128, -1])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_awq_beats_rtn_on_held_out_tokens(bits, group_size, symmetric):
+    X_cal, X_test, Ws = _problem()
+    scheme = _scheme(bits, group_size, symmetric)
+    res = awq_search_scales(X_cal, Ws, scheme)
+    s = res.scales
+    assert s.dtype == torch.float32 and s.shape == (K,) and bool((s > 0).all())
+    e_rtn = _out_err(X_test, Ws, [rtn_quantize(w, scheme).dequantize(torch.float32) for w in Ws])
+    # what the deployed model computes: RTN of W s, with 1/s folded into the input
+    deployed = [rtn_quantize(scale_linear_inputs(w, s), scheme).dequantize(torch.float32) / s for w in Ws]
+    e_awq = _out_err(X_test, Ws, deployed)
+    # Observed 0.39-0.59 (asymmetric grids gain more: 0.39-0.44; symmetric 0.53-0.59), best ratio 0.15-0.35.
+    assert e_awq <= 0.8 * e_rtn, e_awq / e_rtn
+    assert 0.0 < res.ratio < 1.0
+
+
+@pytest.mark.parametrize("bits", [4, 3])
+def test_clipping_after_scaling_helps_further(bits):
+    X_cal, X_test, Ws = _problem(seed=1)
+    scheme = _scheme(bits)
+    s = awq_search_scales(X_cal, Ws, scheme).scales
+    scaled = [scale_linear_inputs(w, s) for w in Ws]
+    clipped = [apply_clip(w, awq_search_clip(X_cal / s, w, scheme)) for w in scaled]
+    e_scaled = _out_err(X_test, Ws, [fake_quantize(w, scheme) / s for w in scaled])
+    e_clipped = _out_err(X_test, Ws, [fake_quantize(w, scheme) / s for w in clipped])
+    e_rtn = _out_err(X_test, Ws, [fake_quantize(w, scheme) for w in Ws])
+    # Observed: scales alone 0.52 / 0.57 x RTN, scales + clip 0.47 / 0.53 x RTN (4 / 3 bits).
+    assert e_clipped < e_scaled <= 0.8 * e_rtn, (e_clipped / e_rtn, e_scaled / e_rtn)
+
+
+def test_ratio_zero_is_plain_rtn():
+    X_cal, _, Ws = _problem()
+    scheme = _scheme(3, 128, False)
+    assert torch.equal(fake_quantize(Ws[0], scheme), rtn_quantize(Ws[0], scheme).dequantize(torch.float32))
+    res = awq_search_scales(X_cal, Ws, scheme, n_grid=1)
+    assert res.ratios == (0.0,) and res.ratio == 0.0
+    assert torch.equal(res.scales, torch.ones(K))
+    e_rtn = _out_err(X_cal, Ws, [rtn_quantize(w, scheme).dequantize(torch.float32) for w in Ws])
+    assert res.errors[0] == pytest.approx(e_rtn, rel=1e-6)
+    # and the full grid starts from that same point, so the search never does worse than RTN on its data
+    full = awq_search_scales(X_cal, Ws, scheme)
+    assert full.errors[0] == pytest.approx(e_rtn, rel=1e-6)
+    assert full.error <= full.errors[0]
+
+
+def test_result_is_the_argmin_of_its_curve():
+    X_cal, _, Ws = _problem(seed=2)
+    scheme = _scheme()
+    res = awq_search_scales(X_cal, Ws, scheme, n_grid=10)
+    assert res.ratios == tuple(i / 10 for i in range(10))
+    assert len(res.errors) == 10 and all(math.isfinite(e) for e in res.errors)
+    best = min(range(10), key=lambda i: res.errors[i])
+    assert res.ratio == res.ratios[best] and res.error == res.errors[best]
+    # the reported error is the objective evaluated at the returned scales
+    s = res.scales
+    assert _out_err(X_cal, Ws, [fake_quantize(w * s, scheme) / s for w in Ws]) == pytest.approx(res.error, rel=1e-5)
+    # normalised to straddle 1: max * min == 1
+    assert float(s.max() * s.min()) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_forward_objective():
+    X_cal, _, Ws = _problem(seed=3)
+    scheme = _scheme()
+    default = awq_search_scales(X_cal, Ws, scheme, n_grid=8)
+    # a forward that returns the linears' stacked outputs measures the same thing as the default
+    stacked = awq_search_scales(X_cal, Ws, scheme, lambda ws: torch.cat([X_cal @ w.T for w in ws], 1), n_grid=8)
+    assert stacked.ratio == default.ratio
+    assert stacked.errors == pytest.approx(default.errors, rel=1e-4)
+
+    # a gated MLP block (SiLU(x Wg^T) * x Wu^T): the search optimises the block output instead
+    calls = []
+
+    def mlp(ws):
+        calls.append([w.clone() for w in ws])
+        g, u = X_cal @ ws[0].T, X_cal @ ws[1][:128].T
+        return torch.nn.functional.silu(g) * u
+
+    Wg, Wu = torch.randn(128, K), torch.randn(128, K)
+    res = awq_search_scales(X_cal, [Wg, Wu], scheme, mlp, n_grid=8)
+    assert len(calls) == 9  # the reference, then one call per ratio
+    assert torch.equal(calls[0][0], Wg) and torch.equal(calls[0][1], Wu)
+    assert res.error < res.errors[0]  # beats ratio 0 = RTN on the block output
+
+
+def test_duo_scaling_grid():
+    X_cal, X_test, Ws = _problem()
+    scheme = _scheme()
+    res = awq_search_scales(X_cal, Ws, scheme, duo_scaling=True)
+    s = res.scales
+    # AutoAWQ's grid: its ratio 0 is 1 / w_mean, not 1, but it also finds scales far better than RTN
+    e_rtn = _out_err(X_test, Ws, [fake_quantize(w, scheme) for w in Ws])
+    assert _out_err(X_test, Ws, [fake_quantize(w * s, scheme) / s for w in Ws]) <= 0.8 * e_rtn
+
+
+def test_unstorable_candidates_are_skipped():
+    # Channels 1e12 apart: at high ratios W s needs float16 scales past 65504; those ratios are marked inf.
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(64, 64, generator=g)
+    X[:, 0] *= 1e12
+    W = torch.randn(16, 64, generator=g)
+    res = awq_search_scales(X, [W], _scheme(group_size=32), n_grid=10)
+    assert math.isinf(res.errors[-1]) and math.isfinite(res.errors[0])
+    assert math.isfinite(res.error) and bool(torch.isfinite(res.scales).all())
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("group_size", [32, -1])
+def test_clip_never_increases_a_groups_error(symmetric, group_size):
+    X_cal, _, Ws = _problem(seed=4, T=600)
+    W = Ws[0]
+    scheme = _scheme(3, group_size, symmetric)
+    max_val = awq_search_clip(X_cal, W, scheme, n_tokens=200)
+    G = K if group_size == -1 else group_size
+    N, n_groups = W.shape[0], K // G
+    assert max_val.shape == (N, n_groups) and max_val.dtype == torch.float32
+    absmax = W.abs().reshape(N, n_groups, G).amax(-1)
+    assert bool((max_val <= absmax).all()) and bool((max_val >= 0.5 * absmax * (1 - 1e-6)).all())
+    assert bool((max_val < absmax).any())  # some group did clip
+
+    # per-group output error on the search's token subsample (every 3rd of 600 tokens), written out directly
+    Xs = X_cal[::3]
+
+    def group_err(W_hat):
+        D = (W - W_hat).reshape(N, n_groups, G)
+        Xg = Xs.reshape(-1, n_groups, G)
+        return torch.einsum("tgj,ngj->tng", Xg, D).pow(2).mean(0)
+
+    e_clip = group_err(fake_quantize(apply_clip(W, max_val), scheme))
+    e_none = group_err(fake_quantize(W, scheme))
+    assert bool((e_clip <= e_none * (1 + 1e-5)).all()), (e_clip / e_none).max()
+    # and the whole linear's output error on those tokens goes down too
+    e_total_clip = _out_err(Xs, [W], [fake_quantize(apply_clip(W, max_val), scheme)])
+    assert e_total_clip < _out_err(Xs, [W], [fake_quantize(W, scheme)])
+
+
+def test_clip_grid_endpoints():
+    X_cal, _, Ws = _problem(seed=5, T=128)
+    W = Ws[1]
+    scheme = _scheme(4, 64)
+    absmax = W.abs().reshape(W.shape[0], -1, 64).amax(-1)
+    # max_shrink 0: only the no-op clamp is tried
+    assert torch.equal(awq_search_clip(X_cal, W, scheme, max_shrink=0.0), absmax)
+    # every chosen value lies on the grid absmax * (1 - i / n_grid), i = 0..5
+    mv = awq_search_clip(X_cal, W, scheme, n_grid=10, max_shrink=0.5)
+    steps = (1 - mv / absmax) * 10
+    assert bool((steps - steps.round()).abs().max() < 1e-4) and int(steps.round().max()) <= 5
+
+
+def test_apply_clip():
+    W = torch.tensor([[3.0, -4.0, 1.0, 0.5], [-0.2, 0.1, 9.0, -9.0]]).half()
+    out = apply_clip(W, torch.tensor([[2.0, 0.75], [0.15, 20.0]]))
+    assert out.dtype == torch.float16
+    assert torch.equal(out.float(), torch.tensor([[2.0, -2.0, 0.75, 0.5], [-0.15, 0.1, 9.0, -9.0]]).half().float())
+    with pytest.raises(QinferError, match="whole groups"):
+        apply_clip(W, torch.ones(2, 3))
+    with pytest.raises(QinferError, match="negative"):
+        apply_clip(W, -torch.ones(2, 2))
+
+
+# ---------------------------------------------------------------------------------------------- folding
+
+
+def _rms_norm(x, weight, offset, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (offset + weight)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])  # Llama-style w, Gemma-style (1 + w)
+def test_folding_into_a_norm_keeps_the_function(offset):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, K, generator=g)
+    norm_w = torch.randn(K, generator=g) * 0.3 + (1.0 - offset)
+    Wq, Wk = torch.randn(64, K, generator=g), torch.randn(48, K, generator=g)
+    s = torch.exp(torch.randn(K, generator=g))  # spans ~e^-3 .. e^3
+    new_norm, no_bias = fold_scales_into_norm(norm_w, s, offset=offset)
+    assert no_bias is None and new_norm.dtype == norm_w.dtype
+    assert torch.allclose(offset + new_norm, (offset + norm_w) / s, rtol=1e-6, atol=1e-7)
+    h, h_new = _rms_norm(x, norm_w, offset), _rms_norm(x, new_norm, offset)
+    for W in (Wq, Wk):
+        ref = h @ W.T
+        assert torch.allclose(h_new @ scale_linear_inputs(W, s).T, ref, rtol=1e-5, atol=1e-5 * ref.abs().max())
+
+
+def test_folding_with_a_layernorm_bias():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, K, generator=g)
+    w, b = torch.randn(K, generator=g), torch.randn(K, generator=g)
+    W = torch.randn(32, K, generator=g)
+    s = torch.rand(K, generator=g) + 0.2
+    ln = torch.nn.functional.layer_norm
+    w2, b2 = fold_scales_into_norm(w, s, bias=b)
+    ref = ln(x, (K,), w, b) @ W.T
+    assert torch.allclose(ln(x, (K,), w2, b2) @ scale_linear_inputs(W, s).T, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_folding_into_a_preceding_linear_keeps_the_function():
+    # up_proj -> down_proj (with a bias on the producer, as some architectures have)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(16, 64, generator=g)
+    W1, b1 = torch.randn(K, 64, generator=g), torch.randn(K, generator=g)
+    W2 = torch.randn(40, K, generator=g)
+    s = torch.exp(torch.randn(K, generator=g))
+    W1s, b1s = fold_scales_into_linear(W1, s, b1)
+    ref = (x @ W1.T + b1) @ W2.T
+    got = (x @ W1s.T + b1s) @ scale_linear_inputs(W2, s).T
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max())
+    # dtype is kept
+    W1h, none = fold_scales_into_linear(W1.half(), s)
+    assert W1h.dtype == torch.float16 and none is None
+
+
+def test_search_then_fold_reproduces_the_searched_error():
+    # The searched error is what the folded, RTN-quantized block actually produces on its inputs.
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(512, K, generator=g) * (1 + 19 * (torch.rand(K, generator=g) < 0.03))
+    norm_w = torch.rand(K, generator=g) + 0.5
+    Ws = [torch.randn(64, K, generator=g) * 0.05, torch.randn(32, K, generator=g) * 0.05]
+    scheme = _scheme(4, 64)
+    h = _rms_norm(x, norm_w, 0.0)
+    res = awq_search_scales(h, Ws, scheme)
+    new_norm, _ = fold_scales_into_norm(norm_w, res.scales)
+    h_folded = _rms_norm(x, new_norm, 0.0)
+    q = [rtn_quantize(scale_linear_inputs(w, res.scales), scheme).dequantize(torch.float32) for w in Ws]
+    err = sum(float((h @ w.T - h_folded @ wq.T).pow(2).sum()) for w, wq in zip(Ws, q)) / (512 * 96)
+    assert err == pytest.approx(res.error, rel=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+def test_bad_inputs_raise():
+    X_cal, _, Ws = _problem(T=64)
+    scheme = _scheme()
+    bad = X_cal.clone()
+    bad[3, 7] = float("nan")
+    with pytest.raises(QinferError, match="calibration inputs contains NaN"):
+        awq_search_scales(bad, Ws, scheme)
+    with pytest.raises(QinferError, match="calibration inputs contains NaN"):
+        awq_search_clip(bad, Ws[0], scheme)
+    W = Ws[0].clone()
+    W[0, 0] = float("inf")
+    with pytest.raises(QinferError, match=r"weights\[0\]: weight contains NaN or Inf"):
+        awq_search_scales(X_cal, [W], scheme)
+
+    def nan_after_the_reference(ws):
+        return X_cal @ ws[0].T * (1.0 if torch.equal(ws[0], Ws[0]) else math.nan)
+
+    with pytest.raises(QinferError, match="forward\\(candidate weights\\) contains NaN"):
+        awq_search_scales(X_cal, Ws, scheme, nan_after_the_reference)
+    with pytest.raises(QinferError, match="in_features 128 != the inputs' K=256"):
+        awq_search_scales(X_cal, [torch.randn(8, 128)], scheme)
+    with pytest.raises(QinferError, match="integer scheme"):
+        awq_search_scales(X_cal, Ws, QuantScheme(method="fp8", format="fp8", bits=8, group_size=-1))
+    with pytest.raises(QinferError, match="n_grid"):
+        awq_search_scales(X_cal, Ws, scheme, n_grid=0)
+    with pytest.raises(QinferError, match="max_shrink"):
+        awq_search_clip(X_cal, Ws[0], scheme, max_shrink=1.0)
+    with pytest.raises(QinferError, match="scales contains NaN"):
+        fold_scales_into_norm(torch.ones(K), torch.full((K,), float("nan")))
+    with pytest.raises(QinferError, match="positive"):
+        scale_linear_inputs(Ws[0], torch.zeros(K))
+    with pytest.raises(QinferError, match=r"scales have shape \[256\], expected \[96\]"):
+        fold_scales_into_linear(Ws[0], torch.ones(K))
