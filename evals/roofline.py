@@ -1,0 +1,331 @@
+"""This machine's roofline, measured: memory read bandwidth and matmul peaks, cached as JSON.
+
+Decode reads every weight once per token and does ~2 FLOP per weight, so it sits on the bandwidth
+slope; prefill multiplies the weights by many tokens at once and meets the compute ceiling. What bounds
+decode is *read* bandwidth, so we stream a buffer far larger than the last-level cache (1 GiB, 32x even
+a 32 MiB L3) through ``.sum()``, a read-only reduction. A copy would also write, and its write-allocate
+traffic would make the figure neither a read nor a read+write bandwidth. The fp32 sum is vectorised and
+multi-threaded in torch, so memory limits it, not arithmetic (an int32 sum is not: it widens to int64).
+
+Compute peaks are large square matmuls per dtype (``2 N^3`` FLOP) with torch's default thread count;
+``N`` is the first power of two from 256 whose matmul takes at least 50 ms, so the ceiling is measured on
+a size where blocking overheads are amortised, not on a size that runs for minutes. Each figure is the
+median of several repetitions after a warm-up run. GB/s are 1e9 bytes per second; TFLOP/s 1e12 FLOP/s.
+
+``device="cuda"`` runs the same measurements with ``torch.cuda.synchronize`` around each; the tests
+exercise the CPU path only.
+
+Cache: ``qinfer.cache.cache_dir() / "roofline-<device>.json"``, reused while the CPU (or GPU) name, torch
+version and thread count match the current process (any of them changes the roofline), re-measured with
+``force=True``.
+"""
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from types import MappingProxyType
+
+import torch
+
+from qinfer.cache import cache_dir
+from qinfer.errors import QinferError
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DEVICES = ("cpu", "cuda")
+POINT_KINDS = ("decode", "prefill")
+BUFFER_BYTES = 1 << 30
+_MATMUL_TARGET_S = 0.05  # one matmul at least this long: a size that reaches the ceiling
+_MATMUL_MAX_N = 16384
+_MIN_REPS, _MAX_REPS = 5, 200
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """Measured ceilings of one device; ``peak_tflops`` and ``matmul_n`` are keyed by dtype name."""
+
+    device: str
+    bandwidth_gbs: float  # read bandwidth, 1e9 bytes/s
+    peak_tflops: Mapping[str, float]
+    threads: int
+    cpu_name: str  # the GPU's name when device is "cuda"
+    torch_version: str
+    timestamp: str  # ISO 8601, UTC
+    buffer_bytes: int  # size of the buffer the bandwidth was measured on
+    matmul_n: Mapping[str, int]  # side of the square matmul each peak was measured on
+
+    def __post_init__(self):
+        if self.device not in DEVICES:
+            raise QinferError(f"Roofline.device must be one of {', '.join(DEVICES)}; got {self.device!r}")
+        _positive("Roofline.bandwidth_gbs", self.bandwidth_gbs)
+        for field in ("peak_tflops", "matmul_n"):
+            value = getattr(self, field)
+            if not isinstance(value, Mapping) or not value or set(value) - set(DTYPES):
+                raise QinferError(f"Roofline.{field} must map some of {', '.join(DTYPES)} to numbers; got {value!r}")
+            for dtype, number in value.items():
+                _positive(f"Roofline.{field}[{dtype!r}]", number)
+            # frozen means frozen: a read-only copy, so no caller can change a cached measurement
+            object.__setattr__(self, field, MappingProxyType(dict(value)))
+        for field in ("cpu_name", "torch_version", "timestamp"):
+            if not isinstance(getattr(self, field), str) or not getattr(self, field):
+                raise QinferError(f"Roofline.{field} must be a non-empty str; got {getattr(self, field)!r}")
+        if type(self.threads) is not int or self.threads < 1:
+            raise QinferError(f"Roofline.threads must be a positive int; got {self.threads!r}")
+        if type(self.buffer_bytes) is not int or self.buffer_bytes < 1:
+            raise QinferError(f"Roofline.buffer_bytes must be a positive int; got {self.buffer_bytes!r}")
+
+    def to_json(self) -> dict:
+        return {
+            "device": self.device,
+            "bandwidth_gbs": self.bandwidth_gbs,
+            "peak_tflops": dict(self.peak_tflops),
+            "threads": self.threads,
+            "cpu_name": self.cpu_name,
+            "torch_version": self.torch_version,
+            "timestamp": self.timestamp,
+            "buffer_bytes": self.buffer_bytes,
+            "matmul_n": dict(self.matmul_n),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Roofline":
+        return cls(**data)
+
+    def ridge(self, dtype: str) -> float:
+        """Arithmetic intensity (FLOP/byte) where the bandwidth slope meets the ``dtype`` ceiling."""
+        return _peak(self, dtype) * 1e12 / (self.bandwidth_gbs * 1e9)
+
+
+@dataclass(frozen=True)
+class RooflinePoint:
+    """One measured kernel or phase to place under the roof."""
+
+    name: str
+    arithmetic_intensity: float  # FLOP/byte
+    tflops: float  # achieved
+    kind: str  # "decode" or "prefill"
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise QinferError(f"RooflinePoint.name must be a non-empty str; got {self.name!r}")
+        _positive("RooflinePoint.arithmetic_intensity", self.arithmetic_intensity)
+        _positive("RooflinePoint.tflops", self.tflops)
+        if self.kind not in POINT_KINDS:
+            raise QinferError(f"RooflinePoint.kind must be one of {', '.join(POINT_KINDS)}; got {self.kind!r}")
+
+
+def roofline_path(device: str) -> Path:
+    return cache_dir() / f"roofline-{device}.json"
+
+
+def measure_roofline(device: str = "cpu", seconds: float = 3.0, force: bool = False) -> Roofline:
+    """The roofline of ``device``: from the cache when it still describes this process, else measured.
+
+    ``seconds`` is the rough total budget, shared by the bandwidth and each dtype's peak (each is timed at
+    least five times, so a very small budget is exceeded rather than giving a median of one).
+    """
+    if device not in DEVICES:
+        raise QinferError(f"unknown device {device!r}; use one of {', '.join(DEVICES)}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise QinferError("device 'cuda' requested but torch sees no CUDA GPU; use device='cpu'")
+    _positive("seconds", seconds)
+    path = roofline_path(device)
+    if not force:
+        cached = load_roofline(path)
+        if cached is not None and _describes_this_process(cached):
+            return cached
+    print(f"qinfer: measuring the {device} roofline (~{seconds:g} s)", file=sys.stderr)
+    roofline = _measure(device, seconds)
+    save_roofline(roofline, path)
+    return roofline
+
+
+def load_roofline(path: Path) -> Roofline | None:
+    """The roofline saved at ``path``, or None if there is none or it is unreadable (then it is re-measured)."""
+    try:
+        return Roofline.from_json(json.loads(Path(path).read_text(encoding="utf-8")))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError, QinferError) as exc:  # JSONDecodeError is a ValueError
+        print(f"qinfer: ignoring the unreadable roofline cache {path} ({exc})", file=sys.stderr)
+        return None
+
+
+def save_roofline(roofline: Roofline, path: Path) -> None:
+    """Write ``roofline`` as JSON atomically (temp file beside ``path``, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(roofline.to_json(), f, indent=2)
+            f.write("\n")
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def mbu(bytes_per_token: float, seconds_per_token: float, roofline: Roofline) -> float:
+    """Model bandwidth utilisation: bytes read per second over the measured read bandwidth."""
+    _positive("bytes_per_token", bytes_per_token)
+    _positive("seconds_per_token", seconds_per_token)
+    return bytes_per_token / seconds_per_token / (roofline.bandwidth_gbs * 1e9)
+
+
+def mfu(flops: float, seconds: float, roofline: Roofline, dtype: str) -> float:
+    """Model FLOP utilisation: FLOP per second over the measured ``dtype`` matmul peak."""
+    _positive("flops", flops)
+    _positive("seconds", seconds)
+    return flops / seconds / (_peak(roofline, dtype) * 1e12)
+
+
+def attainable_tflops(arithmetic_intensity: float, roofline: Roofline, dtype: str) -> float:
+    """The roof at ``arithmetic_intensity`` FLOP/byte: min(peak, intensity x bandwidth), in TFLOP/s."""
+    _positive("arithmetic_intensity", arithmetic_intensity)
+    return min(_peak(roofline, dtype), arithmetic_intensity * roofline.bandwidth_gbs * 1e9 / 1e12)
+
+
+def format_roofline(roofline: Roofline) -> str:
+    """A small table of ``roofline`` for people."""
+    head = (
+        f"roofline of {roofline.cpu_name} ({roofline.device}, {roofline.threads} threads, "
+        f"torch {roofline.torch_version}), measured {roofline.timestamp}"
+    )
+    rows = [f"  {'read bandwidth':<16}{roofline.bandwidth_gbs:10.1f} GB/s      "
+            f"(.sum() over {roofline.buffer_bytes / 2**30:g} GiB of fp32)"]
+    for dtype, peak in roofline.peak_tflops.items():
+        n = roofline.matmul_n[dtype]
+        rows.append(
+            f"  {dtype + ' matmul peak':<16}{peak:10.3f} TFLOP/s   ({n}x{n} @ {n}x{n}; "
+            f"ridge at {roofline.ridge(dtype):.1f} FLOP/byte)"
+        )
+    return "\n".join([head, *rows])
+
+
+def plot_roofline(roofline: Roofline, points: Sequence[RooflinePoint], path: Path) -> Path:
+    """Draw the roof and ``points`` on log-log axes into the PNG ``path``; returns ``path``."""
+    try:
+        from qinfer.evals.roofline_plot import draw_roofline  # matplotlib is needed for plots only
+    except ImportError as exc:
+        raise QinferError(f"plotting the roofline needs matplotlib ({exc}); pip install matplotlib") from None
+    return draw_roofline(roofline, points, Path(path))
+
+
+def _measure(device: str, seconds: float) -> Roofline:
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    budget = seconds / (1 + len(DTYPES))
+    buffer = torch.ones(BUFFER_BYTES // 4, dtype=torch.float32, device=device)  # ones: every page is touched
+    bandwidth = BUFFER_BYTES / _median_seconds(buffer.sum, sync, budget) / 1e9
+    del buffer
+    peaks, sizes = {}, {}
+    for name, dtype in DTYPES.items():
+        n = _matmul_size(dtype, device, sync)
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        peaks[name] = 2 * n**3 / _median_seconds(lambda: a @ b, sync, budget) / 1e12
+        sizes[name] = n
+    return Roofline(
+        device=device,
+        bandwidth_gbs=bandwidth,
+        peak_tflops=peaks,
+        threads=torch.get_num_threads(),
+        cpu_name=_device_name(device),
+        torch_version=torch.__version__,
+        timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        buffer_bytes=BUFFER_BYTES,
+        matmul_n=sizes,
+    )
+
+
+def _median_seconds(fn: Callable[[], object], sync: Callable[[], None], budget: float) -> float:
+    fn()  # warm-up: first-touch, kernel selection, thread-pool start
+    sync()
+    times: list[float] = []
+    deadline = time.perf_counter() + budget
+    while len(times) < _MIN_REPS or (len(times) < _MAX_REPS and time.perf_counter() < deadline):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _matmul_size(dtype: torch.dtype, device: str, sync: Callable[[], None]) -> int:
+    n = 256
+    while n < _MATMUL_MAX_N:
+        a = torch.randn(n, n, device=device).to(dtype)
+        a @ a  # warm-up at this size
+        sync()
+        start = time.perf_counter()
+        a @ a
+        sync()
+        if time.perf_counter() - start >= _MATMUL_TARGET_S:
+            break
+        n *= 2
+    return n
+
+
+def _device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass  # not Linux: fall back to what the platform module knows
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def _describes_this_process(roofline: Roofline) -> bool:
+    return (
+        roofline.threads == torch.get_num_threads()
+        and roofline.torch_version == torch.__version__
+        and roofline.cpu_name == _device_name(roofline.device)
+        and set(roofline.peak_tflops) == set(DTYPES)
+    )
+
+
+def _peak(roofline: Roofline, dtype: str) -> float:
+    if dtype not in roofline.peak_tflops:
+        raise QinferError(f"no measured peak for dtype {dtype!r}; the roofline has {', '.join(roofline.peak_tflops)}")
+    return roofline.peak_tflops[dtype]
+
+
+def _positive(what: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise QinferError(f"{what} must be a positive finite number; got {value!r}")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m qinfer.evals.roofline", description=__doc__.partition("\n")[0])
+    parser.add_argument("--device", default="cpu", choices=DEVICES)
+    parser.add_argument("--seconds", type=float, default=3.0, help="rough measuring budget (default 3)")
+    parser.add_argument("--force", action="store_true", help="measure again even if a cached roofline matches")
+    args = parser.parse_args(argv)
+    try:
+        print(format_roofline(measure_roofline(args.device, args.seconds, args.force)))
+    except QinferError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+if __name__ == "__main__":
+    main()

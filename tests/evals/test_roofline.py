@@ -1,0 +1,124 @@
+import json
+
+import pytest
+import torch
+
+from qinfer.errors import QinferError
+from qinfer.evals import roofline as rl
+from qinfer.evals.roofline import (
+    Roofline,
+    RooflinePoint,
+    attainable_tflops,
+    format_roofline,
+    load_roofline,
+    mbu,
+    measure_roofline,
+    mfu,
+    plot_roofline,
+    roofline_path,
+    save_roofline,
+)
+
+
+def _roofline(**changes) -> Roofline:
+    fields = dict(
+        device="cpu", bandwidth_gbs=20.0, peak_tflops={"bf16": 0.5, "fp32": 0.25}, threads=torch.get_num_threads(),
+        cpu_name=rl._device_name("cpu"), torch_version=torch.__version__, timestamp="2026-01-01T00:00:00+00:00",
+        buffer_bytes=1 << 30, matmul_n={"bf16": 2048, "fp32": 1024},
+    )
+    return Roofline(**{**fields, **changes})
+
+
+def test_mbu_mfu_and_the_roof_are_exact():
+    r = _roofline()
+    assert mbu(2e9, 0.2, r) == 0.5  # 10 GB/s of 20
+    assert mfu(1e12, 4.0, r, "fp32") == 1.0  # 0.25 TFLOP/s of 0.25
+    assert mfu(1e12, 4.0, r, "bf16") == 0.5
+    assert r.ridge("bf16") == 25.0 and r.ridge("fp32") == 12.5  # FLOP/byte where slope meets ceiling
+    assert attainable_tflops(10.0, r, "bf16") == pytest.approx(0.2, rel=1e-15)  # on the slope: 10 x 20 GB/s
+    assert attainable_tflops(25.0, r, "bf16") == 0.5
+    assert attainable_tflops(100.0, r, "bf16") == 0.5 and attainable_tflops(100.0, r, "fp32") == 0.25
+
+
+def test_helpers_reject_bad_input():
+    r = _roofline()
+    with pytest.raises(QinferError, match="no measured peak for dtype 'fp8'.*bf16, fp32"):
+        mfu(1.0, 1.0, r, "fp8")
+    with pytest.raises(QinferError, match="seconds_per_token must be a positive"):
+        mbu(1.0, 0.0, r)
+    with pytest.raises(QinferError, match="arithmetic_intensity"):
+        attainable_tflops(float("nan"), r, "bf16")
+
+
+def test_roofline_is_validated_and_read_only():
+    with pytest.raises(QinferError, match="bandwidth_gbs"):
+        _roofline(bandwidth_gbs=-1.0)
+    with pytest.raises(QinferError, match="peak_tflops"):
+        _roofline(peak_tflops={"int3": 1.0})
+    with pytest.raises(QinferError, match="device"):
+        _roofline(device="tpu")
+    with pytest.raises(TypeError):
+        _roofline().peak_tflops["bf16"] = 1e9
+    with pytest.raises(QinferError, match="kind"):
+        RooflinePoint("x", 1.0, 1.0, "training")
+
+
+def test_json_round_trip(tmp_path):
+    r = _roofline()
+    save_roofline(r, tmp_path / "r.json")
+    assert load_roofline(tmp_path / "r.json") == r
+    assert json.loads((tmp_path / "r.json").read_text())["peak_tflops"] == {"bf16": 0.5, "fp32": 0.25}
+    assert load_roofline(tmp_path / "missing.json") is None
+    (tmp_path / "bad.json").write_text("{not json")
+    assert load_roofline(tmp_path / "bad.json") is None
+
+
+def test_cache_is_used_while_it_describes_this_process(monkeypatch):
+    fresh = _roofline(bandwidth_gbs=99.0)
+    calls = []
+    monkeypatch.setattr(rl, "_measure", lambda device, seconds: calls.append(device) or fresh)
+    save_roofline(_roofline(), roofline_path("cpu"))
+    assert measure_roofline() == _roofline() and calls == []
+    assert measure_roofline(force=True) == fresh and calls == ["cpu"]
+    assert load_roofline(roofline_path("cpu")) == fresh
+    save_roofline(_roofline(torch_version="0.0.1"), roofline_path("cpu"))  # stale: another torch
+    assert measure_roofline() == fresh and calls == ["cpu", "cpu"]
+    roofline_path("cpu").write_text("garbage")
+    assert measure_roofline() == fresh and len(calls) == 3
+
+
+def test_measurement_runs_and_gives_a_valid_roofline(monkeypatch):
+    # small buffer and matmuls: this checks the plumbing, not the machine (no timing asserts)
+    monkeypatch.setattr(rl, "BUFFER_BYTES", 16 << 20)
+    monkeypatch.setattr(rl, "_MATMUL_TARGET_S", 0.0)
+    r = measure_roofline(seconds=0.05, force=True)
+    assert set(r.peak_tflops) == {"bf16", "fp32"} and r.matmul_n == {"bf16": 256, "fp32": 256}
+    assert r.buffer_bytes == 16 << 20 and r.threads == torch.get_num_threads() and r.cpu_name
+    assert load_roofline(roofline_path("cpu")) == r
+
+
+def test_unavailable_device_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(QinferError, match="no CUDA GPU; use device='cpu'"):
+        measure_roofline("cuda")
+
+
+def test_plot_writes_a_png(tmp_path):
+    points = [
+        RooflinePoint("decode bf16", 1.0, 0.01, "decode"),
+        RooflinePoint("decode int4", 3.5, 0.04, "decode"),
+        RooflinePoint("prefill 512", 300.0, 0.2, "prefill"),
+    ]
+    for name, pts in (("points.png", points), ("empty.png", [])):
+        path = plot_roofline(_roofline(), pts, tmp_path / "sub" / name)
+        data = path.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_table_and_main(capsys):
+    r = _roofline()
+    text = format_roofline(r)
+    assert "20.0 GB/s" in text and "0.500 TFLOP/s" in text and "ridge at 25.0 FLOP/byte" in text
+    save_roofline(r, roofline_path("cpu"))
+    rl.main([])
+    assert capsys.readouterr().out.strip() == text
