@@ -112,5 +112,43 @@ def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed):
     repl(ChatSession(lm, tok, params, system=system))
 
 
+@cli.command()
+@click.argument("model")
+@click.option("-o", "--out", required=True, type=click.Path(), help="Output folder (written atomically).")
+@click.option("--bits", type=int, default=4, show_default=True, help="2, 3, 4 or 8 (8 with --format fp8 for FP8).")
+@click.option("--method", type=click.Choice(["gptq", "awq", "rtn"]), default="gptq", show_default=True)
+@click.option("--group-size", type=int, default=128, show_default=True, help="32, 64, 128, or -1 for per-channel.")
+@click.option("--sym/--asym", default=True, show_default=True, help="Symmetric (implicit zero) or asymmetric.")
+@click.option("--act-order", is_flag=True, help="GPTQ: visit columns by decreasing Hessian diagonal (static groups).")
+@click.option("--format", "fmt", type=click.Choice(["int", "fp8"]), default="int", show_default=True)
+@click.option("--kv-cache", type=click.Choice(["none", "int8", "fp8"]), default="none", show_default=True,
+              help="Calibrate KV-cache scales for this cache dtype.")
+@click.option("--calib", default="austen", show_default=True, help="austen, a .txt or .jsonl file, or a dataset name.")
+@click.option("--samples", type=int, default=128, show_default=True)
+@click.option("--seq-len", type=int, default=512, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--quantize-lm-head", is_flag=True, help="Also quantize lm_head (to --lm-head-bits).")
+@click.option("--lm-head-bits", type=int, default=8, show_default=True)
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache, calib, samples, seq_len, seed,
+             quantize_lm_head, lm_head_bits, force):
+    """Quantize MODEL into the qinfer format (safetensors + quant_config.json) at OUT."""
+    from qinfer.format import QuantScheme
+    from qinfer.quantize import CalibConfig, quantize_model
+    from qinfer.sources import resolve_model
+
+    if fmt == "fp8":
+        method, group_size = "fp8", -1
+        lm_head_bits = 8
+    scheme = QuantScheme(method=method, bits=bits, group_size=group_size, symmetric=sym, act_order=act_order,
+                         format=fmt, kv_cache=kv_cache, quantize_lm_head=quantize_lm_head, lm_head_bits=lm_head_bits)
+    calib_config = CalibConfig(source=calib, samples=samples, seq_len=seq_len, seed=seed)
+    try:
+        report = quantize_model(resolve_model(model), out, scheme, calib_config, force=force)
+    except KeyboardInterrupt:
+        raise click.ClickException(f"interrupted: nothing was written to {out}") from None
+    click.echo(report.summary())
+
+
 def main():
     cli(prog_name="qinfer")
