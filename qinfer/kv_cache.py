@@ -1,26 +1,75 @@
-"""A contiguous per-layer KV cache: the interface the model writes through.
+"""A contiguous per-layer KV cache, optionally quantized: the interface the model writes through.
 
-``update`` stores the new keys/values at their positions and returns everything cached so far. Later
-engines swap in a paged, quantized cache with the same method.
+``update`` stores the new keys/values at their positions and returns everything cached so far, in the
+compute dtype. With ``kv_dtype`` "int8" or "fp8" the cache quantizes on write and dequantizes on read,
+one scale per KV head and layer:
+
+    int8: q = clamp(round(x / scale), -127, 127)          x ≈ q * scale
+    fp8:  q = fp8_e4m3(clamp(x / scale, -448, 448))        x ≈ q * scale
+
+Scales come from calibration (``scales``: {layer: (k_scale [Hkv], v_scale [Hkv])}, as stored by
+``qinfer quantize --kv-cache``); without them a layer's scale is set on its first write (the prefill)
+from that write's absmax times ``UNCALIBRATED_HEADROOM``, so later tokens rarely clip.
 """
 
 import torch
 
 from qinfer.arch import ModelConfig
 
+KV_DTYPES = {"bf16": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+QMAX = {"int8": 127.0, "fp8": 448.0}
+UNCALIBRATED_HEADROOM = 2.0
+
 
 class KVCache:
-    def __init__(self, config: ModelConfig, batch: int, max_len: int, dtype: torch.dtype, device="cpu"):
+    def __init__(
+        self,
+        config: ModelConfig,
+        batch: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device="cpu",
+        kv_dtype: str = "bf16",
+        scales: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ):
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
         shape = (batch, config.num_kv_heads, max_len, config.head_dim)  # [B, Hkv, S_max, D]
-        self.max_len = max_len
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        store = KV_DTYPES[kv_dtype] or dtype
+        self.max_len, self.dtype, self.kv_dtype = max_len, dtype, kv_dtype
+        self.k = [torch.zeros(shape, dtype=store, device=device) for _ in range(config.num_layers)]
+        self.v = [torch.zeros(shape, dtype=store, device=device) for _ in range(config.num_layers)]
+        # per layer: (k_scale, v_scale), each [Hkv] fp32
+        self.scales = {i: (k.float().to(device), v.float().to(device)) for i, (k, v) in (scales or {}).items()}
 
     def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        # input_pos: [T]; k, v: [B, Hkv, T, D] -> cached [B, Hkv, end, D]
+        # input_pos: [T]; k, v: [B, Hkv, T, D] -> cached [B, Hkv, end, D] in the compute dtype
         end = int(input_pos[-1]) + 1
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions; position {end - 1} does not fit")
-        self.k[layer][:, :, input_pos] = k
-        self.v[layer][:, :, input_pos] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        if self.kv_dtype == "bf16":
+            self.k[layer][:, :, input_pos] = k
+            self.v[layer][:, :, input_pos] = v
+            return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        if layer not in self.scales:
+            self.scales[layer] = tuple(self._initial_scale(x) for x in (k, v))
+        k_scale, v_scale = self.scales[layer]
+        self.k[layer][:, :, input_pos] = self._quantize(k, k_scale)
+        self.v[layer][:, :, input_pos] = self._quantize(v, v_scale)
+        return self._dequantize(self.k[layer][:, :, :end], k_scale), self._dequantize(self.v[layer][:, :, :end], v_scale)
+
+    def bytes_per_token(self) -> int:
+        """Bytes one cached position occupies across all layers (keys and values)."""
+        per_layer = self.k[0][0, :, 0].numel() * self.k[0].element_size() * 2
+        return per_layer * len(self.k) * self.k[0].shape[0]
+
+    def _initial_scale(self, x: torch.Tensor) -> torch.Tensor:
+        absmax = x.detach().abs().amax(dim=(0, 2, 3)).float() * UNCALIBRATED_HEADROOM  # [Hkv]
+        return torch.where(absmax > 0, absmax / QMAX[self.kv_dtype], torch.ones_like(absmax))
+
+    def _quantize(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        y = (x.float() / scale[None, :, None, None]).clamp(-QMAX[self.kv_dtype], QMAX[self.kv_dtype])
+        return y.round().to(torch.int8) if self.kv_dtype == "int8" else y.to(torch.float8_e4m3fn)
+
+    def _dequantize(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return (q.float() * scale[None, :, None, None]).to(self.dtype)

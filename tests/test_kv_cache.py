@@ -1,0 +1,49 @@
+import pytest
+import torch
+
+from qinfer.kv_cache import KVCache
+from qinfer.loader import load_model
+from tests.tiny_models import make_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama")
+    make_model("llama", folder)
+    return load_model(folder, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("kv_dtype,bound", [("int8", 0.5 / 127), ("fp8", 2.0**-4)])
+def test_quantized_cache_round_trip_error_is_bounded(tiny, kv_dtype, bound):
+    cache = KVCache(tiny.config, 1, 16, torch.float32, kv_dtype=kv_dtype)
+    k, v = torch.randn(1, 2, 10, 16), torch.randn(1, 2, 10, 16)
+    k_out, v_out = cache.update(0, torch.arange(10), k, v)
+    k_scale = cache.scales[0][0]
+    # int8: half a step of the per-head scale; fp8: 3 mantissa bits (relative), plus a subnormal floor
+    for x, y, s in ((k, k_out, k_scale), (v, v_out, cache.scales[0][1])):
+        err = (x - y).abs()
+        limit = s[None, :, None, None] / 2 if kv_dtype == "int8" else bound * x.abs() + s[None, :, None, None] * 2.0**-9
+        assert bool((err <= limit * 1.0001).all())
+    assert cache.k[0].dtype == {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv_dtype]
+
+
+def test_calibrated_scales_are_used_and_bytes_shrink(tiny):
+    scales = {i: (torch.full((2,), 0.01), torch.full((2,), 0.02)) for i in range(tiny.config.num_layers)}
+    cache = KVCache(tiny.config, 1, 8, torch.float32, kv_dtype="int8", scales=scales)
+    k = torch.full((1, 2, 1, 16), 5.0)  # 5 / 0.01 = 500 -> clipped to 127 * 0.01
+    k_out, _ = cache.update(0, torch.tensor([0]), k, k)
+    assert torch.allclose(k_out, torch.full_like(k, 1.27))
+    dense = KVCache(tiny.config, 1, 8, torch.bfloat16)
+    assert cache.bytes_per_token() * 2 == dense.bytes_per_token()
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_quantized_cache_decoding_stays_close(tiny, kv_dtype):
+    ids = torch.randint(0, 97, (1, 12))
+    with torch.no_grad():
+        full = tiny(ids)
+        cache = KVCache(tiny.config, 1, 12, torch.float32, kv_dtype=kv_dtype)
+        steps = [tiny(ids[:, :6], torch.arange(6), cache)]
+        steps += [tiny(ids[:, t : t + 1], torch.tensor([t]), cache) for t in range(6, 12)]
+    got = torch.cat(steps, dim=1)
+    assert float((got - full).norm() / full.norm()) < 0.05
