@@ -119,7 +119,8 @@ def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed):
 @click.option("--method", type=click.Choice(["gptq", "awq", "rtn"]), default="gptq", show_default=True)
 @click.option("--group-size", type=int, default=128, show_default=True, help="32, 64, 128, or -1 for per-channel.")
 @click.option("--sym/--asym", default=True, show_default=True, help="Symmetric (implicit zero) or asymmetric.")
-@click.option("--act-order", is_flag=True, help="GPTQ: visit columns by decreasing Hessian diagonal (static groups).")
+@click.option("--act-order/--no-act-order", default=None,
+              help="GPTQ: visit columns by decreasing Hessian diagonal, with static groups (default on for GPTQ).")
 @click.option("--format", "fmt", type=click.Choice(["int", "fp8"]), default="int", show_default=True)
 @click.option("--kv-cache", type=click.Choice(["none", "int8", "fp8"]), default="none", show_default=True,
               help="Calibrate KV-cache scales for this cache dtype.")
@@ -140,15 +141,21 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
     if fmt == "fp8":
         method, group_size = "fp8", -1
         lm_head_bits = 8
+    if act_order is None:
+        act_order = method == "gptq"
     scheme = QuantScheme(method=method, bits=bits, group_size=group_size, symmetric=sym, act_order=act_order,
                          format=fmt, kv_cache=kv_cache, quantize_lm_head=quantize_lm_head, lm_head_bits=lm_head_bits)
     calib_config = CalibConfig(source=calib, samples=samples, seq_len=seq_len, seed=seed)
     try:
         report = quantize_model(resolve_model(model), out, scheme, calib_config, force=force)
     except KeyboardInterrupt:
-        raise click.ClickException(f"interrupted: nothing was written to {out}") from None
+        raise QinferError(f"interrupted: nothing was written to {out}") from None
     click.echo(report.summary())
 
 
 def main():
-    cli(prog_name="qinfer")
+    try:
+        cli(prog_name="qinfer", standalone_mode=True)
+    except KeyboardInterrupt:
+        click.echo("Error: interrupted", err=True)
+        sys.exit(130)

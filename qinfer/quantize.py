@@ -2,7 +2,8 @@
 
 True sequential: block i is calibrated on the outputs of the already-quantized blocks 0..i-1, so each
 block's quantizer sees (and can compensate) the error that reaches it. Memory stays bounded by the
-bf16 model (memory-mapped) plus one block in fp32 plus one block's activations [S, L, C].
+bf16 model (memory-mapped) plus one block's activations [S, L, C] in bf16. Blocks run in bf16 (the
+model's own compute dtype, and AMX-fast on CPU); quantizers work on fp32 copies of each weight.
 """
 
 import json
@@ -16,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from qinfer.awq_pipeline import apply_awq
 from qinfer.cache import atomic_dir
 from qinfer.calib.capture import capture_block, embed_samples, run_block
 from qinfer.calib.sampling import sample_windows
@@ -97,29 +99,27 @@ def quantize_model(folder: Path, out: Path, scheme: QuantScheme, calib: CalibCon
     start = time.perf_counter()
     model = load_model(folder, dtype=torch.bfloat16)
     needs_calib = scheme.method in ("gptq", "awq") or scheme.kv_cache != "none"
-    X = embed_samples(model, calibration_batch(folder, calib), torch.float32) if needs_calib else None
+    X = embed_samples(model, calibration_batch(folder, calib), model.dtype) if needs_calib else None
     tensors: dict[str, torch.Tensor] = {}
     report = QuantizeReport(out, _folder_bytes(folder), 0, 0, 0, 0.0, 0)
     names = model.config.arch.linear_names
     groups = tuple(g.linears for g in model.config.arch.linear_groups)
     for i in tqdm(range(model.config.num_layers), desc=f"quantizing ({scheme.method})", unit="block"):
-        block = model.model.layers[i].float()
+        block = model.model.layers[i]
         stats = None
         if X is not None:
             keep = AWQ_ROWS if scheme.method == "awq" else 0
             stats = capture_block(model, i, X, groups, keep_rows=keep, seed=calib.seed)
         if scheme.method == "awq":
-            from qinfer.awq_pipeline import apply_awq
-
             apply_awq(model, i, stats, scheme)
         for name in names:
             module: QLinear = block.get_submodule(name)
             prefix = f"model.layers.{i}.{name}"
             H = stats.linears[name].H if stats is not None else None
-            qw, err = _quantize_linear(module.weight.data, H, scheme, prefix)
+            qw, err = _quantize_linear(module.weight.data.float(), H, scheme, prefix)
             report.layer_errors[prefix] = err
             _account(report, tensors, qw, prefix, module.weight.numel())
-            module.weight.data = qw.dequantize(torch.float32)  # the next blocks see the quantized block
+            module.weight.data = qw.dequantize(model.dtype)  # the next blocks see the quantized block
         if stats is not None and scheme.kv_cache != "none":
             to_scale = int8_kv_scale if scheme.kv_cache == "int8" else fp8_kv_scale
             tensors[f"model.layers.{i}.self_attn.k_scale"] = to_scale(stats.k_absmax).float()
@@ -128,8 +128,8 @@ def quantize_model(folder: Path, out: Path, scheme: QuantScheme, calib: CalibCon
             X = run_block(model, i, X)
         for name, t in block.state_dict().items():  # norms (maybe AWQ-rescaled) go back in the model dtype
             if not any(name.startswith(n + ".") for n in names):
-                tensors[f"model.layers.{i}.{name}"] = t.to(torch.bfloat16).contiguous()
-        model.model.layers[i] = block.to(torch.bfloat16)  # release the fp32 copy
+                tensors[f"model.layers.{i}.{name}"] = t.contiguous()
+        model.model.layers[i] = torch.nn.Identity()  # done with this block: release its weights
         del block
     tensors["model.embed_tokens.weight"] = model.model.embed_tokens.weight.contiguous()
     tensors["model.norm.weight"] = model.model.norm.weight.contiguous()
@@ -137,6 +137,7 @@ def quantize_model(folder: Path, out: Path, scheme: QuantScheme, calib: CalibCon
     del X
     with atomic_dir(out, force=force) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "qinfer_format": "1"})
+        (tmp / "model.safetensors").chmod(0o644)  # safetensors creates 0600
         for name in COPIED_FILES:
             if (folder / name).exists():
                 shutil.copy2(folder / name, tmp / name)
@@ -179,8 +180,8 @@ def _lm_head(model: Transformer, X: torch.Tensor | None, scheme: QuantScheme, te
     head_scheme = scheme.lm_head_scheme()
     H = None
     if X is not None and head_scheme.method == "gptq":
-        h = model.model.norm(X.to(torch.bfloat16)).float().reshape(-1, X.shape[-1])
-        H = h.T @ h
+        h = model.model.norm(X).reshape(-1, X.shape[-1])
+        H = (h.T @ h).float()
     qw, err = _quantize_linear(W.float(), H, head_scheme, "lm_head")
     report.layer_errors["lm_head"] = err
     _account(report, tensors, qw, "lm_head", W.numel())

@@ -1,0 +1,63 @@
+"""AWQ applied to one decoder block, wired by the architecture table.
+
+For each group of linears that read one input (``ArchSpec.linear_groups``): search input-channel scales
+on the captured activations, fold ``1/s`` into the producer of that input (the RMSNorm, or the linear
+before), multiply the group's input columns by ``s``, then search and apply per-group weight clipping.
+The block computes the same function in floating point afterwards; the pipeline then quantizes the
+rescaled, clipped weights with round-to-nearest. Like AutoAWQ, q/k are not clipped (their errors are
+amplified through the softmax), and a linear-to-linear fold is skipped when the shapes differ (v_proj ->
+o_proj under grouped-query attention, where one v channel feeds several o_proj columns).
+"""
+
+import torch
+
+from qinfer.calib.capture import BlockStats
+from qinfer.format import QuantScheme
+from qinfer.model import Transformer
+from qinfer.quantizers.awq import (
+    apply_clip,
+    awq_search_clip,
+    awq_search_scales,
+    fold_scales_into_linear,
+    fold_scales_into_norm,
+    scale_linear_inputs,
+)
+
+NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")
+
+
+def apply_awq(model: Transformer, layer_idx: int, stats: BlockStats, scheme: QuantScheme) -> dict[str, float]:
+    """Rescale and clip block ``layer_idx``'s linears in place; returns the chosen ratio per group."""
+    arch = model.config.arch
+    block = model.model.layers[layer_idx]
+    ratios = {}
+    for group in arch.linear_groups:
+        linears = [block.get_submodule(name) for name in group.linears]
+        X = stats.linears[group.linears[0]].inputs()  # [T, K] fp32
+        weights = [m.weight.data.float() for m in linears]
+        s = None
+        if group.norm is not None or _foldable(block.get_submodule(group.prev), linears):
+            result = awq_search_scales(X, weights, scheme)
+            s, ratios[group.linears[0]] = result.scales, result.ratio
+            if group.norm is not None:
+                norm = block.get_submodule(group.norm)
+                w, _ = fold_scales_into_norm(norm.weight.data.float(), s, offset=arch.norm_offset)
+                norm.weight.data = w.to(norm.weight.dtype)
+            else:
+                prev = block.get_submodule(group.prev)
+                bias = None if prev.bias is None else prev.bias.data.float()
+                w, b = fold_scales_into_linear(prev.weight.data.float(), s, bias)
+                prev.weight.data = w.to(prev.weight.dtype)
+                if b is not None:
+                    prev.bias.data = b.to(prev.bias.dtype)
+            weights = [scale_linear_inputs(W, s) for W in weights]
+            X = X / s
+        for name, module, W in zip(group.linears, linears, weights):
+            if name not in NO_CLIP:
+                W = apply_clip(W, awq_search_clip(X, W, scheme))
+            module.weight.data = W.to(module.weight.dtype)
+    return ratios
+
+
+def _foldable(prev, linears) -> bool:
+    return all(prev.out_features == m.in_features for m in linears)

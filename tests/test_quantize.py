@@ -1,0 +1,146 @@
+"""The quantize pipeline end to end on tiny models: accuracy ordering, the written format, bad input."""
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from qinfer.errors import QinferError
+from qinfer.format import QuantScheme
+from qinfer.loader import load_model
+from qinfer.quantize import CalibConfig, quantize_model
+from qinfer.tokenizer import Tokenizer
+from tests.test_cli_errors import assert_one_line_error, run_qinfer
+from tests.tiny_models import TEXT, make_model
+
+CALIB = CalibConfig(samples=16, seq_len=64)
+
+
+@pytest.fixture(scope="module")
+def calib_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("calib") / "calib.txt"
+    path.write_text("\n\n".join([TEXT] * 40))
+    return path
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def tiny(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    make_model(request.param, folder)
+    return folder
+
+
+def logits_error(src, out, ids):
+    ref, q = load_model(src, dtype=torch.float32), load_model(out, dtype=torch.float32)
+    with torch.no_grad():
+        a, b = ref(ids), q(ids)
+    return float((a - b).norm() / a.norm())
+
+
+def test_calibrated_methods_beat_rtn(tiny, tmp_path, calib_file):
+    calib = CalibConfig(source=str(calib_file), samples=16, seq_len=64)
+    ids = torch.tensor([Tokenizer.from_folder(tiny).encode(TEXT)[:64]])  # in-distribution text
+    errors = {}
+    for method in ("rtn", "gptq", "awq"):
+        out = tmp_path / method
+        quantize_model(tiny, out, QuantScheme(method=method, bits=3, group_size=32), calib)
+        errors[method] = logits_error(tiny, out, ids)
+    assert errors["gptq"] < errors["rtn"] and errors["awq"] < errors["rtn"], errors
+
+
+def test_output_folder_is_complete_and_loads_packed(tiny, tmp_path, calib_file):
+    out = tmp_path / "q"
+    scheme = QuantScheme(method="gptq", bits=4, group_size=32, kv_cache="int8", quantize_lm_head=True)
+    report = quantize_model(tiny, out, scheme, CalibConfig(source=str(calib_file), samples=8, seq_len=32))
+    names = {p.name for p in out.iterdir()}
+    assert {"model.safetensors", "quant_config.json", "config.json", "tokenizer.json", "quantize_report.json"} <= names
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folder left behind
+    tensors = load_file(out / "model.safetensors")
+    assert tensors["model.layers.0.mlp.down_proj.qweight"].dtype == torch.uint8
+    assert tensors["lm_head.qweight"].shape == (320, 64 * 8 // 8)  # lm_head at 8 bits
+    assert tensors["model.layers.1.self_attn.k_scale"].shape == (2,)
+    assert QuantScheme.load(out) == scheme
+    model = load_model(out, dtype=torch.float32)
+    assert type(model.model.layers[0].mlp.up_proj.weight).__name__ == "QuantizedWeight"
+    assert set(model.kv_scales) == {0, 1, 2}
+    assert 4.0 < report.effective_bits < 8.5
+    assert report.bytes_after < report.bytes_before
+
+
+def test_fp8_is_close_to_reference(tiny, tmp_path):
+    out = tmp_path / "fp8"
+    quantize_model(tiny, out, QuantScheme(method="fp8", bits=8, group_size=-1, format="fp8"), CALIB)
+    assert logits_error(tiny, out, torch.randint(0, 320, (1, 32))) < 0.1
+    assert load_file(out / "model.safetensors")["model.layers.0.mlp.up_proj.weight"].dtype == torch.float8_e4m3fn
+
+
+def test_existing_output_is_refused_without_force(tiny, tmp_path):
+    out = tmp_path / "rtn"
+    out.mkdir()
+    (out / "keep.txt").write_text("user data")
+    with pytest.raises(QinferError, match="already exists"):
+        quantize_model(tiny, out, QuantScheme(method="rtn", group_size=32), CALIB)
+    assert (out / "keep.txt").read_text() == "user data"
+    quantize_model(tiny, out, QuantScheme(method="rtn", group_size=32), CALIB, force=True)
+    assert (out / "quant_config.json").exists() and not (out / "keep.txt").exists()
+
+
+def test_nan_weight_names_the_layer(tmp_path):
+    make_model("llama", tmp_path / "src")
+    path = tmp_path / "src" / "model.safetensors"
+    tensors = load_file(path)
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(QinferError, match="model.layers.1.mlp.up_proj"):
+        quantize_model(tmp_path / "src", tmp_path / "out", QuantScheme(method="rtn", group_size=32), CALIB)
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_quantize_then_generate(tiny, tmp_path, calib_file):
+    out = tmp_path / "cli"
+    proc = run_qinfer("quantize", str(tiny), "-o", str(out), "--bits", "4", "--group-size", "32",
+                      "--calib", str(calib_file), "--samples", "8", "--seq-len", "32")
+    assert proc.returncode == 0, proc.stderr
+    assert "bits per quantized weight" in proc.stdout
+    gen = run_qinfer("generate", str(out), "a single", "--max-tokens", "5")
+    assert gen.returncode == 0, gen.stderr
+    assert gen.stdout.startswith("a single")
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--bits", "5"], "bits"),
+        (["--group-size", "100"], "group"),
+        (["--format", "fp8"], "bits"),
+        (["--method", "rtn", "--act-order"], "act_order"),
+        (["--seq-len", "100000", "--calib", "SHORT"], "too short"),
+    ],
+)
+def test_cli_bad_options(tiny, tmp_path, args, needle):
+    short = tmp_path / "short.txt"
+    short.write_text("Too short.")
+    args = [str(short) if a == "SHORT" else a for a in args]
+    proc = run_qinfer("quantize", str(tiny), "-o", str(tmp_path / "out"), *args)
+    assert_one_line_error(proc, needle)
+    assert not (tmp_path / "out").exists()
+
+
+def test_interrupt_leaves_no_output(tmp_path, calib_file):
+    make_model("llama", tmp_path / "src")
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "qinfer", "quantize", str(tmp_path / "src"), "-o", str(out), "--group-size", "32",
+           "--calib", str(calib_file), "--samples", "40000", "--seq-len", "64"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(6)  # past start-up, into calibration (40000 samples keep it busy)
+    assert proc.poll() is None, "finished before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "Traceback" not in err
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
