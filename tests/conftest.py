@@ -1,13 +1,28 @@
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
 
 @pytest.fixture(autouse=True)
-def _isolated_cache(tmp_path_factory, monkeypatch):
-    """Tests never touch the user's cache unless they opt in (slow tests share one cache, see below)."""
-    monkeypatch.setenv("QINFER_CACHE", str(tmp_path_factory.getbasetemp() / "qinfer-cache"))
+def _isolated_cache(request, tmp_path_factory, monkeypatch):
+    """Fast tests get a throw-away cache. Slow tests share the real one (``$QINFER_CACHE`` or
+    ``~/.cache/qinfer``), so the built-in models and data are pulled once per machine, not per test."""
+    if request.node.get_closest_marker("slow"):
+        monkeypatch.setenv("QINFER_CACHE", os.environ.get("QINFER_CACHE") or str(Path.home() / ".cache" / "qinfer"))
+    else:
+        monkeypatch.setenv("QINFER_CACHE", str(tmp_path_factory.getbasetemp() / "qinfer-cache"))
 
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def builtin_gguf(gguf_name: str) -> Path:
+    """The verified GGUF of a built-in model, fetched into the cache on first use (slow tests only)."""
+    from qinfer.registry import BUILTINS, fetch_gguf
+
+    spec = next(s for s in BUILTINS.values() if s.gguf_name == gguf_name)
+    return fetch_gguf(spec)

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from qinfer.errors import QinferError
 from qinfer.gguf_convert import convert_gguf, unpermute_qk
+from tests.conftest import builtin_gguf
 from tests.gguf_fixtures import (
     bpe_vocab_metadata,
     llamacpp_permute,
@@ -240,14 +241,10 @@ def test_out_dir_must_be_empty(tmp_path, llama_case):
 
 # --- the real built-in models (slow; need the GGUF files) ----------------------------------------------------
 
-MODELS = Path("/tmp/models")
 
 
 def _real(name: str) -> Path:
-    path = MODELS / name
-    if not path.is_file():
-        pytest.skip(f"{path} not present")
-    return path
+    return builtin_gguf(name)
 
 
 def _greedy(folder: Path, ids: list[int], n: int) -> list[int]:

@@ -10,6 +10,7 @@ from qinfer.errors import QinferError
 from qinfer.gguf_convert import generation_config
 from qinfer.gguf_vocab import GGUFVocab, resolve_special_tokens, sentencepiece_proto, write_tokenizer_files
 from qinfer.tokenizer import StreamDecoder, Tokenizer
+from tests.conftest import builtin_gguf
 from tests.gguf_fixtures import CHATML_TEMPLATE, bpe_vocab_metadata, sp_vocab_metadata
 
 TEXTS = [
@@ -247,9 +248,7 @@ def test_folder_without_tokenizer(tmp_path):
 def test_real_gemma3_vocabulary(tmp_path):
     from qinfer.gguf_convert import open_gguf, read_metadata
 
-    path = Path("/tmp/models/gemma-3-270m-q4_k_m.gguf")
-    if not path.is_file():
-        pytest.skip(f"{path} not present")
+    path = builtin_gguf("gemma-3-270m-q4_k_m.gguf")
     tok = Tokenizer.from_folder(_folder(tmp_path, read_metadata(open_gguf(path))))
     assert _pieces(tok, "Hello") == ["Hello"] and _pieces(tok, " Hello") == ["▁Hello"]
     assert _pieces(tok, "The capital of France is") == ["The", "▁capital", "▁of", "▁France", "▁is"]
