@@ -153,6 +153,59 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
     click.echo(report.summary())
 
 
+@cli.command(name="eval")
+@click.argument("models", nargs=-1, required=True)
+@click.option("--baseline", default=None, help="Reference model for KL and agreement (default: the first MODEL).")
+@click.option("--text", default="heldout", show_default=True, help="heldout (Austen's Persuasion) or a UTF-8 file.")
+@click.option("--max-tokens", type=int, default=2048, show_default=True, help="Tokens of the text to score.")
+@click.option("--window", type=int, default=512, show_default=True, help="Perplexity window (tokens).")
+@click.option("--stride", type=int, default=256, show_default=True, help="Window advance (tokens).")
+@click.option("--tasks", default="general_knowledge,social_iqa,strategyqa,winowhy", show_default=True,
+              help="Comma-separated BIG-bench multiple-choice tasks, or none.")
+@click.option("--limit", type=int, default=25, show_default=True, help="Examples per task.")
+@click.option("--speed/--no-speed", default=True, show_default=True, help="Measure prefill/decode speed, MBU, MFU.")
+@click.option("--kv-cache", type=click.Choice(["bf16", "int8", "fp8"]), default="bf16", show_default=True)
+@click.option("--prompt-tokens", type=int, default=512, show_default=True, help="Prompt length for prefill speed.")
+@click.option("--decode-steps", type=int, default=16, show_default=True, help="Decode steps per speed run.")
+@click.option("--repeats", type=int, default=3, show_default=True, help="Speed runs (medians are reported).")
+@click.option("--out", default="qinfer-results", show_default=True, type=click.Path(file_okay=False))
+@click.option("--no-cache", is_flag=True, help="Measure again instead of reusing cached results.")
+def eval_models(models, baseline, text, max_tokens, window, stride, tasks, limit, speed, kv_cache, prompt_tokens,
+                decode_steps, repeats, out, no_cache):
+    """Accuracy (perplexity, KL, BIG-bench) against speed against the roofline, for each MODEL."""
+    from qinfer.evals.report import format_table
+    from qinfer.evals.runner import EvalConfig, run_eval
+
+    task_list = () if tasks.strip().lower() == "none" else tuple(t.strip() for t in tasks.split(",") if t.strip())
+    config = EvalConfig(models=models, baseline=baseline, text=text, max_tokens=max_tokens, window=window,
+                        stride=stride, tasks=task_list, limit=limit, speed=speed, kv_cache=kv_cache,
+                        prompt_tokens=prompt_tokens, decode_steps=decode_steps, repeats=repeats, out=out,
+                        cache=not no_cache)
+    results = run_eval(config)
+    click.echo(format_table(results))
+    click.echo(f"wrote results.json, results.md, pareto.png{', roofline.png' if speed else ''} to {out}")
+
+
+@cli.command()
+@click.option("--force", is_flag=True, help="Measure again even if a cached roofline matches this machine.")
+def roofline(force):
+    """Measure (or show the cached) memory bandwidth and matmul peaks of this machine."""
+    import torch
+
+    from qinfer.evals.roofline import format_roofline, measure_roofline
+
+    click.echo(format_roofline(measure_roofline("cuda" if torch.cuda.is_available() else "cpu", force=force)))
+
+
+@cli.command()
+@click.option("--out", default="qinfer-results", show_default=True, type=click.Path(file_okay=False))
+def demo(out):
+    """The main job: pull gemma3-270m, quantize it (RTN, GPTQ, AWQ 4-bit; FP8), eval all, plot."""
+    from qinfer.evals.main_job import MainJobConfig, run_main_job
+
+    run_main_job(MainJobConfig(out=out))
+
+
 def main():
     try:
         cli(prog_name="qinfer", standalone_mode=True)

@@ -1,0 +1,99 @@
+"""What a model folder holds, read without loading it: a content key, its size on disk, bits per weight.
+
+``content_key`` identifies a folder's model for the eval cache. Hashing 500 MB of weights would cost
+seconds per model on every run, so it hashes what changes whenever the weights do: the bytes of
+``config.json`` and ``quant_config.json``, each safetensors file's header (tensor names, dtypes, shapes,
+offsets), and every file's name, size and modification time. Re-quantizing a folder rewrites its files
+(new mtimes), so it gets a new key; a copied folder gets a new key too, which costs one recomputation and
+is never wrong.
+
+``effective_bits`` is the stored bits per weight over the linears qinfer quantizes, the decoder blocks'
+linears named by the architecture table (plus the lm_head when it is stored quantized), counted from the
+safetensors headers: packed codes, scales and zeros all included, so a bf16 checkpoint gives exactly 16
+and RTN 4-bit g128 with fp16 scales 4.125. Weight counts come from the stored shapes (a packed
+``qweight`` ``[N, K * bits / 8]`` holds ``N * K`` weights).
+"""
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+from qinfer.arch import ModelConfig
+from qinfer.errors import QinferError
+from qinfer.format import QUANT_CONFIG_FILE, QuantScheme
+
+_WEIGHT_KEYS = ("weight", "qweight", "scale", "zero")  # a linear's stored weight; its bias is not a weight
+_HASHED_FILES = ("config.json", QUANT_CONFIG_FILE)
+
+
+def safetensors_header(path: Path) -> dict:
+    """The JSON header of one .safetensors file (``__metadata__`` removed)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise QinferError(f"{path} is truncated (no safetensors header): re-download or re-convert it")
+        (n,) = struct.unpack("<Q", head)
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise QinferError(f"{path} has a corrupt safetensors header: re-download or re-convert it") from None
+    header.pop("__metadata__", None)
+    return header
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise QinferError(f"{folder} has no *.safetensors weights: qinfer reads safetensors checkpoints only")
+    return files
+
+
+def content_key(folder: Path) -> str:
+    """A sha256 hex digest that changes whenever the folder's model does (see the module docstring)."""
+    folder = Path(folder)
+    h = hashlib.sha256()
+    for name in _HASHED_FILES:
+        path = folder / name
+        h.update(name.encode() + b"\0" + (path.read_bytes() if path.exists() else b"<absent>") + b"\0")
+    for path in sorted(p for p in folder.iterdir() if p.is_file()):
+        stat = path.stat()
+        h.update(f"{path.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+    for path in _weight_files(folder):
+        h.update(json.dumps(safetensors_header(path), sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def size_on_disk(folder: Path) -> int:
+    """Bytes of the folder's safetensors files."""
+    return sum(path.stat().st_size for path in _weight_files(folder))
+
+
+def effective_bits(folder: Path) -> float:
+    """Stored bits per weight over the quantizable linears (see the module docstring)."""
+    folder = Path(folder)
+    header: dict[str, dict] = {}
+    for path in _weight_files(folder):
+        header.update(safetensors_header(path))
+    config = ModelConfig.from_folder(folder)
+    scheme = QuantScheme.load(folder) if (folder / QUANT_CONFIG_FILE).exists() else None
+    prefixes = [f"model.layers.{i}.{name}" for i in range(config.num_layers) for name in config.arch.linear_names]
+    if "lm_head.qweight" in header or "lm_head.scale" in header:
+        prefixes.append("lm_head")
+    bits = weights = 0
+    for prefix in prefixes:
+        if f"{prefix}.qweight" in header:  # packed integer codes: [N, K * b / 8]
+            b = scheme.lm_head_bits if prefix == "lm_head" else scheme.bits
+            N, packed = header[f"{prefix}.qweight"]["shape"]
+            n_weights = N * packed * 8 // b
+        elif f"{prefix}.weight" in header:  # dense or fp8: [N, K]
+            N, K = header[f"{prefix}.weight"]["shape"]
+            n_weights = N * K
+        else:
+            raise QinferError(f"{folder}: no stored weight for {prefix}")
+        for key in _WEIGHT_KEYS:
+            if f"{prefix}.{key}" in header:
+                start, end = header[f"{prefix}.{key}"]["data_offsets"]
+                bits += 8 * (end - start)
+        weights += n_weights
+    return bits / weights

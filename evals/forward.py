@@ -1,0 +1,87 @@
+"""A loaded model as the callables the accuracy measurements take, run through the chosen KV cache.
+
+Every forward goes through a fresh ``KVCache`` of the requested ``kv_dtype``, because that is what the
+engine attends over: with "int8" or "fp8" the keys and values are quantized on write and dequantized
+for attention, so perplexity, KL and task accuracy include the cache's error. "bf16" runs without a
+cache (the cache would store the keys and values unchanged).
+
+The lm_head is the largest matmul of a small model with a big vocabulary (Gemma 3 270M: 262144 x 640,
+more FLOPs per token than all 18 blocks together), and the measurements need logits at a few positions
+only, so both callables apply it only where logits are read.
+"""
+
+from collections.abc import Callable
+
+import torch
+
+from qinfer.errors import QinferError
+from qinfer.kv_cache import KV_DTYPES, KVCache
+from qinfer.model import Transformer
+
+# (ids [T], first) -> logits [T - first, V]: the logits at positions first..T-1 of one sequence
+LogitsFn = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+def make_cache(model: Transformer, batch: int, max_len: int, kv_dtype: str) -> KVCache:
+    if kv_dtype not in KV_DTYPES:
+        raise QinferError(f"unknown KV-cache dtype {kv_dtype!r}; use one of {', '.join(KV_DTYPES)}")
+    if kv_dtype == "bf16":
+        return KVCache(model.config, batch, max_len, model.dtype, model.device)
+    scales = getattr(model, "kv_scales", None) or None  # calibrated by `qinfer quantize --kv-cache`, if present
+    return KVCache(model.config, batch, max_len, model.dtype, model.device, kv_dtype=kv_dtype, scales=scales)
+
+
+def _hidden(model: Transformer, ids: torch.Tensor, kv_dtype: str) -> torch.Tensor:
+    # ids: [B, T] -> final-norm hidden states [B, T, C]
+    B, T = ids.shape
+    cache = None if kv_dtype == "bf16" else make_cache(model, B, T, kv_dtype)
+    return model.hidden_states(ids, torch.arange(T, device=ids.device), cache)
+
+
+def window_logits(model: Transformer, kv_dtype: str, bos_id: int | None) -> LogitsFn:
+    """Logits of one window of running text, with BOS put in front of it when the model has one.
+
+    A window cut from the middle of a text has no BOS, and models trained to always see one at position 0
+    (Gemma) treat whatever token sits there as a sink: Gemma 3 270M's perplexity on Persuasion doubles
+    without it. The BOS is context only (position 0; the window's tokens follow at 1..T), never scored.
+    """
+
+    @torch.no_grad()
+    def logits(ids: torch.Tensor, first: int) -> torch.Tensor:
+        ids = ids.to(model.device)
+        lead = 0 if bos_id is None else 1
+        if lead:
+            ids = torch.cat([torch.tensor([bos_id], device=ids.device), ids])
+        h = _hidden(model, ids[None], kv_dtype)[0, first + lead :]  # [T - first, C]
+        return model.lm_head(h)
+
+    return logits
+
+
+class LazyLogits:
+    """Hidden states of a batch that turn into logits when indexed as ``[b, positions]``.
+
+    It stands in for the ``[B, T, V]`` logits tensor ``qinfer.evals.tasks.continuation_loglik`` expects:
+    that function reads ``logits[b, n_context - 1 : len(row) - 1]``, the continuation's positions, so the
+    lm_head runs on those rows only, and the ``[B, T, V]`` tensor (hundreds of MB for a long context and
+    a 262144-token vocabulary) never exists. Any other use fails loudly rather than silently.
+    """
+
+    def __init__(self, model: Transformer, hidden: torch.Tensor):
+        self._model, self._hidden = model, hidden  # hidden: [B, T, C]
+        self.shape = (*hidden.shape[:2], model.config.vocab_size)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        if not (isinstance(index, tuple) and len(index) == 2 and isinstance(index[0], int)):
+            raise TypeError(f"LazyLogits supports [b, positions] indexing only, not {index!r}")
+        return self._model.lm_head(self._hidden[index])
+
+
+def batch_forward(model: Transformer, kv_dtype: str) -> Callable[[torch.Tensor], LazyLogits]:
+    """``forward(ids [B, T]) -> logits [B, T, V]`` (as a :class:`LazyLogits`) for ``continuation_loglik``."""
+
+    @torch.no_grad()
+    def forward(ids: torch.Tensor) -> LazyLogits:
+        return LazyLogits(model, _hidden(model, ids.to(model.device), kv_dtype))
+
+    return forward

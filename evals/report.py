@@ -1,0 +1,162 @@
+"""The outputs of ``qinfer eval``: a terminal table, ``results.json``, ``results.md`` and two plots.
+
+``results.json`` (``SCHEMA_VERSION`` 1), all numbers plain JSON numbers::
+
+    {
+      "schema_version": 1,
+      "created": "<ISO 8601 UTC>",
+      "qinfer_version": "<version>",
+      "settings": {
+        "models": [<MODEL arguments>], "baseline": "<MODEL argument>", "baseline_kv_cache": "bf16",
+        "text": "heldout" | "<file>", "text_description": "<what was read, and how many tokens>",
+        "max_tokens", "window", "stride": <int>,
+        "tasks": [<task names>], "limit": <int examples per task>,
+        "speed": <bool>, "kv_cache": "bf16" | "int8" | "fp8",
+        "prompt_tokens", "decode_steps", "repeats": <int>,
+        "device": "cpu" | "cuda", "threads": <int>, "torch_version": "<version>"
+      },
+      "roofline": null | <qinfer.evals.roofline.Roofline.to_json()>,
+      "models": [{
+        "label": "<row name>", "spec": "<MODEL argument>", "path": "<resolved folder>",
+        "content_key": "<sha256 hex>", "is_baseline": <bool>,
+        "size_bytes": <int, safetensors bytes>, "effective_bits": <float, bits per linear weight>,
+        "text": {"ppl", "nll", "kl", "top1_agreement": <float>, "tokens", "window", "stride": <int>},
+        "tasks": {"<task>": {"accuracy": <float>, "accuracy_norm": <float>, "n": <int>}, ...},
+        "speed": null | {
+          "prompt_tokens", "decode_steps", "repeats": <int>, "kv_cache", "compute_dtype": <str>,
+          "ttft_s", "prefill_tok_s", "tpot_s", "decode_tok_s", "decode_context": <float>,
+          "decode_bytes", "decode_flops", "prefill_bytes", "prefill_flops": <int>,
+          "mbu", "mfu_prefill": <float, fractions of the roofline>, "threads": <int>
+        }
+      }, ...]
+    }
+
+``nll`` and ``kl`` are nats per scored token; ``kl`` is KL(baseline || model); ``effective_bits`` counts
+scales and zeros. ``pareto.png`` plots perplexity (lower is better) against decode tokens/s (against
+size on disk when speed was not measured); ``roofline.png`` places each model's decode and prefill
+on the measured roofline (only with speed).
+"""
+
+import json
+from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import torch
+
+from qinfer.evals.roofline import Roofline
+
+SCHEMA_VERSION = 1
+RESULTS_JSON, RESULTS_MD, PARETO_PNG, ROOFLINE_PNG = "results.json", "results.md", "pareto.png", "roofline.png"
+_MIB = 1 << 20
+
+
+def results_json(config, results, roofline: Roofline | None, text_description: str) -> dict:
+    from qinfer.evals.runner import BASELINE_KV, eval_device
+
+    try:
+        qinfer_version = version("qinfer-llm")
+    except PackageNotFoundError:
+        qinfer_version = "unknown"
+    settings = {
+        "models": list(config.models), "baseline": config.baseline_spec, "baseline_kv_cache": BASELINE_KV,
+        "text": config.text, "text_description": text_description, "max_tokens": config.max_tokens,
+        "window": config.window, "stride": config.stride, "tasks": list(config.tasks), "limit": config.limit,
+        "speed": config.speed, "kv_cache": config.kv_cache, "prompt_tokens": config.prompt_tokens,
+        "decode_steps": config.decode_steps, "repeats": config.repeats, "device": eval_device(),
+        "threads": torch.get_num_threads(), "torch_version": torch.__version__,
+    }
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "qinfer_version": qinfer_version,
+        "settings": settings,
+        "roofline": None if roofline is None else roofline.to_json(),
+        "models": [r.to_json() for r in results],
+    }
+
+
+def _mean(values) -> float | None:
+    values = list(values)
+    return sum(values) / len(values) if values else None
+
+
+def _rows(results) -> tuple[list[str], list[list[str]]]:
+    """Header and cells of the summary table (shared by the terminal and markdown)."""
+    header = ["model", "size MiB", "bits/w", "ppl", "KL nats", "top-1 %", "acc %", "acc_norm %",
+              "prefill tok/s", "TTFT s", "decode tok/s", "TPOT ms", "MBU %", "MFU %"]
+    rows = []
+    for r in results:
+        acc = _mean(t.accuracy for t in r.tasks.values())
+        acc_norm = _mean(t.accuracy_norm for t in r.tasks.values())
+        s = r.speed
+        rows.append([
+            r.label + (" (baseline)" if r.is_baseline else ""),
+            f"{r.size_bytes / _MIB:.1f}", f"{r.effective_bits:.3f}", f"{r.text.ppl:.3f}", f"{r.text.kl:.4f}",
+            f"{100 * r.text.top1_agreement:.1f}",
+            "-" if acc is None else f"{100 * acc:.1f}", "-" if acc_norm is None else f"{100 * acc_norm:.1f}",
+            *(["-"] * 6 if s is None else [
+                f"{s.prefill_tok_s:.1f}", f"{s.ttft_s:.3f}", f"{s.decode_tok_s:.2f}", f"{1e3 * s.tpot_s:.1f}",
+                f"{100 * s.mbu:.1f}", f"{100 * s.mfu_prefill:.1f}",
+            ]),
+        ])
+    return header, rows
+
+
+def format_table(results) -> str:
+    """The summary table as aligned plain text."""
+    header, rows = _rows(results)
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+             for row in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _md_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def results_markdown(data: dict, results) -> str:
+    s = data["settings"]
+    parts = [
+        "# qinfer eval",
+        "",
+        f"Text: {s['text_description']} (window {s['window']}, stride {s['stride']}); "
+        f"KL is KL(baseline ‖ model) in nats per token against **{s['baseline']}** (bf16 KV cache); "
+        f"models run with a {s['kv_cache']} KV cache. Tasks: {', '.join(s['tasks']) or 'none'}, "
+        f"{s['limit']} examples each, zero-shot; acc is the mean over tasks. "
+        + (f"Speed at batch 1: {s['prompt_tokens']}-token prompt, {s['decode_steps']} decode steps, median of "
+           f"{s['repeats']} runs, {s['threads']} threads." if s["speed"] else "Speed not measured."),
+        "",
+        _md_table(*_rows(results)),
+    ]
+    tasks = list(s["tasks"])
+    if tasks:
+        header = ["model"] + [f"{t} acc / acc_norm %" for t in tasks]
+        rows = [[r.label] + [f"{100 * r.tasks[t].accuracy:.1f} / {100 * r.tasks[t].accuracy_norm:.1f}"
+                             for t in tasks] for r in results]
+        parts += ["", "Per task (n = examples scored):", "",
+                  _md_table(header, rows), "", ", ".join(f"{t}: n = {results[0].tasks[t].n}" for t in tasks)]
+    if data["roofline"] is not None:
+        rf = data["roofline"]
+        peaks = ", ".join(f"{k} {v:.3g} TFLOP/s" for k, v in rf["peak_tflops"].items())
+        parts += ["", f"Roofline: {rf['cpu_name']}, {rf['threads']} threads, read bandwidth "
+                  f"{rf['bandwidth_gbs']:.1f} GB/s, matmul peaks {peaks}."]
+    return "\n".join(parts) + "\n"
+
+
+def write_outputs(config, results, roofline: Roofline | None, text_description: str) -> list[Path]:
+    """Write results.json, results.md, pareto.png and (with speed) roofline.png into ``config.out``."""
+    from qinfer.evals.plots import plot_pareto, plot_models_roofline
+
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = results_json(config, results, roofline, text_description)
+    (out / RESULTS_JSON).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    (out / RESULTS_MD).write_text(results_markdown(data, results), encoding="utf-8")
+    written = [out / RESULTS_JSON, out / RESULTS_MD, plot_pareto(results, text_description, out / PARETO_PNG)]
+    if roofline is not None:
+        written.append(plot_models_roofline(results, roofline, out / ROOFLINE_PNG))
+    return written

@@ -1,0 +1,233 @@
+"""``qinfer eval``: accuracy against speed against the roofline, for several models, cached.
+
+For each model: perplexity over a text, mean KL(baseline || model) and top-1 agreement on the same
+tokens (:mod:`qinfer.evals.divergence`), zero-shot BIG-bench accuracy (:mod:`qinfer.evals.accuracy`),
+size on disk and bits per weight (:mod:`qinfer.evals.checkpoint`), and batch-1 speed with MBU and MFU
+(:mod:`qinfer.evals.speed`). The baseline defaults to the first model and is the reference as stored,
+run with a bf16 KV cache; the models run with ``kv_cache``, so with "int8" even the baseline's own row
+shows what the quantized cache costs.
+
+Every measured part is cached on its own (:mod:`qinfer.evals.result_cache`), keyed by the models'
+content keys and the settings that part depends on; models are loaded only when some part is missing,
+so a repeated run is instant. Outputs (:mod:`qinfer.evals.report`) go to ``out``.
+"""
+
+import dataclasses
+import hashlib
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from qinfer.errors import QinferError
+from qinfer.evals import result_cache
+from qinfer.evals.accuracy import HELDOUT, load_text, task_accuracy, text_tokens
+from qinfer.evals.bigbench import SUGGESTED
+from qinfer.evals.checkpoint import content_key, effective_bits, size_on_disk
+from qinfer.evals.divergence import TextMetrics, text_metrics
+from qinfer.evals.forward import window_logits
+from qinfer.evals.roofline import Roofline, measure_roofline
+from qinfer.evals.speed import SpeedResult, measure_speed
+from qinfer.evals.tasks import MCResult, load_task
+from qinfer.kv_cache import KV_DTYPES
+from qinfer.loader import load_model
+from qinfer.registry import BUILTINS
+from qinfer.sources import resolve_model
+from qinfer.tokenizer import Tokenizer
+
+DEFAULT_TASKS = SUGGESTED  # general_knowledge, social_iqa, strategyqa, winowhy
+BASELINE_KV = "bf16"
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Settings of one eval. ``tasks=()`` skips tasks; ``out=None`` writes no files."""
+
+    models: tuple[str, ...]
+    baseline: str | None = None  # None: the first model
+    text: str = HELDOUT  # "heldout" or a UTF-8 file
+    max_tokens: int = 2048  # tokens of the text used (~8 windows at the default window/stride)
+    window: int = 512
+    stride: int = 256
+    tasks: tuple[str, ...] = DEFAULT_TASKS
+    limit: int = 25  # examples per task
+    speed: bool = True
+    kv_cache: str = "bf16"
+    prompt_tokens: int = 512
+    decode_steps: int = 16
+    repeats: int = 3  # speed runs; the medians are reported
+    out: Path | None = Path("qinfer-results")
+    cache: bool = True
+    progress: bool = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "models", tuple(self.models))
+        object.__setattr__(self, "tasks", tuple(self.tasks))
+        if self.out is not None:
+            object.__setattr__(self, "out", Path(self.out))
+        if not self.models:
+            raise QinferError("qinfer eval needs at least one MODEL")
+        if self.kv_cache not in KV_DTYPES:
+            raise QinferError(f"--kv-cache must be one of {', '.join(KV_DTYPES)}; got {self.kv_cache!r}")
+        if not 0 < self.stride <= self.window:
+            raise QinferError(f"--stride must be in 1..--window ({self.window}); got {self.stride}")
+        if self.window < 2 or self.max_tokens < self.window:
+            raise QinferError(f"--max-tokens ({self.max_tokens}) must be at least one --window ({self.window}) >= 2")
+        for name in ("limit", "prompt_tokens", "decode_steps", "repeats"):
+            if type(getattr(self, name)) is not int or getattr(self, name) < 1:
+                raise QinferError(f"EvalConfig.{name} must be a positive integer; got {getattr(self, name)!r}")
+
+    @property
+    def baseline_spec(self) -> str:
+        return self.baseline if self.baseline is not None else self.models[0]
+
+
+@dataclass(frozen=True)
+class ModelResult:
+    label: str
+    spec: str
+    path: str
+    content_key: str
+    is_baseline: bool  # the same folder as the baseline
+    size_bytes: int  # safetensors bytes on disk
+    effective_bits: float  # stored bits per weight of the quantizable linears
+    text: TextMetrics
+    tasks: dict[str, MCResult] = field(default_factory=dict)
+    speed: SpeedResult | None = None
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "ModelResult":
+        data = dict(data)
+        data["text"] = TextMetrics(**data["text"])
+        data["tasks"] = {name: MCResult(**r) for name, r in data["tasks"].items()}
+        data["speed"] = None if data["speed"] is None else SpeedResult(**data["speed"])
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class _Model:
+    spec: str
+    label: str
+    folder: Path
+    key: str
+
+
+def run_eval(config: EvalConfig) -> list[ModelResult]:
+    """Measure every model of ``config``, write the outputs to ``config.out``, return one result per model."""
+    models = _resolve(config.models)
+    baseline = _resolve([config.baseline_spec])[0]
+    examples = {task: load_task(task, config.limit) for task in config.tasks}  # unknown task: fails here, early
+    text, text_desc = load_text(config.text)
+    tokens = text_tokens(Tokenizer.from_folder(baseline.folder), text, config.max_tokens)
+    if tokens.numel() < config.window:
+        raise QinferError(
+            f"the text ({text_desc}) has {tokens.numel()} tokens, fewer than one window of {config.window}; "
+            "use a longer text or a smaller --window"
+        )
+    text_fields = dict(baseline=baseline.key, baseline_kv=BASELINE_KV, kv=config.kv_cache, window=config.window,
+                       stride=config.stride, tokens=hashlib.sha256(tokens.numpy().tobytes()).hexdigest())
+    texts = _text_part(config, models, baseline, text, tokens, text_fields)
+    roofline = measure_roofline(eval_device()) if config.speed else None
+    results = []
+    for m in models:
+        tasks, speed = _model_parts(config, m, examples, roofline)
+        results.append(ModelResult(
+            label=m.label, spec=m.spec, path=str(m.folder), content_key=m.key, is_baseline=m.folder == baseline.folder,
+            size_bytes=size_on_disk(m.folder), effective_bits=effective_bits(m.folder), text=texts[m.label],
+            tasks=tasks, speed=speed,
+        ))
+    if config.out is not None:
+        from qinfer.evals.report import write_outputs  # matplotlib: only when writing
+
+        write_outputs(config, results, roofline, f"{text_desc}, first {tokens.numel()} tokens")
+    return results
+
+
+def eval_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _load(folder: Path):
+    return load_model(folder, dtype=torch.bfloat16, device=eval_device())
+
+
+def _log(config: EvalConfig, message: str) -> None:
+    if config.progress:
+        print(f"qinfer eval: {message}", file=sys.stderr)
+
+
+def _resolve(specs) -> list[_Model]:
+    out, seen = [], {}
+    for spec in specs:
+        folder = resolve_model(spec).resolve()
+        label = spec if spec in BUILTINS else folder.name
+        seen[label] = seen.get(label, 0) + 1
+        if seen[label] > 1:
+            label = f"{label}#{seen[label]}"
+        out.append(_Model(spec, label, folder, content_key(folder)))
+    return out
+
+
+def _text_part(config, models: list[_Model], baseline: _Model, text: str, tokens, fields: dict) -> dict[str, TextMetrics]:
+    """Text metrics of every model: cached ones read, the rest measured in one pass over the text."""
+    keys = {m.label: result_cache.cache_key("text", model=m.key, **fields) for m in models}
+    found = {label: result_cache.load("text", key) if config.cache else None for label, key in keys.items()}
+    out = {label: TextMetrics(**value) for label, value in found.items() if value is not None}
+    todo = [m for m in models if m.label not in out]
+    if not todo:
+        return out
+    _log(config, f"perplexity and KL against {baseline.label} for {', '.join(m.label for m in todo)}")
+    base_model = _load(baseline.folder)
+    base_tok = Tokenizer.from_folder(baseline.folder)
+    base_fn = window_logits(base_model, BASELINE_KV, base_tok.bos_id)
+    fns = {}
+    for m in todo:
+        if m.folder == baseline.folder and config.kv_cache == BASELINE_KV:
+            fns[m.label] = base_fn  # the very same forward: its logits are computed once
+            continue
+        tok = Tokenizer.from_folder(m.folder)
+        if not torch.equal(text_tokens(tok, text, config.max_tokens), tokens):
+            raise QinferError(f"{m.label} tokenizes the text differently from the baseline {baseline.label}: "
+                              "KL and agreement need one shared vocabulary")
+        fns[m.label] = window_logits(_load(m.folder), config.kv_cache, tok.bos_id)
+    measured = text_metrics(base_fn, fns, tokens, config.window, config.stride, progress=config.progress)
+    for label, metrics in measured.items():
+        result_cache.store("text", keys[label], dataclasses.asdict(metrics))
+    return {**out, **measured}
+
+
+def _model_parts(config, m: _Model, examples: dict, roofline: Roofline | None):
+    """(task results, speed result) of one model, loading it only if something is not cached."""
+    task_keys = {task: result_cache.cache_key("task", model=m.key, task=task, limit=config.limit, kv=config.kv_cache)
+                 for task in examples}
+    tasks = {}
+    for task, key in task_keys.items():
+        value = result_cache.load("task", key) if config.cache else None
+        if value is not None:
+            tasks[task] = MCResult(**value)
+    speed_key = None
+    speed = None
+    if roofline is not None:
+        speed_key = result_cache.cache_key(
+            "speed", model=m.key, kv=config.kv_cache, prompt=config.prompt_tokens, steps=config.decode_steps,
+            repeats=config.repeats, threads=torch.get_num_threads(), roofline=roofline.to_json(),
+        )
+        value = result_cache.load("speed", speed_key) if config.cache else None
+        speed = None if value is None else SpeedResult(**value)
+    if len(tasks) == len(examples) and (roofline is None or speed is not None):
+        return tasks, speed
+    model, tok = _load(m.folder), Tokenizer.from_folder(m.folder)
+    for task, key in task_keys.items():
+        if task not in tasks:
+            tasks[task] = task_accuracy(model, tok, examples[task], config.kv_cache, f"{m.label}: {task}",
+                                        progress=config.progress)
+            result_cache.store("task", key, dataclasses.asdict(tasks[task]))
+    if roofline is not None and speed is None:
+        speed = measure_speed(model, roofline, config.kv_cache, config.prompt_tokens, config.decode_steps,
+                              config.repeats, desc=f"{m.label}: speed", progress=config.progress)
+        result_cache.store("speed", speed_key, dataclasses.asdict(speed))
+    return {task: tasks[task] for task in examples}, speed

@@ -1,0 +1,125 @@
+"""Speed at batch 1: prefill of a fixed-length prompt, then greedy decode steps, with MBU and MFU.
+
+One run: a fresh KV cache of the chosen dtype, ``prefill`` of ``prompt_tokens`` token ids (TTFT is the
+prefill plus picking the first token), then ``decode_steps`` calls of ``decode_step`` each picking its
+token by argmax. TPOT is the run's mean time per decode step. Each figure reported is the median over
+``repeats`` runs, after one short warm-up run that pages the weights in and starts the thread pool.
+
+Utilisation against the measured roofline (:mod:`qinfer.evals.roofline`):
+
+    MBU = decode_bytes / TPOT / read bandwidth      bytes per step from qinfer.evals.costs, at the mean
+                                                    context of the decode steps
+    MFU = prefill_flops / prefill time / peak       peak of the model's compute dtype (bf16 or fp32)
+
+The prompt is fixed pseudo-random token ids: the work of a forward does not depend on which tokens.
+"""
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from qinfer.errors import QinferError
+from qinfer.evals.costs import decode_bytes, decode_flops, prefill_bytes, prefill_flops
+from qinfer.evals.forward import make_cache
+from qinfer.evals.roofline import Roofline, mbu, mfu
+from qinfer.generate import decode_step, prefill
+from qinfer.kv_cache import KVCache
+from qinfer.model import Transformer
+
+_COMPUTE_DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+_WARMUP_PROMPT, _WARMUP_STEPS = 16, 2
+
+
+@dataclass(frozen=True)
+class SpeedResult:
+    prompt_tokens: int
+    decode_steps: int
+    repeats: int
+    kv_cache: str
+    compute_dtype: str  # "bf16" or "fp32": the roofline ceiling MFU is taken against
+    ttft_s: float  # median time to first token: prefill + its argmax
+    prefill_tok_s: float  # prompt_tokens / median TTFT
+    tpot_s: float  # median over runs of the mean seconds per decode step
+    decode_tok_s: float  # 1 / tpot_s
+    decode_context: float  # mean number of cached positions over the decode steps
+    decode_bytes: int  # bytes read per decode step at that context
+    decode_flops: int
+    prefill_bytes: int
+    prefill_flops: int
+    mbu: float
+    mfu_prefill: float
+    threads: int
+
+
+def _run(model: Transformer, prompt: torch.Tensor, steps: int, kv_dtype: str) -> tuple[float, float, KVCache]:
+    """(seconds to first token, mean seconds per decode step, the filled cache) of one run."""
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+    cache = make_cache(model, 1, prompt.shape[1] + steps, kv_dtype)
+    sync()
+    t0 = time.perf_counter()
+    token = prefill(model, prompt, cache).argmax(dim=-1)
+    sync()
+    ttft = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for pos in range(prompt.shape[1], prompt.shape[1] + steps):
+        token = decode_step(model, token, pos, cache).argmax(dim=-1)
+    sync()
+    return ttft, (time.perf_counter() - t0) / steps, cache
+
+
+def measure_speed(
+    model: Transformer,
+    roofline: Roofline,
+    kv_dtype: str = "bf16",
+    prompt_tokens: int = 512,
+    decode_steps: int = 16,
+    repeats: int = 3,
+    desc: str = "speed",
+    progress: bool = True,
+) -> SpeedResult:
+    if prompt_tokens < 1 or decode_steps < 1 or repeats < 1:
+        raise QinferError(
+            f"speed needs a prompt, decode steps and repeats of at least 1 (got {prompt_tokens}, {decode_steps}, {repeats})"
+        )
+    if prompt_tokens + decode_steps > model.config.max_position_embeddings:
+        raise QinferError(
+            f"a {prompt_tokens}-token prompt + {decode_steps} decode steps exceed the model's context of "
+            f"{model.config.max_position_embeddings} tokens"
+        )
+    if model.dtype not in _COMPUTE_DTYPES:
+        raise QinferError(f"no roofline ceiling for compute dtype {model.dtype}; load the model in bf16 or fp32")
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (1, prompt_tokens), generator=generator).to(model.device)
+    _run(model, prompt[:, :_WARMUP_PROMPT], _WARMUP_STEPS, kv_dtype)
+    runs = [_run(model, prompt, decode_steps, kv_dtype) for _ in tqdm(range(repeats), desc=desc, unit="run",
+                                                                       disable=not progress)]
+    ttft = statistics.median(r[0] for r in runs)
+    tpot = statistics.median(r[1] for r in runs)
+    context = prompt_tokens + (decode_steps - 1) / 2  # the steps see prompt_tokens .. prompt_tokens + steps - 1
+    cache = runs[-1][2]  # the cache as the runs used it: its bytes per position and its scales
+    step_bytes = decode_bytes(model, cache, round(context))
+    step_flops = decode_flops(model, round(context))
+    fill_flops = prefill_flops(model, prompt_tokens)
+    compute_dtype = _COMPUTE_DTYPES[model.dtype]
+    return SpeedResult(
+        prompt_tokens=prompt_tokens,
+        decode_steps=decode_steps,
+        repeats=repeats,
+        kv_cache=kv_dtype,
+        compute_dtype=compute_dtype,
+        ttft_s=ttft,
+        prefill_tok_s=prompt_tokens / ttft,
+        tpot_s=tpot,
+        decode_tok_s=1.0 / tpot,
+        decode_context=context,
+        decode_bytes=step_bytes,
+        decode_flops=step_flops,
+        prefill_bytes=prefill_bytes(model, cache, prompt_tokens),
+        prefill_flops=fill_flops,
+        mbu=mbu(step_bytes, tpot, roofline),
+        mfu_prefill=mfu(fill_flops, ttft, roofline, compute_dtype),
+        threads=torch.get_num_threads(),
+    )

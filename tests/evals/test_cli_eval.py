@@ -1,0 +1,87 @@
+"""``qinfer eval`` and ``qinfer roofline`` run as a user runs them."""
+
+import json
+import os
+
+import click
+import pytest
+
+from qinfer.cli import cli
+from qinfer.evals.runner import EvalConfig
+from tests.evals.eval_fixtures import install_roofline, install_tasks, text_file, tiny_model
+from tests.test_cli_errors import assert_one_line_error, run_qinfer
+
+SMALL = ("--window", "64", "--stride", "32", "--max-tokens", "300")
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("QINFER_CACHE", str(cache))  # the subprocess inherits it; the fixtures write into it
+    return {"model": str(tiny_model(tmp_path / "m")), "text": str(text_file(tmp_path / "text.txt")), "root": tmp_path,
+            "env": {"QINFER_CACHE": str(cache)}}
+
+
+def test_eval_writes_the_table_and_all_four_outputs(env):
+    roofline = install_roofline()
+    out = env["root"] / "out"
+    proc = run_qinfer("eval", env["model"], "--tasks", "none", "--text", env["text"], *SMALL, "--prompt-tokens", "24",
+                      "--decode-steps", "3", "--repeats", "1", "--out", str(out), env=env["env"])
+    assert proc.returncode == 0, proc.stderr
+    assert "m (baseline)" in proc.stdout and "decode tok/s" in proc.stdout
+    data = json.loads((out / "results.json").read_text())
+    assert data["schema_version"] == 1 and data["settings"]["tasks"] == []
+    assert data["roofline"] == roofline.to_json()
+    assert data["models"][0]["text"]["kl"] == 0.0 and data["models"][0]["speed"]["decode_tok_s"] > 0
+    assert "| m (baseline) |" in (out / "results.md").read_text()
+    for png in ("pareto.png", "roofline.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "it/s" in proc.stderr or "window/s" in proc.stderr  # progress bars went to stderr
+
+
+def test_eval_without_speed_writes_no_roofline_plot(env):
+    out = env["root"] / "out"
+    proc = run_qinfer("eval", env["model"], "--tasks", "none", "--no-speed", "--text", env["text"], *SMALL,
+                      "--out", str(out), env=env["env"])
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["pareto.png", "results.json", "results.md"]
+
+
+def test_unknown_task(env):
+    install_tasks()
+    proc = run_qinfer("eval", env["model"], "--tasks", "truths,nope", "--text", env["text"], *SMALL, env=env["env"])
+    assert_one_line_error(proc, "unknown BIG-bench task 'nope'")
+
+
+def test_missing_model(env):
+    proc = run_qinfer("eval", "./no/such/model", "--tasks", "none", "--text", env["text"], env=env["env"])
+    assert_one_line_error(proc, "no such file or folder")
+
+
+def test_text_too_short_for_one_window(env):
+    short = env["root"] / "short.txt"
+    short.write_text("It is a truth.")
+    proc = run_qinfer("eval", env["model"], "--tasks", "none", "--text", str(short), *SMALL, env=env["env"])
+    assert_one_line_error(proc, "fewer than one window of 64", "smaller --window")
+
+
+def test_missing_text_file(env):
+    proc = run_qinfer("eval", env["model"], "--tasks", "none", "--text", str(env["root"] / "nope.txt"), env=env["env"])
+    assert_one_line_error(proc, "no such file")
+
+
+def test_roofline_command_shows_the_cached_roofline(env):
+    install_roofline()
+    proc = run_qinfer("roofline", env=env["env"])
+    assert proc.returncode == 0, proc.stderr
+    assert "read bandwidth" in proc.stdout and "20.0 GB/s" in proc.stdout
+
+
+def test_cli_defaults_are_the_eval_config_defaults():
+    params = {p.name: p.default for p in cli.commands["eval"].params if isinstance(p, click.Option)}
+    defaults = EvalConfig(models=("m",))
+    for name in ("text", "max_tokens", "window", "stride", "limit", "speed", "kv_cache", "prompt_tokens",
+                 "decode_steps", "repeats"):
+        assert params[name] == getattr(defaults, name), name
+    assert tuple(params["tasks"].split(",")) == defaults.tasks
+    assert params["out"] == os.fspath(defaults.out)

@@ -1,0 +1,107 @@
+import shutil
+
+import pytest
+from safetensors import safe_open
+
+from qinfer.evals.checkpoint import content_key, effective_bits, size_on_disk
+from qinfer.evals.costs import decode_bytes, decode_flops, prefill_flops, weight_bytes
+from qinfer.evals.forward import make_cache
+from qinfer.format import QuantScheme
+from qinfer.loader import load_model
+from qinfer.model import QLinear
+from qinfer.quantize import CalibConfig, quantize_model
+from tests.evals.eval_fixtures import tiny_model
+
+RTN_G32 = QuantScheme(method="rtn", bits=4, group_size=32)
+FP8 = QuantScheme(method="fp8", bits=8, group_size=-1, format="fp8")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("costs")
+    ref = tiny_model(root / "ref")
+    quantize_model(ref, root / "rtn", RTN_G32, CalibConfig(samples=2, seq_len=16))
+    quantize_model(ref, root / "fp8", FP8, CalibConfig(samples=2, seq_len=16))
+    head = QuantScheme(method="rtn", bits=4, group_size=32, quantize_lm_head=True, lm_head_bits=8)
+    quantize_model(ref, root / "rtn_head", head, CalibConfig(samples=2, seq_len=16))
+    return {"ref": ref, "rtn": root / "rtn", "fp8": root / "fp8", "rtn_head": root / "rtn_head"}
+
+
+def _stored_bytes(folder) -> int:
+    total = 0
+    for path in folder.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            total += sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+    return total
+
+
+@pytest.mark.parametrize("name", ["ref", "rtn", "fp8", "rtn_head"])
+def test_decode_reads_every_stored_tensor_once_and_one_embedding_row(folders, name):
+    # Tied model: the stored tensors are the embedding, the norms and the linears; a decode step reads all of
+    # them (the lm_head matmul reads the whole embedding matrix) plus the embedding row of its token. With a
+    # quantized lm_head stored on its own, the embedding matrix itself is read one row only.
+    model = load_model(folders[name])
+    cache = make_cache(model, 1, 8, "bf16")
+    row = model.config.hidden_size * 2
+    embedding = model.config.vocab_size * row
+    expected = _stored_bytes(folders[name]) + row - (embedding if name == "rtn_head" else 0)
+    assert decode_bytes(model, cache, 0) == expected
+
+
+def test_kv_bytes_grow_per_position_and_halve_in_int8(folders):
+    model = load_model(folders["ref"])
+    c = model.config
+    bf16, int8 = make_cache(model, 1, 8, "bf16"), make_cache(model, 1, 8, "int8")
+    per_position = 2 * c.num_layers * c.num_kv_heads * c.head_dim  # keys and values, all layers
+    assert decode_bytes(model, bf16, 100) - decode_bytes(model, bf16, 0) == 100 * per_position * 2
+    assert decode_bytes(model, int8, 100) - decode_bytes(model, int8, 0) == 100 * per_position * 1
+
+
+def test_packed_weights_count_codes_and_scales(folders):
+    model = load_model(folders["rtn"])
+    q = model.model.layers[0].self_attn.q_proj
+    N, K = q.out_features, q.in_features
+    assert weight_bytes(q.weight) == N * K // 2 + N * (K // 32) * 2  # 4-bit codes + fp16 scale per group
+
+
+def test_flops_count_linears_lm_head_and_windowed_attention(folders):
+    model = load_model(folders["ref"])
+    c = model.config
+    block_params = sum(m.in_features * m.out_features for m in model.model.layers.modules() if isinstance(m, QLinear))
+    head = c.hidden_size * c.vocab_size
+
+    def attention(queries):  # brute force: visible (query, key) pairs per layer
+        total = 0
+        for window in c.sliding_window:
+            for q in queries:
+                total += sum(1 for k in range(q + 1) if window is None or q - k < window)
+        return 4 * c.num_heads * c.head_dim * total
+
+    T = 23
+    assert prefill_flops(model, T) == 2 * block_params * T + 2 * head + attention(range(T))
+    assert decode_flops(model, 40) == 2 * block_params + 2 * head + attention([40])
+
+
+def test_effective_bits_and_size(folders):
+    assert effective_bits(folders["ref"]) == 16.0
+    assert effective_bits(folders["rtn"]) == 4.5  # 4 bits + one fp16 scale per 32 weights
+    model = load_model(folders["fp8"])
+    shapes = [(m.out_features, m.in_features) for m in model.model.layers.modules() if isinstance(m, QLinear)]
+    # fp8 codes + one fp32 scale per output channel
+    expected = sum(8 * N * K + 32 * N for N, K in shapes) / sum(N * K for N, K in shapes)
+    assert effective_bits(folders["fp8"]) == pytest.approx(expected, rel=1e-12)
+    head = model.config.vocab_size * model.config.hidden_size
+    blocks = sum(N * K for N, K in shapes)
+    assert effective_bits(folders["rtn_head"]) == pytest.approx((4.5 * blocks + 8.5 * head) / (blocks + head), rel=1e-12)
+    assert size_on_disk(folders["ref"]) == (folders["ref"] / "model.safetensors").stat().st_size
+    assert size_on_disk(folders["rtn"]) < size_on_disk(folders["ref"])
+
+
+def test_content_key_is_stable_and_follows_the_weights(folders, tmp_path):
+    assert content_key(folders["ref"]) == content_key(folders["ref"])
+    assert content_key(folders["ref"]) != content_key(folders["rtn"])
+    copy = shutil.copytree(folders["ref"], tmp_path / "copy")
+    before = content_key(copy)
+    weights = copy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes())  # rewritten: same bytes, new mtime
+    assert content_key(copy) != before

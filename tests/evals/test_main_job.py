@@ -1,0 +1,70 @@
+import json
+
+import pytest
+
+from qinfer.errors import QinferError
+from qinfer.evals import main_job, runner
+from qinfer.format import QuantScheme
+from qinfer.quantize import quantize_model
+from tests.evals.eval_fixtures import tiny_model
+
+RTN = QuantScheme(method="rtn", bits=4, group_size=32)
+AWQ = QuantScheme(method="awq", bits=4, group_size=32)
+
+
+@pytest.fixture
+def job(tmp_path, monkeypatch):
+    """The main job on a tiny model, with quantize calls counted, AWQ failing, and the eval recorded."""
+    monkeypatch.setenv("QINFER_CACHE", str(tmp_path / "cache"))
+    model = tiny_model(tmp_path / "tiny")
+    monkeypatch.setattr(main_job, "SCHEMES", {"rtn-w4g32": RTN, "awq-w4g32": AWQ})
+    quantized, evals = [], []
+
+    def quantize(folder, out, scheme, calib, force=False):
+        quantized.append(scheme.method)
+        if scheme.method == "awq":
+            raise QinferError("AWQ is not wired into the pipeline")
+        return quantize_model(folder, out, scheme, calib, force)
+
+    monkeypatch.setattr(main_job, "quantize_model", quantize)
+    monkeypatch.setattr(runner, "run_eval", lambda config: evals.append(config) or [])
+    config = main_job.MainJobConfig(out=tmp_path / "results", model=str(model), samples=2, seq_len=16)
+    return config, quantized, evals
+
+
+def test_main_job_quantizes_once_skips_what_fails_and_evaluates_the_rest(job, capsys):
+    config, quantized, evals = job
+    main_job.run_main_job(config)
+    assert quantized == ["rtn", "awq"]
+    err = capsys.readouterr().err
+    assert "awq-w4g32: skipped" in err and "AWQ is not wired" in err
+    assert "calibration 2 x 16 tokens" in err  # the cut-down settings are stated
+    rtn_dir = main_job.quantized_dir(config.model, "rtn-w4g32")
+    assert evals[0].models == (config.model, str(rtn_dir)) and evals[0].out == config.out
+    assert json.loads((rtn_dir / "quant_config.json").read_text())["method"] == "rtn"
+
+    main_job.run_main_job(config)  # the second run reuses the RTN folder, and tries AWQ again
+    assert quantized == ["rtn", "awq", "awq"]
+    assert "rtn-w4g32: reusing" in capsys.readouterr().err
+
+
+def test_a_folder_quantized_with_other_settings_is_not_reused(job, tmp_path):
+    config, quantized, _ = job
+    target = main_job.quantized_dir(config.model, "rtn-w4g32")
+    quantize_model(tiny_model(tmp_path / "src"), target, QuantScheme(method="rtn", bits=8, group_size=32),
+                   main_job.CalibConfig(samples=2, seq_len=16))
+    main_job.run_main_job(config)
+    assert quantized[0] == "rtn"  # re-quantized: the folder held 8-bit weights
+    assert json.loads((target / "quant_config.json").read_text())["bits"] == 4
+
+
+@pytest.mark.slow
+def test_the_main_job_end_to_end(tmp_path):
+    """Pull gemma3-270m, quantize four ways, eval against the reference (~15 min on 2 cores)."""
+    results = main_job.run_main_job(main_job.MainJobConfig(out=tmp_path / "results"))
+    assert results[0].is_baseline and results[0].text.kl == 0.0
+    assert [r.label for r in results[1:]] == [f"gemma3-270m-{name}" for name in main_job.SCHEMES]
+    for r in results[1:]:
+        assert r.text.kl > 0 and r.effective_bits < 16
+    for name in ("results.json", "results.md", "pareto.png", "roofline.png"):
+        assert (tmp_path / "results" / name).exists()

@@ -1,0 +1,16 @@
+from types import SimpleNamespace
+
+from qinfer.evals.plots import pareto_front, short_labels
+
+
+def test_pareto_front_keeps_the_points_nothing_beats_on_both_axes():
+    # (tokens/s higher is better, perplexity lower is better)
+    points = [(10.0, 33.0), (3.6, 56.8), (3.2, 38.9), (12.0, 40.0), (12.0, 45.0), (1.8, 34.0), (1.0, 30.0)]
+    assert pareto_front(points) == [(1.0, 30.0), (10.0, 33.0), (12.0, 40.0)]
+    assert pareto_front([(1.0, 1.0)]) == [(1.0, 1.0)]
+
+
+def test_short_labels_drop_the_baseline_name_from_its_derivatives():
+    rows = [SimpleNamespace(label=label, is_baseline=label == "gemma3-270m")
+            for label in ("gemma3-270m", "gemma3-270m-rtn-w4g128", "gemma3-270mx", "other")]
+    assert short_labels(rows) == ["gemma3-270m", "rtn-w4g128", "gemma3-270mx", "other"]

@@ -1,0 +1,159 @@
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from qinfer.errors import QinferError
+from qinfer.evals import runner
+from qinfer.evals.report import SCHEMA_VERSION, format_table
+from qinfer.evals.runner import EvalConfig, ModelResult, run_eval
+from tests.evals.eval_fixtures import install_roofline, install_tasks, text_file, tiny_model
+
+SMALL = dict(window=64, stride=32, max_tokens=300, tasks=(), speed=False, out=None, progress=False)
+SPEED = dict(speed=True, prompt_tokens=24, decode_steps=3, repeats=2)
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    """A fresh cache per test (the session-wide one would leak cached results between tests)."""
+    monkeypatch.setenv("QINFER_CACHE", str(tmp_path / "cache"))
+    model = tiny_model(tmp_path / "m")
+    return {"model": str(model), "text": str(text_file(tmp_path / "text.txt")), "root": tmp_path}
+
+
+@pytest.fixture
+def count_loads(monkeypatch):
+    calls = []
+    real = runner.load_model
+
+    def counting(folder, *args, **kwargs):
+        calls.append(folder)
+        return real(folder, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "load_model", counting)
+    return calls
+
+
+def _perturbed_copy(src, dst):
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name] = (tensors[name].float() + 0.05 * torch.randn(tensors[name].shape)).to(tensors[name].dtype)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_a_model_against_itself_has_zero_kl_and_full_agreement(env):
+    copy = shutil.copytree(env["model"], env["root"] / "copy")
+    base, twin = run_eval(EvalConfig(models=(env["model"], str(copy)), text=env["text"], **SMALL))
+    assert base.is_baseline and not twin.is_baseline
+    for r in (base, twin):
+        assert r.text.kl == 0.0 and r.text.top1_agreement == 1.0
+    assert twin.text.ppl == base.text.ppl and base.text.tokens == 299
+
+
+def test_a_perturbed_model_has_positive_kl(env):
+    other = _perturbed_copy(env["model"], env["root"] / "other")
+    base, r = run_eval(EvalConfig(models=(env["model"], str(other)), text=env["text"], **SMALL))
+    assert r.text.kl > 1e-4 and r.text.ppl != base.text.ppl
+    assert 0.0 <= r.text.top1_agreement <= 1.0
+
+
+def test_a_quantized_kv_cache_shows_up_as_kl_even_on_the_baseline_weights(env):
+    (r,) = run_eval(EvalConfig(models=(env["model"],), text=env["text"], kv_cache="int8", **SMALL))
+    assert r.is_baseline and r.text.kl > 0.0
+
+
+def test_perplexity_and_accuracy_are_identical_across_runs(env):
+    install_tasks(("truths", "more_truths"))
+    config = EvalConfig(models=(env["model"],), text=env["text"], **{**SMALL, "tasks": ("truths", "more_truths")},
+                        limit=5, cache=False)
+    first, second = run_eval(config)[0], run_eval(config)[0]
+    assert first.text == second.text
+    assert first.tasks == second.tasks and first.tasks["truths"].n == 5
+
+
+def test_the_cache_skips_all_work_and_no_cache_recomputes(env, count_loads):
+    install_tasks()
+    install_roofline()
+    config = EvalConfig(models=(env["model"],), text=env["text"], **{**SMALL, **SPEED, "tasks": ("truths",)})
+    first = run_eval(config)
+    assert count_loads  # measured: the model was loaded
+    count_loads.clear()
+    again = run_eval(config)
+    assert count_loads == []  # everything came from the cache, nothing was loaded or run
+    assert again == first
+    more = run_eval(dataclasses.replace(config, limit=3))  # another setting is another key
+    assert count_loads and more[0].tasks["truths"].n == 3 and more[0].text == first[0].text
+    count_loads.clear()
+    run_eval(dataclasses.replace(config, cache=False))
+    assert count_loads
+
+
+def test_results_json_follows_the_documented_schema(env):
+    install_tasks()
+    roofline = install_roofline()
+    out = env["root"] / "out"
+    config = EvalConfig(models=(env["model"],), text=env["text"],
+                        **{**SMALL, **SPEED, "tasks": ("truths",), "out": out})
+    (result,) = run_eval(config)
+    data = json.loads((out / "results.json").read_text())
+    assert data["schema_version"] == SCHEMA_VERSION == 1
+    assert set(data) == {"schema_version", "created", "qinfer_version", "settings", "roofline", "models"}
+    assert set(data["settings"]) == {
+        "models", "baseline", "baseline_kv_cache", "text", "text_description", "max_tokens", "window", "stride",
+        "tasks", "limit", "speed", "kv_cache", "prompt_tokens", "decode_steps", "repeats", "device", "threads",
+        "torch_version",
+    }
+    assert data["settings"]["models"] == [env["model"]] and data["settings"]["window"] == 64
+    assert data["roofline"] == roofline.to_json()
+    (m,) = data["models"]
+    assert set(m) == {"label", "spec", "path", "content_key", "is_baseline", "size_bytes", "effective_bits", "text",
+                      "tasks", "speed"}
+    assert set(m["text"]) == {"ppl", "nll", "kl", "top1_agreement", "tokens", "window", "stride"}
+    assert set(m["tasks"]["truths"]) == {"accuracy", "accuracy_norm", "n"}
+    assert set(m["speed"]) == {
+        "prompt_tokens", "decode_steps", "repeats", "kv_cache", "compute_dtype", "ttft_s", "prefill_tok_s", "tpot_s",
+        "decode_tok_s", "decode_context", "decode_bytes", "decode_flops", "prefill_bytes", "prefill_flops", "mbu",
+        "mfu_prefill", "threads",
+    }
+    assert m["effective_bits"] == 16.0 and m["speed"]["prompt_tokens"] == 24 and m["speed"]["compute_dtype"] == "bf16"
+    assert ModelResult.from_json(m) == result  # the JSON holds the whole result
+    assert (out / "results.md").read_text().count("| m (baseline) |") == 1
+    for png in ("pareto.png", "roofline.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "m (baseline)" in format_table([result])
+
+
+def test_unknown_task_is_a_clear_error_before_any_work(env, count_loads):
+    install_tasks()
+    with pytest.raises(QinferError, match="unknown BIG-bench task 'nope'"):
+        run_eval(EvalConfig(models=(env["model"],), text=env["text"], **{**SMALL, "tasks": ("nope",)}))
+    assert count_loads == []
+
+
+def test_missing_model_is_a_clear_error(env):
+    with pytest.raises(QinferError, match="no such file or folder"):
+        run_eval(EvalConfig(models=(env["model"], "./no/such/model"), text=env["text"], **SMALL))
+
+
+def test_text_too_short_for_one_window_is_a_clear_error(env):
+    short = env["root"] / "short.txt"
+    short.write_text("It is a truth.")
+    with pytest.raises(QinferError, match="fewer than one window of 64"):
+        run_eval(EvalConfig(models=(env["model"],), text=str(short), **SMALL))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(models=()), "at least one MODEL"),
+    (dict(kv_cache="int4"), "--kv-cache"),
+    (dict(stride=100), "--stride"),
+    (dict(max_tokens=10), "--max-tokens"),
+    (dict(repeats=0), "repeats"),
+])
+def test_config_is_validated(change, message):
+    with pytest.raises(QinferError, match=message):
+        EvalConfig(**{"models": ("m",), **SMALL, **change})
