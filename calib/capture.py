@@ -8,13 +8,12 @@ Per linear input (linears that share an input, like q/k/v, share one record):
 - the Hessian proxy ``H = sum_t x_t x_t^T`` [K, K] (GPTQ), summed in fp32 over batches whose products are
   computed in the activations' dtype (bf16 matmuls are ~3x faster on CPU; a batch's bf16-rounded partial
   sum is within ~0.2% of fp32 per entry, well below GPTQ's 1% damping),
-- the mean absolute activation per input channel [K] (AWQ's salience),
-- a fixed random subsample of input rows [T_sub, K] (AWQ's scale and clip search).
+- the mean absolute activation per input channel [K] (AWQ's salience; AWQ's searches use H too).
 Per attention layer: the absolute maximum of the keys (after norm and RoPE, as the cache stores them) and
 values per KV head, for KV-cache quantization scales.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -26,14 +25,10 @@ class LinearStats:
     H: torch.Tensor  # [K, K] fp32, sum of x x^T
     abs_sum: torch.Tensor  # [K] fp32, sum of |x|
     n: int = 0  # rows seen
-    sample: list[torch.Tensor] = field(default_factory=list)  # kept input rows, fp32
 
     @property
     def abs_mean(self) -> torch.Tensor:
         return self.abs_sum / max(self.n, 1)
-
-    def inputs(self) -> torch.Tensor:
-        return torch.cat(self.sample) if self.sample else torch.empty(0, self.H.shape[0])
 
 
 @dataclass
@@ -80,15 +75,11 @@ def run_block(model: Transformer, layer_idx: int, X: torch.Tensor, batch: int = 
 
 
 @torch.no_grad()
-def capture_block(
-    model: Transformer, layer_idx: int, X: torch.Tensor, groups: tuple[tuple[str, ...], ...], keep_rows: int = 0,
-    seed: int = 0,
-) -> BlockStats:
+def capture_block(model: Transformer, layer_idx: int, X: torch.Tensor, groups: tuple[tuple[str, ...], ...]) -> BlockStats:
     """Run block ``layer_idx`` on X [S, L, C] and collect statistics for its linears.
 
     ``groups`` lists linears that read the same input; each group is hooked once and its members share
-    one ``LinearStats``. ``keep_rows`` input rows are kept (a seeded random subset of the S*L rows) for
-    searches that need real activations (AWQ).
+    one ``LinearStats``.
     """
     block = model.model.layers[layer_idx]
     modules: dict[str, QLinear] = {group[0]: block.get_submodule(group[0]) for group in groups}
@@ -96,11 +87,6 @@ def capture_block(
         name: LinearStats(H=torch.zeros(m.in_features, m.in_features), abs_sum=torch.zeros(m.in_features))
         for name, m in modules.items()
     }
-    total_rows = X.shape[0] * X.shape[1]
-    gen = torch.Generator().manual_seed(seed)
-    keep = torch.zeros(total_rows, dtype=torch.bool)
-    keep[torch.randperm(total_rows, generator=gen)[: min(keep_rows, total_rows)]] = True
-    seen = {"rows": 0}  # rows of the current batch start at this flat index (shared by all hooks)
 
     def hook(name):
         def fn(module, inputs, output):
@@ -109,18 +95,13 @@ def capture_block(
             s.H += (x.T @ x).float()
             s.abs_sum += x.abs().float().sum(0)
             s.n += x.shape[0]
-            if keep_rows:
-                s.sample.append(x[keep[seen["rows"] : seen["rows"] + x.shape[0]]].float())
 
         return fn
 
     handles = [m.register_forward_hook(hook(name)) for name, m in modules.items()]
     cache = _StatsCache(model.config.num_kv_heads)
     try:
-        batch = 8
-        for i in range(0, X.shape[0], batch):
-            run_block(model, layer_idx, X[i : i + batch], batch=batch, cache=cache)
-            seen["rows"] += X[i : i + batch].shape[0] * X.shape[1]
+        run_block(model, layer_idx, X, cache=cache)
     finally:
         for h in handles:
             h.remove()

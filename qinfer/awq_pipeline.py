@@ -1,7 +1,7 @@
 """AWQ applied to one decoder block, wired by the architecture table.
 
 For each group of linears that read one input (``ArchSpec.linear_groups``): search input-channel scales
-on the captured activations, fold ``1/s`` into the producer of that input (the RMSNorm, or the linear
+on the captured statistics (mean |x| and the Gram matrix X^T X over every calibration token), fold ``1/s`` into the producer of that input (the RMSNorm, or the linear
 before), multiply the group's input columns by ``s``, then search and apply per-group weight clipping.
 The block computes the same function in floating point afterwards; the pipeline then quantizes the
 rescaled, clipped weights with round-to-nearest. Like AutoAWQ, q/k are not clipped (their errors are
@@ -16,8 +16,8 @@ from qinfer.format import QuantScheme
 from qinfer.model import Transformer
 from qinfer.quantizers.awq import (
     apply_clip,
-    awq_search_clip,
-    awq_search_scales,
+    awq_search_clip_gram,
+    awq_search_scales_gram,
     fold_scales_into_linear,
     fold_scales_into_norm,
     scale_linear_inputs,
@@ -33,11 +33,11 @@ def apply_awq(model: Transformer, layer_idx: int, stats: BlockStats, scheme: Qua
     ratios = {}
     for group in arch.linear_groups:
         linears = [block.get_submodule(name) for name in group.linears]
-        X = stats.linears[group.linears[0]].inputs()  # [T, K] fp32
+        captured = stats.linears[group.linears[0]]
+        H = captured.H / max(captured.n, 1)  # [K, K], per token
         weights = [m.weight.data.float() for m in linears]
-        s = None
         if group.norm is not None or _foldable(block.get_submodule(group.prev), linears):
-            result = awq_search_scales(X, weights, scheme)
+            result = awq_search_scales_gram(captured.abs_mean, H, weights, scheme)
             s, ratios[group.linears[0]] = result.scales, result.ratio
             if group.norm is not None:
                 norm = block.get_submodule(group.norm)
@@ -51,10 +51,10 @@ def apply_awq(model: Transformer, layer_idx: int, stats: BlockStats, scheme: Qua
                 if b is not None:
                     prev.bias.data = b.to(prev.bias.dtype)
             weights = [scale_linear_inputs(W, s) for W in weights]
-            X = X / s
+            H = H / s[:, None] / s[None, :]  # the Gram matrix of the rescaled inputs X / s
         for name, module, W in zip(group.linears, linears, weights):
             if name not in NO_CLIP:
-                W = apply_clip(W, awq_search_clip(X, W, scheme))
+                W = apply_clip(W, awq_search_clip_gram(H, W, scheme))
             module.weight.data = W.to(module.weight.dtype)
     return ratios
 

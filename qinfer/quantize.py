@@ -41,7 +41,6 @@ COPIED_FILES = (
     "special_tokens_map.json",
     "chat_template.jinja",
 )
-AWQ_ROWS = 4096  # calibration rows kept per linear for AWQ's searches
 
 
 @dataclass(frozen=True)
@@ -108,8 +107,7 @@ def quantize_model(folder: Path, out: Path, scheme: QuantScheme, calib: CalibCon
         block = model.model.layers[i]
         stats = None
         if X is not None:
-            keep = AWQ_ROWS if scheme.method == "awq" else 0
-            stats = capture_block(model, i, X, groups, keep_rows=keep, seed=calib.seed)
+            stats = capture_block(model, i, X, groups)
         if scheme.method == "awq":
             apply_awq(model, i, stats, scheme)
         for name in names:

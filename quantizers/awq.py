@@ -172,6 +172,42 @@ def awq_search_scales(
             check_finite(out, "AWQ: forward(candidate weights)")
             return float((out - reference).pow(2).mean())
 
+    return _search_scales(x_mean, w_mean, Ws, scheme, error, n_grid)
+
+
+def awq_search_scales_gram(
+    x_mean: torch.Tensor,
+    gram: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    scheme: QuantScheme,
+    n_grid: int = 20,
+    *,
+    duo_scaling: bool = False,
+) -> AwqScaleResult:
+    """:func:`awq_search_scales` with the default error computed from statistics instead of activations.
+
+    ``x_mean [K]`` is mean |x| per channel and ``gram [K, K]`` is ``X^T X`` over all calibration tokens
+    (what GPTQ calls H). ``||X D^T||^2 = tr(D X^T X D^T)``, so each candidate costs ``N K^2`` instead of
+    ``T K N`` and sees every calibration token, not a subsample. The ranking of candidates is the same
+    as :func:`awq_search_scales` on the full X (errors are per token and output, like there, when
+    ``gram`` is divided by the token count; the choice does not depend on that factor).
+    """
+    _check_int_scheme(scheme)
+    _check_grid(n_grid)
+    check_finite(gram, "AWQ: Gram matrix")
+    check_finite(x_mean, "AWQ: activation means")
+    Ws = [w.float() for w in weights]
+    H = gram.float()
+    w_mean = _group_normalised_abs_mean(Ws, scheme.group_size) if duo_scaling else None
+    count = sum(w.shape[0] for w in Ws)
+
+    def error(candidate: list[torch.Tensor]) -> float:
+        return sum(float(((w - c) @ H * (w - c)).sum()) for w, c in zip(Ws, candidate)) / count
+
+    return _search_scales(x_mean.float(), w_mean, Ws, scheme, error, n_grid)
+
+
+def _search_scales(x_mean, w_mean, Ws, scheme, error, n_grid) -> AwqScaleResult:
     ratios = tuple(i / n_grid for i in range(n_grid))
     errors: list[float] = []
     best, best_err = None, math.inf
@@ -232,23 +268,52 @@ def awq_search_clip(
         raise QinferError(f"AWQ clip: max_shrink must be in [0, 1), got {max_shrink!r}")
     if type(n_tokens) is not int or n_tokens < 1:
         raise QinferError(f"AWQ clip: n_tokens must be a positive int, got {n_tokens!r}")
-    N, K = W.shape
-    G, n_groups = _groups_of(W, scheme.group_size)
     Xs = X.float()[:: -(-X.shape[0] // n_tokens)]
     T = Xs.shape[0]
+    G, n_groups = _groups_of(W, scheme.group_size)
     Xg = Xs.reshape(T, n_groups, G).transpose(0, 1)  # [groups, T, G]
+    rows = max(1, _CHUNK // (n_groups * T))
+
+    def group_error(D: torch.Tensor) -> torch.Tensor:  # D: [N, groups, G] -> [N, groups]
+        err = torch.empty(D.shape[:2])
+        for r in range(0, D.shape[0], rows):
+            Dg = D[r : r + rows].permute(1, 2, 0)  # [groups, G, rows]
+            err[r : r + rows] = torch.bmm(Xg, Dg).pow(2).mean(dim=1).T  # group outputs' error [rows, groups]
+        return err
+
+    return _search_clip(W, scheme, n_grid, max_shrink, group_error)
+
+
+def awq_search_clip_gram(
+    gram: torch.Tensor, W: torch.Tensor, scheme: QuantScheme, n_grid: int = 20, max_shrink: float = 0.5
+) -> torch.Tensor:
+    """:func:`awq_search_clip` on all calibration tokens via ``gram = X^T X [K, K]``: a group's output error is
+    ``D_g H_gg D_g^T`` with ``H_gg`` the group's diagonal block, ``N K G`` work per grid step."""
+    _check_int_scheme(scheme)
+    _check_grid(n_grid)
+    if not 0.0 <= max_shrink < 1.0:
+        raise QinferError(f"AWQ clip: max_shrink must be in [0, 1), got {max_shrink!r}")
+    check_finite(gram, "AWQ: Gram matrix")
+    G, n_groups = _groups_of(W, scheme.group_size)
+    idx = torch.arange(n_groups)
+    blocks = gram.float().reshape(n_groups, G, n_groups, G)[idx, :, idx, :]  # [groups, G, G]
+
+    def group_error(D: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("ngk,gkl,ngl->ng", D, blocks, D)
+
+    return _search_clip(W, scheme, n_grid, max_shrink, group_error)
+
+
+def _search_clip(W, scheme, n_grid, max_shrink, group_error) -> torch.Tensor:
+    N, K = W.shape
+    G, n_groups = _groups_of(W, scheme.group_size)
     Wf = W.float()
     absmax = Wf.abs().reshape(N, n_groups, G).amax(dim=-1)  # [N, groups]
     best = absmax.clone()
     best_err = torch.full_like(absmax, math.inf)
-    rows = max(1, _CHUNK // (n_groups * T))
     for i in range(int(round(max_shrink * n_grid)) + 1):
         max_val = absmax * (1.0 - i / n_grid)
-        D = (Wf - fake_quantize(apply_clip(Wf, max_val), scheme)).reshape(N, n_groups, G)
-        err = torch.empty_like(absmax)
-        for r in range(0, N, rows):
-            Dg = D[r : r + rows].permute(1, 2, 0)  # [groups, G, rows]
-            err[r : r + rows] = torch.bmm(Xg, Dg).pow(2).mean(dim=1).T  # group outputs' error [rows, groups]
+        err = group_error((Wf - fake_quantize(apply_clip(Wf, max_val), scheme)).reshape(N, n_groups, G))
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best = torch.where(better, max_val, best)

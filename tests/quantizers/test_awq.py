@@ -307,3 +307,23 @@ def test_bad_inputs_raise():
         scale_linear_inputs(Ws[0], torch.zeros(K))
     with pytest.raises(QinferError, match=r"scales have shape \[256\], expected \[96\]"):
         fold_scales_into_linear(Ws[0], torch.ones(K))
+
+
+@pytest.mark.parametrize("bits,symmetric", [(4, True), (3, False)])
+def test_gram_searches_choose_what_the_activation_searches_choose(bits, symmetric):
+    from qinfer.quantizers.awq import awq_search_clip_gram, awq_search_scales_gram
+
+    gen = torch.Generator().manual_seed(3)
+    X = torch.randn(256, 128, generator=gen)
+    X[:, :4] *= 20  # salient channels
+    Ws = [torch.randn(48, 128, generator=gen) * 0.05, torch.randn(16, 128, generator=gen) * 0.05]
+    scheme = QuantScheme(method="awq", bits=bits, group_size=32, symmetric=symmetric)
+    by_x = awq_search_scales(X, Ws, scheme)
+    by_gram = awq_search_scales_gram(X.abs().mean(0), X.T @ X, Ws, scheme)
+    assert by_gram.ratio == by_x.ratio
+    torch.testing.assert_close(by_gram.scales, by_x.scales)
+    W = Ws[0] * by_x.scales
+    clip_x = awq_search_clip(X / by_x.scales, W, scheme, n_tokens=256)
+    Xs = X / by_x.scales
+    clip_gram = awq_search_clip_gram(Xs.T @ Xs, W, scheme)
+    assert float((clip_x == clip_gram).float().mean()) > 0.95  # equal up to float ties
