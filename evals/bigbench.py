@@ -20,7 +20,6 @@ Every file is written atomically (temp file beside it, then rename).
 """
 
 import difflib
-import hashlib
 import json
 import os
 import re
@@ -30,7 +29,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from qinfer.cache import cache_dir
+from qinfer.cache import cache_dir, sha256_file, write_atomic
 from qinfer.errors import QinferError
 
 SDIST = "bigbench-1.0.0.tar.gz"
@@ -62,10 +61,10 @@ def task_json(task: str) -> dict:
     if index is not None and task not in index:
         raise _unknown(task, index)
     index, data = _scan_sdist(_sdist(), task)
-    _write_atomic(data_dir() / "index.json", json.dumps(index, indent=1, sort_keys=True).encode())
+    write_atomic(data_dir() / "index.json", json.dumps(index, indent=1, sort_keys=True).encode())
     if data is None:
         raise _unknown(task, index)
-    _write_atomic(cached, json.dumps(data, ensure_ascii=False).encode("utf-8"))
+    write_atomic(cached, json.dumps(data, ensure_ascii=False).encode("utf-8"))
     return data
 
 
@@ -126,7 +125,7 @@ def _sdist() -> Path:
     """The verified sdist in the cache, downloaded with pip if absent."""
     path = data_dir() / SDIST
     if path.exists():
-        digest = _sha256(path)
+        digest = sha256_file(path)
         if digest != SDIST_SHA256:
             raise QinferError(
                 f"{path} has sha256 {digest[:12]}…, not bigbench 1.0.0's {SDIST_SHA256[:12]}…; delete it and retry"
@@ -152,35 +151,7 @@ def _sdist() -> Path:
         got = Path(tmp) / SDIST
         if not got.exists():
             raise QinferError(f"pip download {REQUIREMENT} wrote no {SDIST}; {fix}")
-        if _sha256(got) != SDIST_SHA256:
+        if sha256_file(got) != SDIST_SHA256:
             raise QinferError(f"the {SDIST} pip downloaded does not match bigbench 1.0.0's sha256; {fix}")
         os.replace(got, path)  # same folder, same file system: atomic
     return path
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to a temp file beside ``path`` and rename it: readers see the old file or the new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

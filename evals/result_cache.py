@@ -9,13 +9,11 @@ Files are written atomically; an unreadable one counts as a miss and is overwrit
 
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 
-from qinfer.cache import cache_dir
+from qinfer.cache import cache_dir, write_atomic
 
 # Bump when a measurement changes meaning, so old cached numbers are not mixed with new ones.
 CACHE_VERSION = 1
@@ -40,12 +38,4 @@ def load(part: str, key: str) -> dict | None:
 
 def store(part: str, key: str, value: dict) -> None:
     path = _path(part, key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(value, f, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, json.dumps(value, indent=1))

@@ -23,11 +23,9 @@ version and thread count match the current process (any of them changes the roof
 import argparse
 import json
 import math
-import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,7 +35,7 @@ from types import MappingProxyType
 
 import torch
 
-from qinfer.cache import cache_dir
+from qinfer.cache import cache_dir, write_atomic
 from qinfer.errors import QinferError
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -163,17 +161,7 @@ def load_roofline(path: Path) -> Roofline | None:
 def save_roofline(roofline: Roofline, path: Path) -> None:
     """Write ``roofline`` as JSON atomically (temp file beside ``path``, then rename)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(roofline.to_json(), f, indent=2)
-            f.write("\n")
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, json.dumps(roofline.to_json(), indent=2) + "\n")
 
 
 def mbu(bytes_per_token: float, seconds_per_token: float, roofline: Roofline) -> float:
@@ -306,12 +294,6 @@ def _peak(roofline: Roofline, dtype: str) -> float:
 def _positive(what: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise QinferError(f"{what} must be a positive finite number; got {value!r}")
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,7 +9,6 @@ amplified through the softmax), and a linear-to-linear fold is skipped when the 
 o_proj under grouped-query attention, where one v channel feeds several o_proj columns).
 """
 
-import torch
 
 from qinfer.calib.capture import BlockStats
 from qinfer.format import QuantScheme

