@@ -4,9 +4,9 @@ on CPU, or the pure-torch reference. Nothing here knows about models."""
 from qinfer.format import Fp8Weight, QuantizedWeight
 from qinfer.kernels.attention import attention
 from qinfer.kernels.linear import linear, register
-from qinfer.kernels.quant_linear import dequant_linear_ref
+from qinfer.kernels.quant_linear import dequant_linear_ref, quant_linear
 
-register(QuantizedWeight, dequant_linear_ref)
+register(QuantizedWeight, quant_linear)
 register(Fp8Weight, dequant_linear_ref)
 
 __all__ = ["attention", "linear"]

@@ -1,15 +1,23 @@
-"""Reference kernels for packed weights: dequantize the whole weight, then a dense matmul.
+"""Linear kernels for packed weights.
 
-Correct for every format and device, and the definition the fast kernels are tested against; it reads
-the packed bytes but then materialises the dense weight, so it saves memory on disk, not time.
+``dequant_linear_ref`` dequantizes the whole weight, then runs a dense matmul: correct for every format
+and device, and the definition the fast kernels are tested against, but it materialises the dense weight
+on every call. ``quant_linear`` is the entry point: the CPU int4 kernel where it applies, else the reference.
 """
 
 import torch
 import torch.nn.functional as F
 
 from qinfer.format import Fp8Weight, QuantizedWeight
+from qinfer.kernels import int4_cpu
 
 
 def dequant_linear_ref(x: torch.Tensor, weight: QuantizedWeight | Fp8Weight, bias: torch.Tensor | None = None):
     # x: [..., K]; weight: packed [N, K]; returns [..., N] in x's dtype
     return F.linear(x, weight.dequantize(x.dtype), bias)
+
+
+def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None):
+    if int4_cpu.supported(x, weight):
+        return int4_cpu.int4_linear(x, weight, bias)
+    return dequant_linear_ref(x, weight, bias)

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The quantizer benchmark in the README: gemma3-270m at the quantize defaults (128 x 512 Austen calibration
+# tokens), perplexity and KL against the reference on held-out Persuasion. Usage: bash evals/benchmark_quantizers.sh [OUT]
+set -euo pipefail
+out=${1:-qinfer-bench}
+q=$out/models
+mkdir -p "$q"
+quant() { name=$1; shift; [ -f "$q/$name/quant_config.json" ] || qinfer quantize gemma3-270m -o "$q/$name" "$@"; }
+quant rtn-w4g128 --method rtn --bits 4
+quant awq-w4g128 --method awq --bits 4
+quant gptq-w4g128 --method gptq --bits 4
+quant gptq-w3g128 --method gptq --bits 3
+quant rtn-w3g128 --method rtn --bits 3
+quant fp8 --bits 8 --format fp8
+qinfer eval gemma3-270m "$q/rtn-w4g128" "$q/awq-w4g128" "$q/gptq-w4g128" "$q/rtn-w3g128" "$q/gptq-w3g128" "$q/fp8" \
+  --tasks none --no-speed --out "$out"

@@ -1,0 +1,71 @@
+"""CPU fast path for 4-bit weights: PyTorch's int4 weight-only matmul for CPU (AVX-512/AVX2 kernels).
+
+``torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, G, scales_and_zeros)`` computes ``x @ W^T`` with
+``W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n]`` (``g = k // G``), reading 4-bit codes and unpacking
+them in registers, so decode streams half a byte per weight instead of two. qinfer's format maps onto it
+exactly up to the scales' dtype: ``(q - z) * s = (q - 8) * s + (8 - z) * s``, so ``zero = (8 - z) * s``
+(0 for symmetric weights, whose implicit z is 8). Scales and zeros are cast to the activation dtype
+(bf16 scales carry 8 mantissa bits against fp16's 11: a relative change of at most 2^-9 per group, far
+below 4-bit rounding noise; the tests bound it).
+
+The kernel's layout is converted once per weight at first use (``_convert_weight_to_int4pack_for_cpu``)
+and cached beside the weight; ``int4_linear_ref`` is the plain-torch definition it is tested against.
+"""
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from qinfer.format import QuantizedWeight
+
+GROUP_SIZES = (32, 64, 128, 256)
+_PACKED: dict[int, tuple[torch.Tensor, dict[torch.dtype, torch.Tensor]]] = {}
+
+
+def supported(x: torch.Tensor, weight: QuantizedWeight) -> bool:
+    N, K = weight.shape
+    return (
+        x.device.type == "cpu"
+        and weight.bits == 4
+        and weight.group_size in GROUP_SIZES
+        and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and N % 16 == 0
+        and K % weight.group_size == 0
+        and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+    )
+
+
+def _scales_and_zeros(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    scale = weight.scale.float()  # [N, K/G]
+    zero = torch.zeros_like(scale) if weight.zero is None else (8 - weight.zero.float()) * scale
+    return torch.stack([scale.T, zero.T], dim=-1).to(dtype).contiguous()  # [K/G, N, 2]
+
+
+def _packed(weight: QuantizedWeight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    key = id(weight)
+    if key not in _PACKED:
+        codes = weight.codes().to(torch.int32)  # [N, K]
+        _PACKED[key] = (torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), {})
+        weakref.finalize(weight, _PACKED.pop, key, None)
+    packed, sz = _PACKED[key]
+    if dtype not in sz:
+        sz[dtype] = _scales_and_zeros(weight, dtype)
+    return packed, sz[dtype]
+
+
+def int4_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    # x: [..., K] -> [..., N]; caller checked supported(x, weight)
+    packed, sz = _packed(weight, x.dtype)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]).contiguous(), packed,
+                                                   weight.group_size, sz)
+    y = y.reshape(*x.shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias
+
+
+def int4_linear_ref(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The same product in plain torch, with the kernel's scale/zero form in fp32."""
+    sz = _scales_and_zeros(weight, x.dtype).float()  # [K/G, N, 2]
+    G = weight.group_size
+    w = (weight.codes().float() - 8) * sz[..., 0].T.repeat_interleave(G, 1) + sz[..., 1].T.repeat_interleave(G, 1)
+    return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)

@@ -1,0 +1,57 @@
+"""The CPU int4 kernel against its plain-torch reference and against the format's own dequantization."""
+
+import pytest
+import torch
+
+from qinfer.format import QuantScheme
+from qinfer.kernels import int4_cpu, linear
+from qinfer.kernels.quant_linear import dequant_linear_ref
+from qinfer.quantizers.rtn import rtn_quantize
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}  # relative, per output
+
+
+def _weight(N, K, group_size, symmetric, seed=0):
+    W = torch.randn(N, K, generator=torch.Generator().manual_seed(seed)) * 0.05
+    return rtn_quantize(W, QuantScheme(method="rtn", bits=4, group_size=group_size, symmetric=symmetric))
+
+
+@pytest.mark.parametrize("M", [1, 5, 123])
+@pytest.mark.parametrize("N,K", [(48, 256), (272, 640)])
+@pytest.mark.parametrize("group_size,symmetric", [(32, True), (64, False), (128, True), (128, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_kernel_matches_reference(M, N, K, group_size, symmetric, dtype):
+    weight = _weight(N, K, group_size, symmetric)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(1)).to(dtype)
+    assert int4_cpu.supported(x, weight)
+    got = int4_cpu.int4_linear(x, weight).float()
+    ref = int4_cpu.int4_linear_ref(x.float(), weight).float()
+    err = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert float(err.max()) < TOL[dtype]
+
+
+def test_kernel_form_equals_the_format_dequantization():
+    # (q - 8) * s + (8 - z) * s == (q - z) * s: the reference kernel form is the format's dequantization.
+    for symmetric in (True, False):
+        weight = _weight(64, 256, 64, symmetric, seed=3)
+        x = torch.randn(7, 256, dtype=torch.float64).float()
+        torch.testing.assert_close(int4_cpu.int4_linear_ref(x, weight), dequant_linear_ref(x, weight), rtol=1e-5, atol=1e-6)
+
+
+def test_entry_point_uses_kernel_with_bias_and_leading_dims():
+    weight = _weight(32, 128, 32, False)
+    x = torch.randn(2, 3, 128)
+    bias = torch.randn(32)
+    y = linear(x, weight, bias)
+    assert y.shape == (2, 3, 32)
+    torch.testing.assert_close(y, dequant_linear_ref(x, weight, bias), rtol=1e-4, atol=1e-4)
+
+
+def test_unsupported_shapes_fall_back_to_reference():
+    W = torch.randn(40, 96) * 0.05  # N not a multiple of 16
+    weight = rtn_quantize(W, QuantScheme(method="rtn", bits=4, group_size=32))
+    x = torch.randn(3, 96)
+    assert not int4_cpu.supported(x, weight)
+    torch.testing.assert_close(linear(x, weight), dequant_linear_ref(x, weight))
+    three_bit = rtn_quantize(torch.randn(32, 96), QuantScheme(method="rtn", bits=3, group_size=32))
+    assert not int4_cpu.supported(x, three_bit)
