@@ -153,6 +153,23 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
     click.echo(report.summary())
 
 
+@cli.command()
+@click.argument("model")
+@click.option("-o", "--out", required=True, type=click.Path(), help="Output folder (written atomically).")
+@click.option("--format", "fmt", type=click.Choice(["gptq", "compressed-tensors"]), required=True,
+              help="gptq: GPTQ v1 (GPTQModel, AutoGPTQ, vLLM). compressed-tensors: llm-compressor and vLLM.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+def export(model, out, fmt, force):
+    """Write the qinfer-quantized MODEL as a GPTQ or compressed-tensors checkpoint at OUT."""
+    from qinfer.interop.folders import export_folder
+    from qinfer.sources import resolve_model
+
+    report = export_folder(resolve_model(model), out, fmt, force=force)
+    click.echo(f"wrote {report.out} ({fmt}, {report.linears} quantized linears)")
+    if report.dropped:
+        click.echo(f"note: {len(report.dropped)} KV-cache scales are not part of the {fmt} layout and were left out")
+
+
 @cli.command(name="eval")
 @click.argument("models", nargs=-1, required=True)
 @click.option("--baseline", default=None, help="Reference model for KL and agreement (default: the first MODEL).")

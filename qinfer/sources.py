@@ -1,7 +1,8 @@
 """Turn a MODEL argument into a local Hugging Face-style folder.
 
 Accepted: a built-in name (pulled on first use), a folder with config.json + *.safetensors (a user's HF
-checkpoint or a qinfer-quantized one), or a .gguf file (converted once into the cache, keyed by content).
+checkpoint or a qinfer-quantized one), a GPTQ (v1) or compressed-tensors folder (converted once into the
+qinfer format in the cache), or a .gguf file (converted once into the cache, keyed by content).
 """
 
 import hashlib
@@ -9,6 +10,8 @@ from pathlib import Path
 
 from qinfer.cache import atomic_dir, cache_dir
 from qinfer.errors import QinferError
+from qinfer.format import QUANT_CONFIG_FILE
+from qinfer.interop.folders import foreign_quant_method, imported_copy
 from qinfer.registry import BUILTINS, pull
 
 
@@ -21,6 +24,8 @@ def resolve_model(spec: str) -> Path:
             raise QinferError(f"{path} is not a model folder: it has no config.json")
         if not any(path.glob("*.safetensors")):
             raise QinferError(f"{path} has no *.safetensors weights: qinfer reads safetensors checkpoints only")
+        if not (path / QUANT_CONFIG_FILE).exists() and foreign_quant_method(path) is not None:
+            return imported_copy(path, cache_dir())
         return path
     if path.is_file():
         if path.suffix.lower() == ".gguf":

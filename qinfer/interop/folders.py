@@ -1,0 +1,212 @@
+"""Whole checkpoints: export a qinfer-quantized folder as a GPTQ (v1) or compressed-tensors folder, and import
+such a folder into the qinfer format.
+
+A foreign folder is recognised by the ``quantization_config`` entry of its ``config.json`` (the key GPTQModel,
+AutoGPTQ, llm-compressor and vLLM use). The per-linear layouts are :mod:`qinfer.interop.gptq` and
+:mod:`qinfer.interop.compressed_tensors`; this module finds the linears, carries every other tensor (norms,
+embeddings, biases, an unquantized lm_head) through unchanged, and writes the config and tokenizer files.
+Both directions write atomically (temp folder + rename).
+
+Not carried across: qinfer's per-KV-head cache scales (``self_attn.k_scale`` / ``v_scale``) have no
+equivalent in the GPTQ layout and a different shape from compressed-tensors' per-tensor ``kv_cache_scheme``,
+so export leaves them out and says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from qinfer.cache import atomic_dir
+from qinfer.errors import QinferError
+from qinfer.format import QUANT_CONFIG_FILE, Fp8Weight, QuantizedWeight, QuantScheme
+from qinfer.interop import compressed_tensors as ct
+from qinfer.interop import gptq
+
+EXPORT_FORMATS = ("gptq", "compressed-tensors")
+IMPORT_METHODS = (gptq.CHECKPOINT_FORMAT, ct.QUANT_METHOD)
+# Besides config.json and the weights, what makes a folder a usable model.
+SIDE_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+
+
+@dataclass
+class ConvertReport:
+    out: Path
+    linears: int = 0
+    dropped: list[str] = field(default_factory=list)
+
+
+def foreign_quant_method(folder: Path) -> str | None:
+    """``quantization_config.quant_method`` of ``folder/config.json``, or None when it has none."""
+    config = _read_config(Path(folder))
+    q = config.get("quantization_config")
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise QinferError(f"{folder}/config.json: quantization_config is not an object")
+    return str(q.get("quant_method"))
+
+
+def export_folder(src: Path, out: Path, fmt: str, force: bool = False) -> ConvertReport:
+    """Write the qinfer-quantized folder ``src`` to ``out`` in ``fmt`` ("gptq" or "compressed-tensors")."""
+    from qinfer.loader import read_folder_tensors
+
+    src, out = Path(src), Path(out)
+    if fmt not in EXPORT_FORMATS:
+        raise QinferError(f"unknown export format {fmt!r}: choose one of {', '.join(EXPORT_FORMATS)}")
+    if not (src / QUANT_CONFIG_FILE).exists():
+        raise QinferError(f"{src} is not a qinfer-quantized folder (no {QUANT_CONFIG_FILE}): run qinfer quantize first")
+    if out.exists() and not force:
+        raise QinferError(f"{out} already exists: choose another -o or pass --force to replace it")
+    scheme = QuantScheme.load(src)
+    config = _read_config(src)
+    if fmt == "gptq" and scheme.format == "fp8":
+        raise QinferError(f"{src}: FP8 weights have no GPTQ layout: export with --format compressed-tensors")
+    if fmt == "gptq":
+        quantization_config = gptq.gptq_quantization_config(scheme)
+    else:
+        quantization_config = ct.compressed_tensors_config(scheme)
+    tensors = read_folder_tensors(src)
+    report = ConvertReport(out)
+    result = {}
+    for prefix in _qinfer_prefixes(tensors):
+        s = scheme.lm_head_scheme() if prefix == "lm_head" else scheme
+        if f"{prefix}.qweight" in tensors:
+            weight = QuantizedWeight.from_tensors(prefix, tensors, s)
+        else:
+            weight = Fp8Weight.from_tensors(prefix, tensors, s)
+        for key in weight.tensors(prefix):
+            tensors.pop(key)
+        if fmt == "gptq":
+            result.update(gptq.to_gptq_tensors(weight, prefix))
+        else:
+            result.update(ct.to_compressed_tensors(weight, prefix))
+        report.linears += 1
+    for name in list(tensors):
+        if name.endswith(("self_attn.k_scale", "self_attn.v_scale")):
+            report.dropped.append(name)
+            tensors.pop(name)
+    result.update(tensors)
+    config["quantization_config"] = quantization_config
+    _write(src, out, result, config, force)
+    return report
+
+
+def import_folder(src: Path, out: Path, force: bool = False) -> ConvertReport:
+    """Convert a GPTQ (v1) or compressed-tensors folder ``src`` into a qinfer-quantized folder ``out``."""
+    from qinfer.loader import read_folder_tensors
+
+    src, out = Path(src), Path(out)
+    config = _read_config(src)
+    method = foreign_quant_method(src)
+    if method not in IMPORT_METHODS:
+        raise QinferError(
+            f"{src}: quantization_config.quant_method {method!r} is not supported; qinfer reads "
+            f"{' and '.join(IMPORT_METHODS)} checkpoints (or unquantized ones)"
+        )
+    qconfig = config.pop("quantization_config")
+    if method == gptq.CHECKPOINT_FORMAT:
+        scheme = gptq.scheme_from_gptq_config(qconfig)
+    else:
+        scheme = ct.scheme_from_compressed_tensors_config(qconfig)
+    tensors = read_folder_tensors(src)
+    report = ConvertReport(out)
+    result = {}
+    for prefix in _foreign_prefixes(tensors, method):
+        s = scheme.lm_head_scheme() if prefix == "lm_head" else scheme
+        weight = gptq.from_gptq_tensors(prefix, tensors, s) if method == gptq.CHECKPOINT_FORMAT else (
+            ct.from_compressed_tensors(prefix, tensors, s)
+        )
+        for suffix in _FOREIGN_SUFFIXES[method]:
+            tensors.pop(f"{prefix}.{suffix}", None)
+        result.update(weight.tensors(prefix))
+        report.linears += 1
+    if report.linears == 0:
+        raise QinferError(f"{src}: config.json declares {method} quantization but no quantized weights were found")
+    result.update(tensors)
+    _write(src, out, result, config, force, scheme)
+    return report
+
+
+def imported_copy(src: Path, cache: Path) -> Path:
+    """The qinfer-format conversion of the foreign folder ``src`` under ``cache``, made on first use.
+
+    Keyed by the config and the size, modification time and first megabyte of each weight file.
+    """
+    src = Path(src)
+    h = hashlib.sha256((src / "config.json").read_bytes())
+    for f in sorted(src.glob("*.safetensors")):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+    target = cache / "converted" / f"{src.resolve().name}-{h.hexdigest()[:16]}"
+    if not (target / QUANT_CONFIG_FILE).exists():
+        import_folder(src, target, force=True)
+    return target
+
+
+_FOREIGN_SUFFIXES = {
+    gptq.CHECKPOINT_FORMAT: ("qweight", "qzeros", "scales", "g_idx"),
+    ct.QUANT_METHOD: ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx", "weight"),
+}
+
+
+def _qinfer_prefixes(tensors: dict[str, torch.Tensor]) -> list[str]:
+    int_prefixes = [k.removesuffix(".qweight") for k in tensors if k.endswith(".qweight")]
+    fp8_prefixes = [
+        k.removesuffix(".weight")
+        for k, t in tensors.items()
+        if k.endswith(".weight") and t.dtype == torch.float8_e4m3fn and k.removesuffix(".weight") + ".scale" in tensors
+    ]
+    return sorted(int_prefixes + fp8_prefixes)
+
+
+def _foreign_prefixes(tensors: dict[str, torch.Tensor], method: str) -> list[str]:
+    if method == gptq.CHECKPOINT_FORMAT:
+        return sorted(k.removesuffix(".qweight") for k in tensors if k.endswith(".qweight"))
+    packed = [k.removesuffix(".weight_packed") for k in tensors if k.endswith(".weight_packed")]
+    fp8 = [
+        k.removesuffix(".weight")
+        for k, t in tensors.items()
+        if k.endswith(".weight") and t.dtype == torch.float8_e4m3fn
+    ]
+    return sorted(packed + fp8)
+
+
+def _read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.exists():
+        raise QinferError(f"{folder} is not a model folder: it has no config.json")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise QinferError(f"{path} is not valid JSON") from None
+    if not isinstance(config, dict):
+        raise QinferError(f"{path} is not a JSON object")
+    return config
+
+
+def _write(src: Path, out: Path, tensors: dict, config: dict, force: bool, scheme: QuantScheme | None = None) -> None:
+    with atomic_dir(out, force=force) as tmp:
+        save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "model.safetensors").chmod(0o644)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for name in SIDE_FILES:
+            if (src / name).exists():
+                shutil.copy2(src / name, tmp / name)
+        if scheme is not None:
+            scheme.save(tmp)

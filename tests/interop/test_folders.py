@@ -1,0 +1,134 @@
+"""Whole-folder export and import: qinfer -> GPTQ / compressed-tensors -> qinfer gives the same logits, a
+foreign folder works as MODEL in every command, and transformers reads the compressed-tensors export."""
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from qinfer.errors import QinferError
+from qinfer.format import QUANT_CONFIG_FILE, QuantScheme
+from qinfer.interop.folders import export_folder, import_folder
+from qinfer.loader import load_model, read_folder_tensors
+from qinfer.quantize import CalibConfig, quantize_model
+from qinfer.sources import resolve_model
+from tests.test_cli_errors import assert_one_line_error, run_qinfer
+from tests.tiny_models import make_model
+
+IDS = torch.arange(3, 40)[None]
+SCHEMES = {
+    "int4-sym": QuantScheme(method="rtn", bits=4, group_size=32, symmetric=True),
+    "int4-asym": QuantScheme(method="rtn", bits=4, group_size=32, symmetric=False),
+    "int3-sym": QuantScheme(method="rtn", bits=3, group_size=32, symmetric=True),
+    "int8-channel": QuantScheme(method="rtn", bits=8, group_size=-1, symmetric=True),
+    "fp8": QuantScheme(method="fp8", format="fp8", bits=8, group_size=-1),
+    "int4-lm-head": QuantScheme(method="rtn", bits=4, group_size=32, quantize_lm_head=True, lm_head_bits=4),
+}
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama")
+    make_model("llama", folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def quantized(src, tmp_path_factory):
+    root = tmp_path_factory.mktemp("quantized")
+    for name, scheme in SCHEMES.items():
+        quantize_model(src, root / name, scheme, CalibConfig(samples=2, seq_len=16))
+    return root
+
+
+def logits(folder):
+    with torch.no_grad():
+        return load_model(folder, dtype=torch.float32)(IDS)
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors"])
+@pytest.mark.parametrize("name", list(SCHEMES))
+def test_export_then_import_is_exact(quantized, tmp_path, fmt, name):
+    if fmt == "gptq" and SCHEMES[name].format == "fp8":
+        with pytest.raises(QinferError, match="FP8 weights have no GPTQ layout"):
+            export_folder(quantized / name, tmp_path / "out", fmt)
+        return
+    report = export_folder(quantized / name, tmp_path / "out", fmt)
+    n_linears = 3 * 7 + SCHEMES[name].quantize_lm_head
+    assert report.linears == n_linears
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == fmt
+    assert not (tmp_path / "out" / QUANT_CONFIG_FILE).exists()
+    tensors = read_folder_tensors(tmp_path / "out")
+    key = "qweight" if fmt == "gptq" else ("weight_scale" if SCHEMES[name].format == "fp8" else "weight_packed")
+    assert sum(k.endswith("." + key) for k in tensors) == n_linears
+    back = resolve_model(str(tmp_path / "out"))  # a foreign folder is converted once, into the cache
+    assert back != tmp_path / "out" and (back / QUANT_CONFIG_FILE).exists()
+    assert resolve_model(str(tmp_path / "out")) == back
+    assert torch.equal(logits(back), logits(quantized / name))
+    assert QuantScheme.load(back).bits == SCHEMES[name].bits
+
+
+def test_gptq_refuses_zero_point_zero(quantized, tmp_path):
+    """GPTQ v1 stores zero - 1; a forced zero point of 0 has no encoding and is refused, not corrupted."""
+    src = tmp_path / "zero"
+    shutil.copytree(quantized / "int4-asym", src)
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.layers.0.mlp.up_proj.zero"][0, 0] = 0
+    save_file(tensors, src / "model.safetensors")
+    with pytest.raises(QinferError, match="zero point 0"):
+        export_folder(src, tmp_path / "out", "gptq")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["int4-sym", "int8-channel", "fp8"])
+def test_transformers_reads_compressed_tensors_export(quantized, tmp_path, name):
+    """The compressed-tensors library, through transformers, decompresses the export to the same model."""
+    export_folder(quantized / name, tmp_path / "ct", "compressed-tensors")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ct", dtype=torch.float32)
+    with torch.no_grad():
+        theirs = model(IDS).logits
+    ours = logits(quantized / name)
+    assert torch.allclose(theirs, ours, atol=1e-4, rtol=0), (theirs - ours).abs().max()
+
+
+def test_import_folder_writes_qinfer_format(quantized, tmp_path):
+    export_folder(quantized / "int4-sym", tmp_path / "gptq", "gptq")
+    import_folder(tmp_path / "gptq", tmp_path / "back")
+    assert QuantScheme.load(tmp_path / "back").method == "gptq"
+    assert "quantization_config" not in json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (tmp_path / "back" / "tokenizer.json").exists()
+    assert torch.equal(logits(tmp_path / "back"), logits(quantized / "int4-sym"))
+
+
+def test_cli_export_and_generate_from_export(quantized, tmp_path):
+    out = tmp_path / "ct"
+    proc = run_qinfer("export", str(quantized / "int4-sym"), "-o", str(out), "--format", "compressed-tensors")
+    assert proc.returncode == 0, proc.stderr
+    assert "21 quantized linears" in proc.stdout
+    direct = run_qinfer("generate", str(quantized / "int4-sym"), "It is a truth", "--max-tokens", "8")
+    via_export = run_qinfer("generate", str(out), "It is a truth", "--max-tokens", "8")
+    assert via_export.returncode == 0, via_export.stderr
+    assert via_export.stdout == direct.stdout and direct.stdout.strip()
+    assert_one_line_error(run_qinfer("export", str(quantized / "int4-sym"), "-o", str(out), "--format", "gptq"),
+                          "already exists", "--force")
+
+
+def test_cli_export_bad_input(src, quantized, tmp_path):
+    assert_one_line_error(run_qinfer("export", str(src), "-o", str(tmp_path / "x"), "--format", "gptq"),
+                          "not a qinfer-quantized folder")
+    assert_one_line_error(run_qinfer("export", str(quantized / "fp8"), "-o", str(tmp_path / "x"), "--format", "gptq"),
+                          "FP8", "compressed-tensors")
+    assert not (tmp_path / "x").exists()
+
+
+def test_unsupported_foreign_quantization_is_one_line(src, tmp_path):
+    folder = tmp_path / "awq"
+    shutil.copytree(src, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (folder / "config.json").write_text(json.dumps(config))
+    assert_one_line_error(run_qinfer("generate", str(folder), "hi"), "quant_method 'awq' is not supported")
