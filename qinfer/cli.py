@@ -121,7 +121,8 @@ def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed):
 @click.option("--sym/--asym", default=True, show_default=True, help="Symmetric (implicit zero) or asymmetric.")
 @click.option("--act-order/--no-act-order", default=None,
               help="GPTQ: visit columns by decreasing Hessian diagonal, with static groups (default on for GPTQ).")
-@click.option("--format", "fmt", type=click.Choice(["int", "fp8"]), default="int", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["int", "fp8"]), default="int", show_default=True,
+              help="fp8: E4M3 weights, per-channel scales; --method gptq (default) adds error feedback, rtn rounds.")
 @click.option("--kv-cache", type=click.Choice(["none", "int8", "fp8"]), default="none", show_default=True,
               help="Calibrate KV-cache scales for this cache dtype.")
 @click.option("--calib", default="austen", show_default=True, help="austen, a .txt or .jsonl file, or a dataset name.")
@@ -138,9 +139,10 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
     from qinfer.quantize import CalibConfig, quantize_model
     from qinfer.sources import resolve_model
 
-    if fmt == "fp8":
-        method, group_size = "fp8", -1
-        lm_head_bits = 8
+    if fmt == "fp8":  # GPTQ's error feedback onto the FP8 grid, or (--method rtn) plain round to nearest
+        if method == "awq":
+            raise QinferError("AWQ produces integer weights: use --format int, or --method gptq|rtn with --format fp8")
+        method, group_size, lm_head_bits = ("gptq" if method == "gptq" else "fp8"), -1, 8
     if act_order is None:
         act_order = method == "gptq"
     scheme = QuantScheme(method=method, bits=bits, group_size=group_size, symmetric=sym, act_order=act_order,

@@ -92,7 +92,8 @@ class QuantScheme:
     """How a model's linears are quantized; saved as ``quant_config.json`` beside the weights.
 
     ``damp`` is GPTQ's relative damping (a fraction of the mean Hessian diagonal). ``fp8_granularity``
-    applies to ``format == "fp8"``, where ``bits`` must be 8, ``group_size`` -1 and ``symmetric`` True.
+    applies to ``format == "fp8"``, where ``bits`` must be 8, ``group_size`` -1 and ``symmetric`` True, and
+    ``method`` is ``"fp8"`` (round to nearest) or ``"gptq"`` (GPTQ's error feedback onto the FP8 grid).
     ``kv_cache`` is the dtype the engine stores the KV cache in; it does not affect weights.
     """
 
@@ -120,10 +121,10 @@ class QuantScheme:
             object.__setattr__(self, "damp", float(self.damp))
         if type(self.damp) is not float or not 0.0 < self.damp <= 1.0:
             raise QinferError(f"QuantScheme.damp must be a float in (0, 1]; got {self.damp!r}")
-        if (self.method == "fp8") != (self.format == "fp8"):
+        if (self.format == "fp8" and self.method not in ("fp8", "gptq")) or (self.format == "int" and self.method == "fp8"):
             raise QinferError(
-                f"QuantScheme: method {self.method!r} with format {self.format!r}; method 'fp8' goes with "
-                "format 'fp8' and the integer methods (rtn, gptq, awq) with format 'int'"
+                f"QuantScheme: method {self.method!r} with format {self.format!r}; format 'fp8' goes with method "
+                "'fp8' (round to nearest) or 'gptq' (error feedback), format 'int' with rtn, gptq or awq"
             )
         if self.format == "fp8":
             _choice("bits", self.bits, (8,))

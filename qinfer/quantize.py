@@ -149,11 +149,11 @@ def quantize_model(folder: Path, out: Path, scheme: QuantScheme, calib: CalibCon
 
 def _quantize_linear(W: torch.Tensor, H: torch.Tensor | None, scheme: QuantScheme, name: str):
     """(packed weight, output error proxy) for one linear."""
-    if scheme.format == "fp8":
-        qw = fp8_quantize(W, scheme, name=name)
-    elif scheme.method == "gptq":
+    if scheme.method == "gptq":  # integer or FP8 grid
         result = gptq_quantize_ex(W, H, scheme, name=name)
         return result.weight, result.error
+    if scheme.format == "fp8":
+        qw = fp8_quantize(W, scheme, name=name)
     else:
         qw = rtn_quantize(W, scheme, name=name)
     err = float(((qw.dequantize(torch.float32) - W.float()) ** 2).sum()) if H is None else float(

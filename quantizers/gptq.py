@@ -21,6 +21,10 @@ those weights have received every update due from earlier columns. Per-channel p
 whole (dead-zeroed) W before the sweep. With ``act_order`` the columns are visited by decreasing
 ``diag(H)`` and groups are *static*: every group's parameters are taken from the original column order
 before the sweep, so the stored layout keeps ``g(k) = k // G`` and needs no ``g_idx``.
+
+The same sweep quantizes onto the FP8 (E4M3) grid (:func:`gptq_fp8_ex`): the per-channel (or per-tensor)
+scale is fixed from W before the sweep, each column is cast to E4M3, and its rounding error is pushed onto
+the later columns exactly as for integers.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from qinfer.errors import QinferError
-from qinfer.format import QuantizedWeight, QuantScheme, check_int_shape, dequantize_codes, pack
+from qinfer.format import Fp8Weight, QuantizedWeight, QuantScheme, check_int_shape, dequantize_codes, pack
+from qinfer.quantizers.fp8 import fp8_cast, fp8_quantize
 from qinfer.quantizers.rtn import check_finite, quantize_codes, rtn_params
 
 
@@ -38,7 +43,7 @@ from qinfer.quantizers.rtn import check_finite, quantize_codes, rtn_params
 class GptqResult:
     """The quantized weight plus what is worth logging about how it was obtained."""
 
-    weight: QuantizedWeight
+    weight: QuantizedWeight | Fp8Weight
     error: float  # tr((W - W_hat) H (W - W_hat)^T) with the caller's H; for H = X^T X, ||X W^T - X W_hat^T||^2
     damp: float  # relative damping actually used (> scheme.damp when it had to be escalated)
 
@@ -71,17 +76,8 @@ def _inverse_hessian_factor(H: torch.Tensor, damp: float) -> tuple[torch.Tensor,
     )
 
 
-def gptq_quantize_ex(
-    W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, blocksize: int = 128, *, name: str = "weight"
-) -> GptqResult:
-    """GPTQ of ``W [N, K]`` against the Hessian ``H [K, K]`` (symmetric, e.g. ``X^T X``); see the module docstring.
-
-    ``name`` labels error messages. Returns the weight, its Hessian-weighted error and the damping used.
-    """
-    if scheme.format != "int":
-        raise QinferError(f"{name}: GPTQ needs an integer scheme, got format {scheme.format!r}")
-    check_int_shape(tuple(W.shape), scheme.bits, scheme.group_size, name)
-    N, K = W.shape
+def _check_problem(W: torch.Tensor, H: torch.Tensor, blocksize: int, name: str) -> None:
+    K = W.shape[1]
     if tuple(H.shape) != (K, K):
         raise QinferError(f"{name}: Hessian shape {list(H.shape)} does not match in_features K={K}")
     if type(blocksize) is not int or blocksize < 1:
@@ -91,13 +87,68 @@ def gptq_quantize_ex(
     if bool((H.diagonal() < 0).any()):
         raise QinferError(f"{name}: Hessian has negative diagonal entries; it is not X^T X")
 
-    bits, group_size, symmetric = scheme.bits, scheme.group_size, scheme.symmetric
-    W0, H0 = W, H
+
+def _dead_zeroed(W: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 copies of W and H with dead inputs (``H[i, i] == 0``) handled as in step 1."""
     W = W.detach().float().clone()
     H = H.detach().float().clone()
     dead = H.diagonal() == 0
     H.diagonal()[dead] = 1.0
     W[:, dead] = 0.0
+    return W, H
+
+
+def _sweep_order(H: torch.Tensor, act_order: bool) -> torch.Tensor:
+    """Sweep position -> original column: decreasing ``diag(H)`` with act-order, else the identity."""
+    if act_order:
+        return torch.argsort(H.diagonal(), descending=True, stable=True)
+    return torch.arange(H.shape[0], device=H.device)
+
+
+def _sweep(W: torch.Tensor, H: torch.Tensor, perm: torch.Tensor, scheme: QuantScheme, blocksize: int, name: str,
+           quantize_column) -> float:
+    """Steps 2-4 on the prepared ``W``, ``H``, visiting columns in the order ``perm``; returns the damping
+    used. ``W`` is consumed.
+
+    ``quantize_column(col, W1, i)`` quantizes sweep column ``col`` (``perm[col]`` in the original order),
+    whose current values are ``W1[:, i]`` (``W1`` is the block being swept, so a group's parameters can be
+    read from the columns ahead), records what it stores and returns the dequantized column.
+    """
+    K = W.shape[1]
+    W[:], H = W[:, perm], H[perm][:, perm]
+    try:
+        U, damp = _inverse_hessian_factor(H, scheme.damp)
+    except QinferError as e:
+        raise QinferError(f"{name}: {e}") from None
+    for i1 in range(0, K, blocksize):
+        i2 = min(i1 + blocksize, K)
+        W1 = W[:, i1:i2].clone()
+        Err1 = torch.zeros_like(W1)
+        U1 = U[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            err = (W1[:, i] - quantize_column(i1 + i, W1, i)) / U1[i, i]
+            W1[:, i:] -= err[:, None] * U1[i, i:][None, :]
+            Err1[:, i] = err
+        W[:, i2:] -= Err1 @ U[i1:i2, i2:]
+    return damp
+
+
+def gptq_quantize_ex(
+    W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, blocksize: int = 128, *, name: str = "weight"
+) -> GptqResult:
+    """GPTQ of ``W [N, K]`` against the Hessian ``H [K, K]`` (symmetric, e.g. ``X^T X``); see the module docstring.
+
+    ``name`` labels error messages. Returns the weight, its Hessian-weighted error and the damping used.
+    An FP8 ``scheme`` goes to :func:`gptq_fp8_ex`.
+    """
+    if scheme.format == "fp8":
+        return gptq_fp8_ex(W, H, scheme, blocksize, name=name)
+    check_int_shape(tuple(W.shape), scheme.bits, scheme.group_size, name)
+    _check_problem(W, H, blocksize, name)
+    N, K = W.shape
+    bits, group_size, symmetric = scheme.bits, scheme.group_size, scheme.symmetric
+    W0, H0 = W, H
+    W, H = _dead_zeroed(W, H)
 
     G = K if group_size == -1 else group_size
     static = scheme.act_order or group_size == -1
@@ -107,39 +158,21 @@ def gptq_quantize_ex(
         scale = torch.empty(N, K // G, dtype=torch.float16, device=W.device)
         zero = torch.empty(N, K // G, dtype=torch.uint8, device=W.device)
         blocksize = -(-blocksize // G) * G
-
-    if scheme.act_order:
-        perm = torch.argsort(H.diagonal(), descending=True)
-        W, H = W[:, perm], H[perm][:, perm]
-    else:
-        perm = torch.arange(K, device=W.device)
+    perm = _sweep_order(H, scheme.act_order)
     group_of = (perm // G).tolist()  # group (in the original order) of each column in sweep order
-
-    try:
-        U, damp = _inverse_hessian_factor(H, scheme.damp)
-    except QinferError as e:
-        raise QinferError(f"{name}: {e}") from None
-
     codes = torch.empty(N, K, dtype=torch.uint8, device=W.device)
-    for i1 in range(0, K, blocksize):
-        i2 = min(i1 + blocksize, K)
-        W1 = W[:, i1:i2].clone()
-        Err1 = torch.zeros_like(W1)
-        U1 = U[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            col = i1 + i
-            if not static and col % G == 0:
-                s, z = rtn_params(W1[:, i : i + G], bits, -1, symmetric, name=name)
-                scale[:, col // G], zero[:, col // G] = s[:, 0], z[:, 0]
-            g = group_of[col]
-            s, z = scale[:, g : g + 1], zero[:, g : g + 1]
-            q = quantize_codes(W1[:, i : i + 1], s, z, bits, -1)
-            codes[:, col] = q[:, 0]
-            err = (W1[:, i] - dequantize_codes(q, s, z, -1)[:, 0]) / U1[i, i]
-            W1[:, i:] -= err[:, None] * U1[i, i:][None, :]
-            Err1[:, i] = err
-        W[:, i2:] -= Err1 @ U[i1:i2, i2:]
 
+    def quantize_column(col: int, W1: torch.Tensor, i: int) -> torch.Tensor:
+        if not static and col % G == 0:
+            s, z = rtn_params(W1[:, i : i + G], bits, -1, symmetric, name=name)
+            scale[:, col // G], zero[:, col // G] = s[:, 0], z[:, 0]
+        g = group_of[col]
+        s, z = scale[:, g : g + 1], zero[:, g : g + 1]
+        q = quantize_codes(W1[:, i : i + 1], s, z, bits, -1)
+        codes[:, col] = q[:, 0]
+        return dequantize_codes(q, s, z, -1)[:, 0]
+
+    damp = _sweep(W, H, perm, scheme, blocksize, name, quantize_column)
     codes = codes[:, torch.argsort(perm)]
     weight = QuantizedWeight(
         qweight=pack(codes, bits),
@@ -152,8 +185,37 @@ def gptq_quantize_ex(
     return GptqResult(weight=weight, error=hessian_error(W0, weight.dequantize(torch.float32), H0), damp=damp)
 
 
+def gptq_fp8_ex(
+    W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, blocksize: int = 128, *, name: str = "weight"
+) -> GptqResult:
+    """GPTQ's sweep with E4M3 as the grid: each column is cast to FP8 (the scale fixed per channel or per
+    tensor from the dead-zeroed ``W`` before the sweep, as :func:`qinfer.quantizers.fp8.fp8_quantize` does)
+    and its rounding error is pushed onto the columns not yet quantized. Columns that the updates push past
+    ``448 * scale`` saturate, like any FP8 cast here."""
+    if scheme.format != "fp8":
+        raise QinferError(f"{name}: gptq_fp8_ex needs an fp8 scheme, got format {scheme.format!r}")
+    if W.dim() != 2:
+        raise QinferError(f"{name}: expected a 2-D weight [N, K], got shape {list(W.shape)}")
+    _check_problem(W, H, blocksize, name)
+    W0, H0 = W, H
+    W, H = _dead_zeroed(W, H)
+    scale = fp8_quantize(W, scheme, name=name).scale
+    stored = torch.empty(W.shape, dtype=torch.float8_e4m3fn, device=W.device)
+    col_scale = scale if scale.numel() > 1 else scale.expand(W.shape[0], 1)
+
+    def quantize_column(col: int, W1: torch.Tensor, i: int) -> torch.Tensor:
+        q = fp8_cast(W1[:, i : i + 1], col_scale)
+        stored[:, col] = q[:, 0]
+        return q[:, 0].float() * col_scale[:, 0]
+
+    perm = _sweep_order(H, scheme.act_order)
+    damp = _sweep(W, H, perm, scheme, blocksize, name, quantize_column)
+    weight = Fp8Weight(weight=stored[:, torch.argsort(perm)].contiguous(), scale=scale)
+    return GptqResult(weight=weight, error=hessian_error(W0, weight.dequantize(torch.float32), H0), damp=damp)
+
+
 def gptq_quantize(
     W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, blocksize: int = 128, *, name: str = "weight"
-) -> QuantizedWeight:
+) -> QuantizedWeight | Fp8Weight:
     """GPTQ of ``W [N, K]`` against ``H [K, K]``; :func:`gptq_quantize_ex` also returns error and damping."""
     return gptq_quantize_ex(W, H, scheme, blocksize, name=name).weight

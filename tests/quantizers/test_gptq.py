@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from qinfer.errors import QinferError
-from qinfer.format import QuantScheme, dequantize_codes
+from qinfer.format import Fp8Weight, QuantScheme, dequantize_codes
+from qinfer.quantizers.fp8 import fp8_quantize
 from qinfer.quantizers.gptq import gptq_quantize, gptq_quantize_ex, hessian_error
 from qinfer.quantizers.rtn import quantize_codes, rtn_params, rtn_quantize
 
@@ -160,3 +161,28 @@ def test_hessian_error_is_the_output_error():
     W, X = _problem(n=8, k=32, m=64)
     W_hat = W + 0.01 * torch.randn_like(W)
     assert hessian_error(W, W_hat, X.T @ X) == pytest.approx(_out_err(X, W, W_hat), rel=1e-4)
+
+
+@pytest.mark.parametrize("granularity", ["channel", "tensor"])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_fp8_grid_beats_round_to_nearest(granularity, act_order):
+    W, X = _problem(seed=5)
+    H = X.T @ X
+    scheme = QuantScheme(method="gptq", format="fp8", bits=8, group_size=-1, fp8_granularity=granularity,
+                         act_order=act_order)
+    res = gptq_quantize_ex(W, H, scheme)
+    rtn = fp8_quantize(W, QuantScheme(method="fp8", format="fp8", bits=8, group_size=-1, fp8_granularity=granularity))
+    assert isinstance(res.weight, Fp8Weight) and res.weight.weight.dtype == torch.float8_e4m3fn
+    assert torch.equal(res.weight.scale, rtn.scale)  # same stored scales; only the rounding differs
+    e_gptq = _out_err(X, W, res.weight.dequantize(torch.float32))
+    e_rtn = _out_err(X, W, rtn.dequantize(torch.float32))
+    assert e_gptq <= 0.8 * e_rtn, e_gptq / e_rtn
+    assert res.error == pytest.approx(e_gptq, rel=1e-3)
+
+
+def test_fp8_diagonal_hessian_degenerates_to_round_to_nearest():
+    W, _ = _problem(n=16, k=64)
+    H = torch.diag(torch.rand(64, generator=torch.Generator().manual_seed(1)) + 0.5)
+    got = gptq_quantize(W, H, QuantScheme(method="gptq", format="fp8", bits=8, group_size=-1, act_order=True))
+    want = fp8_quantize(W, QuantScheme(method="fp8", format="fp8", bits=8, group_size=-1))
+    assert torch.equal(got.weight.view(torch.uint8), want.weight.view(torch.uint8))
