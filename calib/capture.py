@@ -11,12 +11,6 @@ Per linear input (linears that share an input, like q/k/v, share one record):
 - the mean absolute activation per input channel [K] (AWQ's salience; AWQ's searches use H too).
 Per attention layer: the absolute maximum of the keys (after norm and RoPE, as the cache stores them) and
 values per KV head, for KV-cache quantization scales.
-
-Drift: given also ``X_ref``, the same samples as they reach this block through the *unquantized* blocks,
-the block is run on both streams batch by batch and each linear also gets ``C = sum_t x_ref,t x_t^T``
-[K, K]. With it a quantizer can aim each linear at the full-precision model's output ``W x_ref`` instead of
-``W x`` (see :func:`qinfer.quantizers.gptq.drift_corrected`). The reference stream's block output is
-returned too, so the pipeline carries both streams forward.
 """
 
 from dataclasses import dataclass
@@ -31,7 +25,6 @@ class LinearStats:
     H: torch.Tensor  # [K, K] fp32, sum of x x^T
     abs_sum: torch.Tensor  # [K] fp32, sum of |x|
     n: int = 0  # rows seen
-    C: torch.Tensor | None = None  # [K, K] fp32, sum of x_ref x^T (only with a reference stream)
 
     @property
     def abs_mean(self) -> torch.Tensor:
@@ -43,7 +36,6 @@ class BlockStats:
     linears: dict[str, LinearStats]
     k_absmax: torch.Tensor  # [Hkv]
     v_absmax: torch.Tensor  # [Hkv]
-    ref_out: torch.Tensor | None = None  # the block's output on X_ref (only with a reference stream)
 
 
 class _StatsCache:
@@ -83,56 +75,35 @@ def run_block(model: Transformer, layer_idx: int, X: torch.Tensor, batch: int = 
 
 
 @torch.no_grad()
-def capture_block(
-    model: Transformer, layer_idx: int, X: torch.Tensor, groups: tuple[tuple[str, ...], ...],
-    X_ref: torch.Tensor | None = None, batch: int = 8,
-) -> BlockStats:
+def capture_block(model: Transformer, layer_idx: int, X: torch.Tensor, groups: tuple[tuple[str, ...], ...]) -> BlockStats:
     """Run block ``layer_idx`` on X [S, L, C] and collect statistics for its linears.
 
     ``groups`` lists linears that read the same input; each group is hooked once and its members share
-    one ``LinearStats``. With ``X_ref`` (same shape) the drift terms ``C`` and the block's output on
-    ``X_ref`` are collected as well.
+    one ``LinearStats``.
     """
     block = model.model.layers[layer_idx]
     modules: dict[str, QLinear] = {group[0]: block.get_submodule(group[0]) for group in groups}
     stats = {
-        name: LinearStats(
-            H=torch.zeros(m.in_features, m.in_features),
-            abs_sum=torch.zeros(m.in_features),
-            C=None if X_ref is None else torch.zeros(m.in_features, m.in_features),
-        )
+        name: LinearStats(H=torch.zeros(m.in_features, m.in_features), abs_sum=torch.zeros(m.in_features))
         for name, m in modules.items()
     }
-    ref_inputs: dict[str, torch.Tensor] = {}
-    recording_ref = False
 
     def hook(name):
         def fn(module, inputs, output):
             x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).cpu()  # [rows, K]
-            if recording_ref:
-                ref_inputs[name] = x
-                return
             s = stats[name]
             s.H += (x.T @ x).float()
             s.abs_sum += x.abs().float().sum(0)
             s.n += x.shape[0]
-            if s.C is not None:
-                s.C += (ref_inputs.pop(name).T @ x).float()
 
         return fn
 
     handles = [m.register_forward_hook(hook(name)) for name, m in modules.items()]
     cache = _StatsCache(model.config.num_kv_heads)
-    ref_out = None if X_ref is None else torch.empty_like(X_ref)
     try:
-        for i in range(0, X.shape[0], batch):
-            if X_ref is not None:
-                recording_ref = True
-                ref_out[i : i + batch] = run_block(model, layer_idx, X_ref[i : i + batch], batch)
-                recording_ref = False
-            run_block(model, layer_idx, X[i : i + batch], batch, cache=cache)
+        run_block(model, layer_idx, X, cache=cache)
     finally:
         for h in handles:
             h.remove()
     shared = {name: stats[group[0]] for group in groups for name in group}
-    return BlockStats(linears=shared, k_absmax=cache.k_absmax, v_absmax=cache.v_absmax, ref_out=ref_out)
+    return BlockStats(linears=shared, k_absmax=cache.k_absmax, v_absmax=cache.v_absmax)

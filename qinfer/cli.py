@@ -129,13 +129,11 @@ def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed):
 @click.option("--samples", type=int, default=128, show_default=True)
 @click.option("--seq-len", type=int, default=512, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--drift/--no-drift", default=True, show_default=True,
-              help="GPTQ: fit each linear to the unquantized model's outputs, correcting the drift of earlier blocks.")
 @click.option("--quantize-lm-head", is_flag=True, help="Also quantize lm_head (to --lm-head-bits).")
 @click.option("--lm-head-bits", type=int, default=8, show_default=True)
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache, calib, samples, seq_len, seed,
-             drift, quantize_lm_head, lm_head_bits, force):
+             quantize_lm_head, lm_head_bits, force):
     """Quantize MODEL into the qinfer format (safetensors + quant_config.json) at OUT."""
     from qinfer.format import QuantScheme
     from qinfer.quantize import CalibConfig, quantize_model
@@ -149,7 +147,7 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
         act_order = method == "gptq"
     scheme = QuantScheme(method=method, bits=bits, group_size=group_size, symmetric=sym, act_order=act_order,
                          format=fmt, kv_cache=kv_cache, quantize_lm_head=quantize_lm_head, lm_head_bits=lm_head_bits)
-    calib_config = CalibConfig(source=calib, samples=samples, seq_len=seq_len, seed=seed, drift=drift)
+    calib_config = CalibConfig(source=calib, samples=samples, seq_len=seq_len, seed=seed)
     try:
         report = quantize_model(resolve_model(model), out, scheme, calib_config, force=force)
     except KeyboardInterrupt:

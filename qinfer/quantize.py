@@ -27,7 +27,7 @@ from qinfer.format import QuantScheme
 from qinfer.loader import load_model
 from qinfer.model import QLinear, Transformer
 from qinfer.quantizers.fp8 import fp8_kv_scale, fp8_quantize, int8_kv_scale
-from qinfer.quantizers.gptq import drift_corrected, gptq_quantize_ex
+from qinfer.quantizers.gptq import gptq_quantize_ex
 from qinfer.quantizers.rtn import rtn_quantize
 from qinfer.tokenizer import Tokenizer
 
@@ -49,7 +49,6 @@ class CalibConfig:
     samples: int = 128
     seq_len: int = 512
     seed: int = 0
-    drift: bool = True  # GPTQ: aim at the full-precision model's outputs (see quantizers.gptq.drift_corrected)
 
     def __post_init__(self):
         if self.samples < 1 or self.seq_len < 2:
@@ -100,8 +99,6 @@ def quantize_model(folder: Path, out: Path, scheme: QuantScheme, calib: CalibCon
     model = load_model(folder, dtype=torch.bfloat16)
     needs_calib = scheme.method in ("gptq", "awq") or scheme.kv_cache != "none"
     X = embed_samples(model, calibration_batch(folder, calib), model.dtype) if needs_calib else None
-    # The same samples through the unquantized blocks, for GPTQ's drift correction.
-    X_ref = X.clone() if X is not None and calib.drift and scheme.method == "gptq" else None
     tensors: dict[str, torch.Tensor] = {}
     report = QuantizeReport(out, _folder_bytes(folder), 0, 0, 0, 0.0, 0)
     names = model.config.arch.linear_names
@@ -110,18 +107,14 @@ def quantize_model(folder: Path, out: Path, scheme: QuantScheme, calib: CalibCon
         block = model.model.layers[i]
         stats = None
         if X is not None:
-            stats = capture_block(model, i, X, groups, X_ref=X_ref)
-            X_ref = stats.ref_out
+            stats = capture_block(model, i, X, groups)
         if scheme.method == "awq":
             apply_awq(model, i, stats, scheme)
         for name in names:
             module: QLinear = block.get_submodule(name)
             prefix = f"model.layers.{i}.{name}"
             H = stats.linears[name].H if stats is not None else None
-            W = module.weight.data.float()
-            if stats is not None and stats.linears[name].C is not None:
-                W = drift_corrected(W, H, stats.linears[name].C, scheme.damp, name=prefix)
-            qw, err = _quantize_linear(W, H, scheme, prefix)
+            qw, err = _quantize_linear(module.weight.data.float(), H, scheme, prefix)
             report.layer_errors[prefix] = err
             _account(report, tensors, qw, prefix, module.weight.numel())
             module.weight.data = qw.dequantize(model.dtype)  # the next blocks see the quantized block
@@ -139,7 +132,7 @@ def quantize_model(folder: Path, out: Path, scheme: QuantScheme, calib: CalibCon
     tensors["model.embed_tokens.weight"] = model.model.embed_tokens.weight.contiguous()
     tensors["model.norm.weight"] = model.model.norm.weight.contiguous()
     _lm_head(model, X, scheme, tensors, report)
-    del X, X_ref
+    del X
     with atomic_dir(out, force=force) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "qinfer_format": "1"})
         (tmp / "model.safetensors").chmod(0o644)  # safetensors creates 0600

@@ -219,27 +219,3 @@ def gptq_quantize(
 ) -> QuantizedWeight | Fp8Weight:
     """GPTQ of ``W [N, K]`` against ``H [K, K]``; :func:`gptq_quantize_ex` also returns error and damping."""
     return gptq_quantize_ex(W, H, scheme, blocksize, name=name).weight
-
-
-def drift_corrected(W: torch.Tensor, H: torch.Tensor, C: torch.Tensor, damp: float = 0.01, *, name: str = "weight"):
-    """The weight that best maps the quantized model's inputs onto the full-precision model's outputs.
-
-    ``H = sum_t x_t x_t^T`` over the inputs ``x_t`` this linear sees in the partly quantized model and
-    ``C = sum_t x_ref,t x_t^T`` pairs them with the inputs ``x_ref,t`` of the unquantized model (same tokens).
-    ``W' = argmin sum_t ||W x_ref,t - W' x_t||^2 = W C H^-1``, computed as ``W + W (C - H) (H + d I)^-1`` with
-    GPTQ's relative damping ``d``, so no drift (``C = H``) returns ``W`` exactly. Since ``W x_ref - W' x`` is
-    orthogonal to every ``x``, quantizing ``W'`` against ``H`` then minimises ``sum_t ||W x_ref,t - W_hat x_t||^2``
-    (the asymmetric calibration of GPTAQ, Li et al. 2025, in its closed form).
-    """
-    K = W.shape[1]
-    if tuple(H.shape) != (K, K) or tuple(C.shape) != (K, K):
-        raise QinferError(f"{name}: H {list(H.shape)} and C {list(C.shape)} must both be [K, K] with K={K}")
-    check_finite(C, f"{name}: drift term C")
-    W32, H32 = _dead_zeroed(W, H)
-    D = C.float() - H.float()
-    try:
-        U, _ = _inverse_hessian_factor(H32, damp)
-    except QinferError as e:
-        raise QinferError(f"{name}: {e}") from None
-    Hinv = U.T @ U  # (H + d I)^-1 from its upper Cholesky factor: H^-1 = U^T U
-    return W32 + (W32 @ D) @ Hinv

@@ -7,7 +7,7 @@ import torch
 from qinfer.errors import QinferError
 from qinfer.format import Fp8Weight, QuantScheme, dequantize_codes
 from qinfer.quantizers.fp8 import fp8_quantize
-from qinfer.quantizers.gptq import drift_corrected, gptq_quantize, gptq_quantize_ex, hessian_error
+from qinfer.quantizers.gptq import gptq_quantize, gptq_quantize_ex, hessian_error
 from qinfer.quantizers.rtn import quantize_codes, rtn_params, rtn_quantize
 
 N, K, M = 64, 256, 512
@@ -186,42 +186,3 @@ def test_fp8_diagonal_hessian_degenerates_to_round_to_nearest():
     got = gptq_quantize(W, H, QuantScheme(method="gptq", format="fp8", bits=8, group_size=-1, act_order=True))
     want = fp8_quantize(W, QuantScheme(method="fp8", format="fp8", bits=8, group_size=-1))
     assert torch.equal(got.weight.view(torch.uint8), want.weight.view(torch.uint8))
-
-
-def _drift_problem(seed=7):
-    """Inputs of the full-precision model X_ref, and the same tokens' inputs X after quantized layers."""
-    W, X_ref = _problem(seed=seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    X = X_ref + 0.2 * X_ref.std() * torch.randn(X_ref.shape, generator=g)
-    return W, X_ref, X
-
-
-def test_drift_correction_is_the_least_squares_fit():
-    W, X_ref, X = _drift_problem()
-    H, C = X.T @ X, X_ref.T @ X
-    got = drift_corrected(W, H, C, damp=1e-7)
-    want = torch.linalg.lstsq(X.double(), (X_ref @ W.T).double()).solution.T.float()
-    assert torch.allclose(got, want, atol=1e-3, rtol=1e-3), (got - want).abs().max()
-    assert torch.equal(drift_corrected(W, H, H), W)  # no drift: the weight is untouched
-
-
-@pytest.mark.parametrize("fmt", ["int", "fp8"])
-def test_drift_correction_lowers_the_error_against_the_reference_outputs(fmt):
-    W, X_ref, X = _drift_problem()
-    H, C = X.T @ X, X_ref.T @ X
-    if fmt == "int":
-        scheme = QuantScheme(method="gptq", bits=4, group_size=128, act_order=True)
-    else:
-        scheme = QuantScheme(method="gptq", format="fp8", bits=8, group_size=-1)
-    plain = gptq_quantize(W, H, scheme).dequantize(torch.float32)
-    corrected = gptq_quantize(drift_corrected(W, H, C), H, scheme).dequantize(torch.float32)
-    target = X_ref @ W.T
-    e_plain = (target - X @ plain.T).pow(2).sum().item()
-    e_corrected = (target - X @ corrected.T).pow(2).sum().item()
-    assert e_corrected < 0.9 * e_plain, e_corrected / e_plain  # observed 0.36-0.39
-
-
-def test_drift_correction_bad_shapes():
-    W, X_ref, X = _drift_problem()
-    with pytest.raises(QinferError, match="must both be"):
-        drift_corrected(W, X.T @ X, torch.zeros(3, 3))
