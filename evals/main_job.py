@@ -26,10 +26,11 @@ from qinfer.sources import resolve_model
 
 MODEL = "gemma3-270m"
 SCHEMES = {
-    "rtn-w4g128": QuantScheme(method="rtn", bits=4, group_size=128),
-    "gptq-w4g128": QuantScheme(method="gptq", bits=4, group_size=128, act_order=True),
-    "awq-w4g128": QuantScheme(method="awq", bits=4, group_size=128),
-    "fp8": QuantScheme(method="fp8", bits=8, group_size=-1, format="fp8"),
+    # `qinfer quantize` defaults: asymmetric groups, GPTQ with act-order, FP8 through GPTQ's error feedback
+    "rtn-w4g128": QuantScheme(method="rtn", bits=4, group_size=128, symmetric=False),
+    "gptq-w4g128": QuantScheme(method="gptq", bits=4, group_size=128, symmetric=False, act_order=True),
+    "awq-w4g128": QuantScheme(method="awq", bits=4, group_size=128, symmetric=False),
+    "fp8": QuantScheme(method="gptq", bits=8, group_size=-1, format="fp8", act_order=True),
 }
 
 

@@ -118,7 +118,8 @@ def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed):
 @click.option("--bits", type=int, default=4, show_default=True, help="2, 3, 4 or 8 (8 with --format fp8 for FP8).")
 @click.option("--method", type=click.Choice(["gptq", "awq", "rtn"]), default="gptq", show_default=True)
 @click.option("--group-size", type=int, default=128, show_default=True, help="32, 64, 128, or -1 for per-channel.")
-@click.option("--sym/--asym", default=True, show_default=True, help="Symmetric (implicit zero) or asymmetric.")
+@click.option("--sym/--asym", default=False, show_default=True,
+              help="Symmetric (implicit zero) or asymmetric (a zero point per group; more accurate on gemma3-270m, see README).")
 @click.option("--act-order/--no-act-order", default=None,
               help="GPTQ: visit columns by decreasing Hessian diagonal, with static groups (default on for GPTQ).")
 @click.option("--format", "fmt", type=click.Choice(["int", "fp8"]), default="int", show_default=True,

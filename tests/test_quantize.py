@@ -136,6 +136,8 @@ def test_cli_quantize_then_generate(tiny, tmp_path, calib_file):
                       "--calib", str(calib_file), "--samples", "8", "--seq-len", "32")
     assert proc.returncode == 0, proc.stderr
     assert "bits per quantized weight" in proc.stdout
+    scheme = QuantScheme.load(out)  # the defaults: GPTQ, act-order, asymmetric groups
+    assert (scheme.method, scheme.act_order, scheme.symmetric) == ("gptq", True, False)
     gen = run_qinfer("generate", str(out), "a single", "--max-tokens", "5")
     assert gen.returncode == 0, gen.stderr
     assert gen.stdout.startswith("a single")
@@ -147,6 +149,7 @@ def test_cli_quantize_then_generate(tiny, tmp_path, calib_file):
         (["--bits", "5"], "bits"),
         (["--group-size", "100"], "group"),
         (["--format", "fp8"], "bits"),
+        (["--bits", "8", "--format", "fp8", "--method", "awq"], "AWQ produces integer weights"),
         (["--method", "rtn", "--act-order"], "act_order"),
         (["--seq-len", "100000", "--calib", "SHORT"], "too short"),
     ],
