@@ -24,6 +24,7 @@ from qinfer.calib.sampling import sample_windows
 from qinfer.calib.sources import load_calibration_documents
 from qinfer.errors import QinferError
 from qinfer.format import QuantScheme
+from qinfer.interop.folders import SIDE_FILES
 from qinfer.loader import load_model
 from qinfer.model import QLinear, Transformer
 from qinfer.quantizers.fp8 import fp8_kv_scale, fp8_quantize, int8_kv_scale
@@ -32,15 +33,7 @@ from qinfer.quantizers.rtn import rtn_quantize
 from qinfer.tokenizer import Tokenizer
 
 # Files copied unchanged from the source folder so the output is a complete model folder.
-COPIED_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer.model",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-)
+COPIED_FILES = ("config.json", *SIDE_FILES)
 
 
 @dataclass(frozen=True)
