@@ -49,13 +49,14 @@ FP8 weights (``format == "fp8"``)
 ==============  =============  ==================  =============================================
 tensor          dtype          shape               content
 ==============  =============  ==================  =============================================
-``P.weight``    float8_e4m3fn  [N, K]              ``W / scale``, rounded to nearest, saturated
+``P.weight``    float8_e4m3fn  [N, K]              ``W / scale`` on the E4M3 grid, saturated
 ``P.scale``     float32        [N, 1] or [1]       ``fp8_granularity`` "channel" or "tensor"
 ==============  =============  ==================  =============================================
 
-Dequantization: ``w = weight.float() * scale`` (broadcast). E4M3 "fn" has 1 sign, 4 exponent (bias 7) and
-3 mantissa bits, no infinities, and a largest finite magnitude of 448; qinfer's quantizers clamp to ±448
-before the cast, so a stored weight is never NaN.
+Method ``fp8`` rounds ``W / scale`` to nearest; method ``gptq`` chooses each value by GPTQ's error feedback
+(same grid, same scales). Dequantization: ``w = weight.float() * scale`` (broadcast). E4M3 "fn" has 1 sign,
+4 exponent (bias 7) and 3 mantissa bits, no infinities, and a largest finite magnitude of 448; qinfer's
+quantizers clamp to ±448 before the cast, so a stored weight is never NaN.
 """
 
 from __future__ import annotations
