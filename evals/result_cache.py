@@ -2,12 +2,15 @@
 
 Layout: ``qinfer.cache.cache_dir() / "eval" / <part> / <key>.json`` where ``part`` is "text", "task" or
 "speed" and ``key`` is the sha256 of the JSON of the key fields (the model's content key, the baseline's,
-every setting, :data:`CACHE_VERSION`, the torch version). Keying each part on its own settings lets a run
+every setting, :data:`CACHE_VERSION`, the torch version, and a fingerprint of the runtime code that produces
+the numbers: the decoder, KV cache, loader, format and every kernel, so a kernel change re-measures). Keying each part on its own settings lets a run
 with more tasks, or with ``--speed`` after ``--no-speed``, reuse everything it shares with earlier runs.
 Files are written atomically; an unreadable one counts as a miss and is overwritten.
 """
 
+import functools
 import hashlib
+import importlib
 import json
 from pathlib import Path
 
@@ -19,8 +22,25 @@ from qinfer.cache import cache_dir, write_atomic
 CACHE_VERSION = 1
 
 
+# Modules whose code decides what an eval measures (besides the kernels package, which is read whole).
+RUNTIME_MODULES = ("qinfer.model", "qinfer.kv_cache", "qinfer.loader", "qinfer.format", "qinfer.generate")
+
+
+@functools.cache
+def code_fingerprint() -> str:
+    """sha256 over the source of :data:`RUNTIME_MODULES` and of every module in ``qinfer.kernels``."""
+    kernels = Path(importlib.import_module("qinfer.kernels").__file__).parent
+    files = [Path(importlib.import_module(m).__file__) for m in RUNTIME_MODULES] + sorted(kernels.glob("*.py"))
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
 def cache_key(part: str, **fields) -> str:
-    payload = {"part": part, "cache_version": CACHE_VERSION, "torch": torch.__version__, **fields}
+    payload = {
+        "part": part, "cache_version": CACHE_VERSION, "torch": torch.__version__, "code": code_fingerprint(), **fields
+    }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 

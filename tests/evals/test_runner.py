@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from qinfer.errors import QinferError
-from qinfer.evals import runner
+from qinfer.evals import result_cache, runner
 from qinfer.evals.report import SCHEMA_VERSION, format_table
 from qinfer.evals.runner import EvalConfig, ModelResult, run_eval
 from tests.evals.eval_fixtures import install_roofline, install_tasks, text_file, tiny_model
@@ -91,6 +91,20 @@ def test_the_cache_skips_all_work_and_no_cache_recomputes(env, count_loads):
     count_loads.clear()
     run_eval(dataclasses.replace(config, cache=False))
     assert count_loads
+
+
+def test_a_runtime_code_change_is_a_cache_miss(env, count_loads, monkeypatch):
+    install_tasks()
+    install_roofline()
+    config = EvalConfig(models=(env["model"],), text=env["text"], **{**SMALL, **SPEED, "tasks": ("truths",)})
+    assert len(result_cache.code_fingerprint()) == 64
+    run_eval(config)
+    count_loads.clear()
+    run_eval(config)
+    assert count_loads == []  # same code: cached
+    monkeypatch.setattr(result_cache, "code_fingerprint", lambda: "another kernel")
+    run_eval(config)
+    assert count_loads  # measured again, not read from the old code's cache
 
 
 def test_results_json_follows_the_documented_schema(env):
