@@ -408,6 +408,17 @@ class Fp8Weight:
         return w
 
 
+def packed_weight(prefix: str, tensors: dict[str, torch.Tensor], scheme: QuantScheme) -> QuantizedWeight | Fp8Weight | None:
+    """The packed weight stored under ``prefix`` (integer ``P.qweight``, or FP8 ``P.weight`` + ``P.scale``),
+    or None when ``prefix`` is not quantized in ``tensors``. ``scheme`` is the one that linear follows."""
+    if f"{prefix}.qweight" in tensors:
+        return QuantizedWeight.from_tensors(prefix, tensors, scheme)
+    weight = tensors.get(f"{prefix}.weight")
+    if weight is not None and weight.dtype == torch.float8_e4m3fn and f"{prefix}.scale" in tensors:
+        return Fp8Weight.from_tensors(prefix, tensors, scheme)
+    return None
+
+
 def effective_bits(scheme: QuantScheme, shape: tuple[int, int]) -> float:
     """Stored bits per weight of an ``[N, K]`` linear under ``scheme``, scales and zeros included."""
     N, K = shape

@@ -13,7 +13,7 @@ import torch
 
 from qinfer.arch import ModelConfig
 from qinfer.errors import QinferError
-from qinfer.format import QUANT_CONFIG_FILE, Fp8Weight, QuantizedWeight, QuantScheme
+from qinfer.format import QUANT_CONFIG_FILE, QuantScheme, packed_weight
 from qinfer.model import QLinear, Transformer
 
 _DTYPES = {
@@ -123,12 +123,8 @@ def _take_packed(folder: Path, model: Transformer, tensors: dict, device: str) -
     for prefix, module in model.named_modules():
         if not isinstance(module, QLinear):
             continue
-        s = scheme.lm_head_scheme() if prefix == "lm_head" else scheme
-        if f"{prefix}.qweight" in tensors:
-            w = QuantizedWeight.from_tensors(prefix, tensors, s)
-        elif f"{prefix}.scale" in tensors and tensors.get(f"{prefix}.weight", torch.empty(0)).dtype == torch.float8_e4m3fn:
-            w = Fp8Weight.from_tensors(prefix, tensors, s)
-        else:
+        w = packed_weight(prefix, tensors, scheme.lm_head_scheme() if prefix == "lm_head" else scheme)
+        if w is None:
             continue
         if tuple(w.shape) != (module.out_features, module.in_features):
             raise QinferError(f"{folder}: {prefix} is packed as {tuple(w.shape)}, config.json implies "

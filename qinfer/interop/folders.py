@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from qinfer.cache import atomic_dir
 from qinfer.errors import QinferError
-from qinfer.format import QUANT_CONFIG_FILE, Fp8Weight, QuantizedWeight, QuantScheme
+from qinfer.format import QUANT_CONFIG_FILE, QuantScheme, packed_weight
 from qinfer.interop import compressed_tensors as ct
 from qinfer.interop import gptq
 
@@ -82,12 +82,11 @@ def export_folder(src: Path, out: Path, fmt: str, force: bool = False) -> Conver
     tensors = read_folder_tensors(src)
     report = ConvertReport(out)
     result = {}
-    for prefix in _qinfer_prefixes(tensors):
-        s = scheme.lm_head_scheme() if prefix == "lm_head" else scheme
-        if f"{prefix}.qweight" in tensors:
-            weight = QuantizedWeight.from_tensors(prefix, tensors, s)
-        else:
-            weight = Fp8Weight.from_tensors(prefix, tensors, s)
+    prefixes = sorted({k.rsplit(".", 1)[0] for k in tensors})
+    for prefix in prefixes:
+        weight = packed_weight(prefix, tensors, scheme.lm_head_scheme() if prefix == "lm_head" else scheme)
+        if weight is None:
+            continue
         for key in weight.tensors(prefix):
             tensors.pop(key)
         if fmt == "gptq":
@@ -163,16 +162,6 @@ _FOREIGN_SUFFIXES = {
     gptq.CHECKPOINT_FORMAT: ("qweight", "qzeros", "scales", "g_idx"),
     ct.QUANT_METHOD: ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx", "weight"),
 }
-
-
-def _qinfer_prefixes(tensors: dict[str, torch.Tensor]) -> list[str]:
-    int_prefixes = [k.removesuffix(".qweight") for k in tensors if k.endswith(".qweight")]
-    fp8_prefixes = [
-        k.removesuffix(".weight")
-        for k, t in tensors.items()
-        if k.endswith(".weight") and t.dtype == torch.float8_e4m3fn and k.removesuffix(".weight") + ".scale" in tensors
-    ]
-    return sorted(int_prefixes + fp8_prefixes)
 
 
 def _foreign_prefixes(tensors: dict[str, torch.Tensor], method: str) -> list[str]:
