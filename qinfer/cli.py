@@ -118,8 +118,9 @@ def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed):
 @click.option("--bits", type=int, default=4, show_default=True, help="2, 3, 4 or 8 (8 with --format fp8 for FP8).")
 @click.option("--method", type=click.Choice(["gptq", "awq", "rtn"]), default="gptq", show_default=True)
 @click.option("--group-size", type=int, default=128, show_default=True, help="32, 64, 128, or -1 for per-channel.")
-@click.option("--sym/--asym", default=False, show_default=True,
-              help="Symmetric (implicit zero) or asymmetric (a zero point per group; more accurate on gemma3-270m, see README).")
+@click.option("--sym/--asym", default=None,
+              help="Symmetric (implicit zero) or asymmetric (a zero point per group; the default for integers, "
+                   "more accurate on gemma3-270m, see README). FP8 is always symmetric.")
 @click.option("--act-order/--no-act-order", default=None,
               help="GPTQ: visit columns by decreasing Hessian diagonal, with static groups (default on for GPTQ).")
 @click.option("--format", "fmt", type=click.Choice(["int", "fp8"]), default="int", show_default=True,
@@ -146,6 +147,8 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
         method, group_size, lm_head_bits = ("gptq" if method == "gptq" else "fp8"), -1, 8
     if act_order is None:
         act_order = method == "gptq"
+    if sym is None:
+        sym = fmt == "fp8"
     scheme = QuantScheme(method=method, bits=bits, group_size=group_size, symmetric=sym, act_order=act_order,
                          format=fmt, kv_cache=kv_cache, quantize_lm_head=quantize_lm_head, lm_head_bits=lm_head_bits)
     calib_config = CalibConfig(source=calib, samples=samples, seq_len=seq_len, seed=seed)

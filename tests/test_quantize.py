@@ -138,6 +138,10 @@ def test_cli_quantize_then_generate(tiny, tmp_path, calib_file):
     assert "bits per quantized weight" in proc.stdout
     scheme = QuantScheme.load(out)  # the defaults: GPTQ, act-order, asymmetric groups
     assert (scheme.method, scheme.act_order, scheme.symmetric) == ("gptq", True, False)
+    fp8 = run_qinfer("quantize", str(tiny), "-o", str(tmp_path / "fp8"), "--bits", "8", "--format", "fp8",
+                     "--calib", str(calib_file), "--samples", "8", "--seq-len", "32")
+    assert fp8.returncode == 0, fp8.stderr  # FP8 needs no --sym
+    assert (QuantScheme.load(tmp_path / "fp8").format, QuantScheme.load(tmp_path / "fp8").symmetric) == ("fp8", True)
     gen = run_qinfer("generate", str(out), "a single", "--max-tokens", "5")
     assert gen.returncode == 0, gen.stderr
     assert gen.stdout.startswith("a single")
