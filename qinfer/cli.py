@@ -133,10 +133,15 @@ def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed):
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--quantize-lm-head", is_flag=True, help="Also quantize lm_head (to --lm-head-bits).")
 @click.option("--lm-head-bits", type=int, default=8, show_default=True)
+@click.option("--tune-steps", type=int, default=0, show_default=True,
+              help="After each block is quantized, tune its group scales and norms for N steps towards the "
+                   "unquantized model's block output (integer formats; ~0.9 s per step for gemma3-270m on 2 CPU cores).")
+@click.option("--tune-lr", type=float, default=2e-3, show_default=True, help="Learning rate of --tune-steps.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache, calib, samples, seq_len, seed,
-             quantize_lm_head, lm_head_bits, force):
+             quantize_lm_head, lm_head_bits, tune_steps, tune_lr, force):
     """Quantize MODEL into the qinfer format (safetensors + quant_config.json) at OUT."""
+    from qinfer.block_tune import TuneConfig
     from qinfer.format import QuantScheme
     from qinfer.quantize import CalibConfig, quantize_model
     from qinfer.sources import resolve_model
@@ -152,8 +157,9 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
     scheme = QuantScheme(method=method, bits=bits, group_size=group_size, symmetric=sym, act_order=act_order,
                          format=fmt, kv_cache=kv_cache, quantize_lm_head=quantize_lm_head, lm_head_bits=lm_head_bits)
     calib_config = CalibConfig(source=calib, samples=samples, seq_len=seq_len, seed=seed)
+    tune = TuneConfig(steps=tune_steps, lr=tune_lr, seed=seed)
     try:
-        report = quantize_model(resolve_model(model), out, scheme, calib_config, force=force)
+        report = quantize_model(resolve_model(model), out, scheme, calib_config, force=force, tune=tune)
     except KeyboardInterrupt:
         raise QinferError(f"interrupted: nothing was written to {out}") from None
     click.echo(report.summary())

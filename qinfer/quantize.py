@@ -4,6 +4,10 @@ True sequential: block i is calibrated on the outputs of the already-quantized b
 block's quantizer sees (and can compensate) the error that reaches it. Memory stays bounded by the
 bf16 model (memory-mapped) plus one block's activations [S, L, C] in bf16. Blocks run in bf16 (the
 model's own compute dtype, and AMX-fast on CPU); quantizers work on fp32 copies of each weight.
+
+With tuning (``TuneConfig.steps > 0``, see :mod:`qinfer.block_tune`) a second stream of activations runs
+beside the first through the *unquantized* blocks; once block i's linears are quantized, its scales and
+norms are tuned towards that stream's block-i output. That doubles the activations kept (two [S, L, C]).
 """
 
 import json
@@ -18,6 +22,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from qinfer.awq_pipeline import apply_awq
+from qinfer.block_tune import TuneConfig, tune_block
 from qinfer.cache import atomic_dir
 from qinfer.calib.capture import capture_block, embed_samples, run_block
 from qinfer.calib.sampling import sample_windows
@@ -58,6 +63,7 @@ class QuantizeReport:
     seconds: float
     peak_rss_bytes: int
     layer_errors: dict[str, float] = field(default_factory=dict)
+    tune_losses: dict[str, tuple[float, float]] = field(default_factory=dict)  # block -> (before, after)
 
     @property
     def effective_bits(self) -> float:
@@ -65,12 +71,16 @@ class QuantizeReport:
 
     def summary(self) -> str:
         mib = 1 << 20
-        return (
+        text = (
             f"wrote {self.out}\n"
             f"size {self.bytes_before / mib:.1f} MiB -> {self.bytes_after / mib:.1f} MiB; "
             f"{self.effective_bits:.3f} bits per quantized weight (scales included); "
             f"{self.seconds:.0f} s; peak RSS {self.peak_rss_bytes / mib:.0f} MiB"
         )
+        kept = sorted(after / before for before, after in self.tune_losses.values() if before > 0)
+        if kept:
+            text += f"\ntuning left {kept[len(kept) // 2]:.0%} of the block output error (median over blocks)"
+        return text
 
 
 def calibration_batch(folder: Path, calib: CalibConfig) -> torch.Tensor:
@@ -82,35 +92,49 @@ def calibration_batch(folder: Path, calib: CalibConfig) -> torch.Tensor:
     return torch.cat([torch.tensor([bos] * calib.samples, dtype=torch.long).reshape(calib.samples, -1), body], dim=1)
 
 
-def quantize_model(folder: Path, out: Path, scheme: QuantScheme, calib: CalibConfig, force: bool = False) -> QuantizeReport:
+def quantize_model(
+    folder: Path, out: Path, scheme: QuantScheme, calib: CalibConfig, force: bool = False, tune: TuneConfig | None = None
+) -> QuantizeReport:
     folder, out = Path(folder), Path(out)
+    tune = tune or TuneConfig()
+    if tune.steps and scheme.format != "int":
+        raise QinferError("--tune-steps tunes integer group scales; FP8 weights have none (drop --tune-steps)")
     if out.exists() and not force:
         raise QinferError(f"{out} already exists: choose another -o or pass --force to replace it")
     if (folder / "quant_config.json").exists():
         raise QinferError(f"{folder} is already quantized: quantize the original model instead")
     start = time.perf_counter()
     model = load_model(folder, dtype=torch.bfloat16)
-    needs_calib = scheme.method in ("gptq", "awq") or scheme.kv_cache != "none"
+    needs_calib = scheme.method in ("gptq", "awq") or scheme.kv_cache != "none" or tune.steps > 0
     X = embed_samples(model, calibration_batch(folder, calib), model.dtype) if needs_calib else None
+    # Tuning aims each block at the unquantized model's output: carry that stream beside the quantized one.
+    X_ref = X.clone() if tune.steps else None
     tensors: dict[str, torch.Tensor] = {}
     report = QuantizeReport(out, _folder_bytes(folder), 0, 0, 0, 0.0, 0)
     names = model.config.arch.linear_names
     groups = tuple(g.linears for g in model.config.arch.linear_groups)
-    for i in tqdm(range(model.config.num_layers), desc=f"quantizing ({scheme.method})", unit="block"):
+    label = scheme.method + (" + tuning" if tune.steps else "")
+    for i in tqdm(range(model.config.num_layers), desc=f"quantizing ({label})", unit="block"):
         block = model.model.layers[i]
         stats = None
+        if X_ref is not None:
+            X_ref = run_block(model, i, X_ref)  # before anything in block i changes
         if X is not None:
             stats = capture_block(model, i, X, groups)
         if scheme.method == "awq":
             apply_awq(model, i, stats, scheme)
+        packed = {}
         for name in names:
             module: QLinear = block.get_submodule(name)
             prefix = f"model.layers.{i}.{name}"
             H = stats.linears[name].H if stats is not None else None
-            qw, err = _quantize_linear(module.weight.data.float(), H, scheme, prefix)
-            report.layer_errors[prefix] = err
-            _account(report, tensors, qw, prefix, module.weight.numel())
-            module.weight.data = qw.dequantize(model.dtype)  # the next blocks see the quantized block
+            packed[name], report.layer_errors[prefix] = _quantize_linear(module.weight.data.float(), H, scheme, prefix)
+            module.weight.data = packed[name].dequantize(model.dtype)  # the next blocks see the quantized block
+        if tune.steps:
+            packed, result = tune_block(model, i, packed, X, X_ref, tune)
+            report.tune_losses[f"model.layers.{i}"] = (result.loss_before, result.loss_after)
+        for name, qw in packed.items():
+            _account(report, tensors, qw, f"model.layers.{i}.{name}", qw.shape[0] * qw.shape[1])
         if stats is not None and scheme.kv_cache != "none":
             to_scale = int8_kv_scale if scheme.kv_cache == "int8" else fp8_kv_scale
             tensors[f"model.layers.{i}.self_attn.k_scale"] = to_scale(stats.k_absmax).float()
@@ -136,7 +160,7 @@ def quantize_model(folder: Path, out: Path, scheme: QuantScheme, calib: CalibCon
         report.bytes_after = _folder_bytes(tmp)
     report.seconds = time.perf_counter() - start
     report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    (out / "quantize_report.json").write_text(json.dumps(_report_json(report, scheme, calib), indent=2))
+    (out / "quantize_report.json").write_text(json.dumps(_report_json(report, scheme, calib, tune), indent=2))
     return report
 
 
@@ -182,7 +206,7 @@ def _folder_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
 
 
-def _report_json(report: QuantizeReport, scheme: QuantScheme, calib: CalibConfig) -> dict:
+def _report_json(report: QuantizeReport, scheme: QuantScheme, calib: CalibConfig, tune: TuneConfig) -> dict:
     return {
         "scheme": json.loads(scheme.to_json()),
         "calibration": calib.__dict__,
@@ -192,4 +216,6 @@ def _report_json(report: QuantizeReport, scheme: QuantScheme, calib: CalibConfig
         "seconds": report.seconds,
         "peak_rss_bytes": report.peak_rss_bytes,
         "layer_errors": report.layer_errors,
+        "tuning": tune.__dict__,
+        "tune_losses": report.tune_losses,
     }

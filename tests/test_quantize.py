@@ -156,6 +156,8 @@ def test_cli_quantize_then_generate(tiny, tmp_path, calib_file):
         (["--bits", "8", "--format", "fp8", "--method", "awq"], "AWQ produces integer weights"),
         (["--method", "rtn", "--act-order"], "act_order"),
         (["--seq-len", "100000", "--calib", "SHORT"], "too short"),
+        (["--bits", "8", "--format", "fp8", "--tune-steps", "5"], "FP8 weights have none"),
+        (["--tune-steps", "-1"], "--tune-steps >= 0"),
     ],
 )
 def test_cli_bad_options(tiny, tmp_path, args, needle):

@@ -1,0 +1,77 @@
+"""Block-output tuning: it lowers the block's output error, keeps codes and zeros, and the pipeline's
+tuned checkpoint is closer to the unquantized model than the untuned one."""
+
+import json
+
+import pytest
+import torch
+from qinfer.calib.capture import run_block
+from qinfer.quantizers.rtn import rtn_quantize
+
+from qinfer.block_tune import TuneConfig, tune_block
+from qinfer.errors import QinferError
+from qinfer.format import QuantScheme
+from qinfer.loader import load_model
+from qinfer.quantize import CalibConfig, quantize_model
+from qinfer.tokenizer import Tokenizer
+from tests.test_quantize import calib_file, logits_error, tiny, with_salient_channels  # noqa: F401 (fixtures)
+from tests.tiny_models import TEXT
+
+
+def test_tuning_lowers_block_error_and_keeps_codes(tiny):  # noqa: F811
+    model = load_model(tiny, dtype=torch.bfloat16)
+    block = model.model.layers[1]
+    torch.manual_seed(0)
+    X = (torch.randn(6, 24, model.config.hidden_size) * 2).to(torch.bfloat16)
+    Y = run_block(model, 1, X)  # the unquantized block's output
+    scheme = QuantScheme(method="rtn", bits=3, group_size=32, symmetric=False)
+    packed = {}
+    for name in model.config.arch.linear_names:
+        module = block.get_submodule(name)
+        packed[name] = rtn_quantize(module.weight.data.float(), scheme)
+        module.weight.data = packed[name].dequantize(torch.bfloat16)
+    norms = {n: p.detach().clone() for n, p in block.named_parameters() if n.endswith("norm.weight")}
+    tuned, result = tune_block(model, 1, packed, X, Y, TuneConfig(steps=40, lr=5e-3, batch=2))
+    assert result.loss_after < 0.9 * result.loss_before, result
+    for name, w in tuned.items():
+        assert torch.equal(w.qweight, packed[name].qweight) and torch.equal(w.zero, packed[name].zero)
+        assert w.scale.dtype == torch.float16 and not torch.equal(w.scale, packed[name].scale)
+        assert torch.equal(block.get_submodule(name).weight.data, w.dequantize(torch.bfloat16))
+    assert any(not torch.equal(p, block.get_parameter(n)) for n, p in norms.items())
+    assert all(p.dtype == torch.bfloat16 for p in block.parameters())
+    # the reported loss is the block's actual error with the tuned weights
+    again = float((run_block(model, 1, X.float().to(torch.bfloat16)).float() - Y.float()).pow(2).mean())
+    assert again == pytest.approx(result.loss_after, rel=0.1)
+
+
+def test_zero_steps_change_nothing(tiny):  # noqa: F811
+    model = load_model(tiny, dtype=torch.float32)
+    block = model.model.layers[0]
+    X = torch.randn(2, 8, model.config.hidden_size)
+    name = model.config.arch.linear_names[0]
+    w = rtn_quantize(block.get_submodule(name).weight.data, QuantScheme(method="rtn", group_size=32))
+    tuned, result = tune_block(model, 0, {name: w}, X, run_block(model, 0, X), TuneConfig(steps=0))
+    assert torch.equal(tuned[name].scale, w.scale) and result.loss_after == pytest.approx(result.loss_before, rel=1e-6)
+
+
+def test_bad_config_is_refused():
+    with pytest.raises(QinferError, match="tune-steps"):
+        TuneConfig(steps=-1)
+    with pytest.raises(QinferError, match="tune-steps"):
+        TuneConfig(steps=3, lr=0.0)
+
+
+def test_pipeline_tuning_brings_the_model_closer(tiny, tmp_path, calib_file):  # noqa: F811
+    tiny = with_salient_channels(tiny, tmp_path)
+    calib = CalibConfig(source=str(calib_file), samples=16, seq_len=64)
+    ids = torch.tensor([Tokenizer.from_folder(tiny).encode(TEXT)[:64]])
+    scheme = QuantScheme(method="gptq", bits=3, group_size=32, act_order=True)
+    quantize_model(tiny, tmp_path / "plain", scheme, calib)
+    report = quantize_model(tiny, tmp_path / "tuned", scheme, calib, tune=TuneConfig(steps=30, lr=5e-3))
+    assert logits_error(tiny, tmp_path / "tuned", ids) < logits_error(tiny, tmp_path / "plain", ids)
+    saved = json.loads((tmp_path / "tuned" / "quantize_report.json").read_text())
+    assert saved["tuning"]["steps"] == 30
+    assert len(saved["tune_losses"]) == load_model(tiny).config.num_layers == len(report.tune_losses)
+    assert all(after < before for before, after in saved["tune_losses"].values())
+    assert QuantScheme.load(tmp_path / "tuned") == scheme  # same stored format as without tuning
+    assert "tuning left" in report.summary()
