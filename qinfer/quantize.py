@@ -133,6 +133,8 @@ def quantize_model(
         if tune.steps:
             packed, result = tune_block(model, i, packed, X, X_ref, tune)
             report.tune_losses[f"model.layers.{i}"] = (result.loss_before, result.loss_after)
+            if scheme.kv_cache != "none":  # the tuned q/k norms move the keys: measure the ranges again
+                stats = capture_block(model, i, X, groups)
         for name, qw in packed.items():
             _account(report, tensors, qw, f"model.layers.{i}.{name}", qw.shape[0] * qw.shape[1])
         if stats is not None and scheme.kv_cache != "none":

@@ -5,14 +5,16 @@ import json
 
 import pytest
 import torch
-from qinfer.calib.capture import run_block
+from qinfer.calib.capture import capture_block, embed_samples, run_block
+from qinfer.quantizers.fp8 import int8_kv_scale
 from qinfer.quantizers.rtn import rtn_quantize
+from safetensors.torch import load_file
 
 from qinfer.block_tune import TuneConfig, tune_block
 from qinfer.errors import QinferError
 from qinfer.format import QuantScheme
 from qinfer.loader import load_model
-from qinfer.quantize import CalibConfig, quantize_model
+from qinfer.quantize import CalibConfig, calibration_batch, quantize_model
 from qinfer.tokenizer import Tokenizer
 from tests.test_quantize import calib_file, logits_error, tiny, with_salient_channels  # noqa: F401 (fixtures)
 from tests.tiny_models import TEXT
@@ -52,6 +54,21 @@ def test_zero_steps_change_nothing(tiny):  # noqa: F811
     w = rtn_quantize(block.get_submodule(name).weight.data, QuantScheme(method="rtn", group_size=32))
     tuned, result = tune_block(model, 0, {name: w}, X, run_block(model, 0, X), TuneConfig(steps=0))
     assert torch.equal(tuned[name].scale, w.scale) and result.loss_after == pytest.approx(result.loss_before, rel=1e-6)
+
+
+def test_kv_scales_come_from_the_tuned_block(tiny, tmp_path, calib_file):  # noqa: F811
+    calib = CalibConfig(source=str(calib_file), samples=8, seq_len=32)
+    scheme = QuantScheme(method="rtn", bits=3, group_size=32, kv_cache="int8")
+    quantize_model(tiny, tmp_path / "q", scheme, calib, tune=TuneConfig(steps=20, lr=2e-2))
+    stored = load_file(tmp_path / "q" / "model.safetensors")["model.layers.0.self_attn.k_scale"]
+    model = load_model(tmp_path / "q", dtype=torch.bfloat16)  # block 0 sees the same input as when it was tuned
+    for name in model.config.arch.linear_names:
+        module = model.model.layers[0].get_submodule(name)
+        module.weight = torch.nn.Parameter(module.weight.dequantize(torch.bfloat16), requires_grad=False)
+    X = embed_samples(model, calibration_batch(tiny, calib), model.dtype)
+    groups = tuple(g.linears for g in model.config.arch.linear_groups)
+    expected = int8_kv_scale(capture_block(model, 0, X, groups).k_absmax).float()
+    torch.testing.assert_close(stored, expected, rtol=2e-2, atol=0)
 
 
 def test_bad_config_is_refused():
