@@ -1,4 +1,4 @@
-"""Block-output tuning: a second stage after a block's linears are quantized (``qinfer quantize --tune-steps N``).
+"""Tuning stages after quantization: per block (``qinfer quantize --tune-steps N``) and end to end (``--e2e-steps N``).
 
 GPTQ, AWQ and RTN each fit one linear at a time. Once every linear of decoder block ``i`` is quantized,
 this stage keeps the integer codes and zero points as they are and adjusts what stays in floating point:
@@ -15,14 +15,24 @@ stored format already has: the output is a checkpoint in the same layout as with
 
 The block runs in float32 while tuning (bf16 gradients are too coarse for ``d``); the tuned scales are
 rounded to float16 for storage and the whole-batch loss is reported before and after.
+
+The end-to-end stage (:func:`tune_end_to_end`) runs once every block is quantized. It tunes the same
+parameters (every group's log-scale and every norm weight, the final norm included) of all blocks at once,
+on the KL divergence from the unquantized model's next-token distribution to the quantized model's, one
+calibration sample per Adam step with a cosine-decayed rate: the block stage sees only its block's output
+error, this one sees what the errors do to the logits. In the spirit of EfficientQAT's end-to-end stage
+(which trains only the step sizes); the stored format again stays as it is.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 from torch.func import functional_call
+from tqdm import tqdm
 
 from qinfer.errors import QinferError
 from qinfer.format import QuantizedWeight, dequantize_codes
@@ -32,22 +42,31 @@ from qinfer.quantizers.rtn import FP16_MAX
 
 @dataclass(frozen=True)
 class TuneConfig:
-    steps: int = 0  # Adam steps per block; 0 = no tuning
-    lr: float = 2e-3  # for the log-scales and the norm weights
-    batch: int = 4  # calibration samples per step
+    steps: int = 0  # Adam steps per block; 0 = no block tuning
+    lr: float = 2e-3  # for the log-scales and the norm weights (both stages)
+    batch: int = 4  # calibration samples per block step
+    e2e_steps: int = 0  # end-to-end Adam steps of one calibration sample each; 0 = none
     seed: int = 0
 
     def __post_init__(self):
-        if self.steps < 0 or self.batch < 1 or not self.lr > 0:
+        if self.steps < 0 or self.e2e_steps < 0 or self.batch < 1 or not self.lr > 0:
             raise QinferError(
-                f"tuning needs --tune-steps >= 0, a batch >= 1 and a positive rate (got {self.steps}, {self.batch}, {self.lr})"
+                "tuning needs --tune-steps >= 0, --e2e-steps >= 0, a batch >= 1 and a positive rate "
+                f"(got {self.steps}, {self.e2e_steps}, {self.batch}, {self.lr})"
             )
+
+    @property
+    def active(self) -> bool:
+        return self.steps > 0 or self.e2e_steps > 0
 
 
 @dataclass(frozen=True)
 class TuneResult:
-    loss_before: float  # mean squared output error over every calibration sample
-    loss_after: float
+    loss_before: float  # block stage: mean squared output error over every calibration sample;
+    loss_after: float  # end-to-end stage: mean per-token KL over the first E2E_EVAL_SAMPLES samples
+
+
+E2E_EVAL_SAMPLES = 8  # the end-to-end KL is reported on this many calibration samples (a full pass is slow)
 
 
 def tune_block(
@@ -106,6 +125,90 @@ def tune_block(
             after = full_loss()
     finally:
         block.to(dtype)
+    return tuned, TuneResult(before, after)
+
+
+def tune_end_to_end(
+    model: Transformer,
+    weights: dict[str, QuantizedWeight],
+    ids: torch.Tensor,
+    target: torch.Tensor,
+    config: TuneConfig,
+) -> tuple[dict[str, QuantizedWeight], TuneResult]:
+    """Tune all group scales and norms so the model's next-token distribution on ``ids`` [S, L] moves
+    towards the one given by ``target`` [S, L, C], the unquantized model's final-norm hidden states.
+
+    ``weights`` maps ``model.layers.{i}.{linear}`` to every block's quantized weight; the returned dict has
+    the same codes and zeros with tuned scales. Norm weights are updated in place and the blocks' linears
+    are left holding the tuned weights dequantized in the model's dtype. The (unquantized) lm_head is
+    shared by both sides and stays as it is.
+    """
+    layers = model.model.layers
+    dtype = model.dtype
+    S, L = ids.shape
+    pos = torch.arange(L, device=ids.device)
+    masks = model.masks(pos, 0)
+    ropes = [model.rope(i, pos, torch.float32) for i in range(len(layers))]
+    head = model.lm_head.weight
+    levels = {n: _levels(w) for n, w in weights.items()}
+    logs = {n: torch.zeros(w.scale.shape, requires_grad=True) for n, w in weights.items()}
+    norms = {n: p.detach().float().clone().requires_grad_(True) for n, p in model.model.named_parameters() if _is_norm(n)}
+
+    def block_params(i: int) -> dict[str, torch.Tensor]:
+        prefix = f"layers.{i}."
+        params = {k.removeprefix(prefix): v for k, v in norms.items() if k.startswith(prefix)}
+        for n, w in weights.items():
+            if n.startswith(f"model.{prefix}"):
+                scale = w.scale.float() * torch.exp(logs[n])
+                params[f"{n.removeprefix(f'model.{prefix}')}.weight"] = dequantize_codes(levels[n], scale, 0, w.group_size)
+        return params
+
+    def log_probs(h: torch.Tensor) -> torch.Tensor:
+        return F.log_softmax((h.to(head.dtype) @ head.T).float(), dim=-1)
+
+    def kl(idx: torch.Tensor) -> torch.Tensor:
+        x = model.embed(ids[idx]).float()
+        for i, layer in enumerate(layers):
+            cos, sin = ropes[i]
+            mask = masks[model.config.sliding_window[i]]
+            x = functional_call(layer, block_params(i), (x, cos, sin, mask, None, pos))
+        lq = log_probs(functional_call(model.model.norm, {"weight": norms["norm.weight"]}, (x,)))
+        with torch.no_grad():
+            lp = log_probs(target[idx])
+        return F.kl_div(lq, lp, reduction="sum", log_target=True) / (len(idx) * L)
+
+    @torch.no_grad()
+    def eval_kl() -> float:
+        n = min(S, E2E_EVAL_SAMPLES)
+        return sum(float(kl(torch.tensor([i]))) for i in range(n)) / n
+
+    tuned_parts = [*layers, model.model.norm]  # the embeddings (and a tied head) are not tuned and stay as they are
+    for part in tuned_parts:
+        part.float()
+    try:
+        before = eval_kl()
+        opt = torch.optim.Adam([*logs.values(), *norms.values()], lr=config.lr)
+        cosine = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / config.e2e_steps)))
+        gen = torch.Generator().manual_seed(config.seed)
+        order = torch.cat([torch.randperm(S, generator=gen) for _ in range(math.ceil(config.e2e_steps / S))])
+        bar = tqdm(order[: config.e2e_steps], desc="end-to-end tuning", unit="step")
+        for i in bar:
+            opt.zero_grad()
+            loss = kl(i.view(1))
+            loss.backward()
+            opt.step()
+            cosine.step()
+            bar.set_postfix(kl=f"{float(loss.detach()):.4f}")
+        tuned = {n: replace(w, scale=_fp16(w.scale.float() * torch.exp(logs[n].detach()))) for n, w in weights.items()}
+        with torch.no_grad():
+            for n, p in norms.items():
+                model.model.get_parameter(n).data = p.detach()
+            for n, w in tuned.items():
+                model.get_submodule(n).weight.data = w.dequantize(torch.float32)
+            after = eval_kl()
+    finally:
+        for part in tuned_parts:
+            part.to(dtype)
     return tuned, TuneResult(before, after)
 
 

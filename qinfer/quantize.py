@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from qinfer.awq_pipeline import apply_awq
-from qinfer.block_tune import TuneConfig, tune_block
+from qinfer.block_tune import E2E_EVAL_SAMPLES, TuneConfig, tune_block, tune_end_to_end
 from qinfer.cache import atomic_dir
 from qinfer.calib.capture import capture_block, embed_samples, run_block
 from qinfer.calib.sampling import sample_windows
@@ -64,6 +64,7 @@ class QuantizeReport:
     peak_rss_bytes: int
     layer_errors: dict[str, float] = field(default_factory=dict)
     tune_losses: dict[str, tuple[float, float]] = field(default_factory=dict)  # block -> (before, after)
+    e2e_kl: tuple[float, float] | None = None  # end-to-end tuning: KL to the unquantized model (before, after)
 
     @property
     def effective_bits(self) -> float:
@@ -80,6 +81,9 @@ class QuantizeReport:
         kept = sorted(after / before for before, after in self.tune_losses.values() if before > 0)
         if kept:
             text += f"\ntuning left {kept[len(kept) // 2]:.0%} of the block output error (median over blocks)"
+        if self.e2e_kl is not None:
+            text += (f"\nend-to-end tuning: KL to the unquantized model {self.e2e_kl[0]:.4f} -> {self.e2e_kl[1]:.4f} "
+                     f"(first {E2E_EVAL_SAMPLES} calibration samples)")
         return text
 
 
@@ -97,23 +101,25 @@ def quantize_model(
 ) -> QuantizeReport:
     folder, out = Path(folder), Path(out)
     tune = tune or TuneConfig()
-    if tune.steps and scheme.format != "int":
-        raise QinferError("--tune-steps tunes integer group scales; FP8 weights have none (drop --tune-steps)")
+    if tune.active and scheme.format != "int":
+        raise QinferError("--tune-steps/--e2e-steps tune integer group scales; FP8 weights have none (drop them)")
     if out.exists() and not force:
         raise QinferError(f"{out} already exists: choose another -o or pass --force to replace it")
     if (folder / "quant_config.json").exists():
         raise QinferError(f"{folder} is already quantized: quantize the original model instead")
     start = time.perf_counter()
     model = load_model(folder, dtype=torch.bfloat16)
-    needs_calib = scheme.method in ("gptq", "awq") or scheme.kv_cache != "none" or tune.steps > 0
-    X = embed_samples(model, calibration_batch(folder, calib), model.dtype) if needs_calib else None
-    # Tuning aims each block at the unquantized model's output: carry that stream beside the quantized one.
-    X_ref = X.clone() if tune.steps else None
+    needs_calib = scheme.method in ("gptq", "awq") or scheme.kv_cache != "none" or tune.active
+    ids = calibration_batch(folder, calib) if needs_calib else None
+    X = embed_samples(model, ids, model.dtype) if needs_calib else None
+    # Tuning aims at the unquantized model's outputs: carry that stream beside the quantized one.
+    X_ref = X.clone() if tune.active else None
+    quantized = {}  # "model.layers.{i}.{linear}" -> packed weight
     tensors: dict[str, torch.Tensor] = {}
     report = QuantizeReport(out, _folder_bytes(folder), 0, 0, 0, 0.0, 0)
     names = model.config.arch.linear_names
     groups = tuple(g.linears for g in model.config.arch.linear_groups)
-    label = scheme.method + (" + tuning" if tune.steps else "")
+    label = scheme.method + (" + tuning" if tune.active else "")
     for i in tqdm(range(model.config.num_layers), desc=f"quantizing ({label})", unit="block"):
         block = model.model.layers[i]
         stats = None
@@ -135,19 +141,28 @@ def quantize_model(
             report.tune_losses[f"model.layers.{i}"] = (result.loss_before, result.loss_after)
             if scheme.kv_cache != "none":  # the tuned q/k norms move the keys: measure the ranges again
                 stats = capture_block(model, i, X, groups)
-        for name, qw in packed.items():
-            _account(report, tensors, qw, f"model.layers.{i}.{name}", qw.shape[0] * qw.shape[1])
-        if stats is not None and scheme.kv_cache != "none":
-            to_scale = int8_kv_scale if scheme.kv_cache == "int8" else fp8_kv_scale
-            tensors[f"model.layers.{i}.self_attn.k_scale"] = to_scale(stats.k_absmax).float()
-            tensors[f"model.layers.{i}.self_attn.v_scale"] = to_scale(stats.v_absmax).float()
+        quantized.update({f"model.layers.{i}.{name}": qw for name, qw in packed.items()})
+        if stats is not None:
+            _kv_scales(tensors, i, stats, scheme)
         if X is not None:
             X = run_block(model, i, X)
-        for name, t in block.state_dict().items():  # norms (maybe AWQ-rescaled) go back in the model dtype
-            if not any(name.startswith(n + ".") for n in names):
-                tensors[f"model.layers.{i}.{name}"] = t.contiguous()
-        model.model.layers[i] = torch.nn.Identity()  # done with this block: release its weights
+        _block_tensors(tensors, model, i)  # norms (maybe AWQ-rescaled) go back in the model dtype
+        if not tune.e2e_steps:  # done with this block: release its weights (end-to-end tuning needs them all)
+            model.model.layers[i] = torch.nn.Identity()
         del block
+    if tune.e2e_steps:
+        quantized, result = tune_end_to_end(model, quantized, ids, model.model.norm(X_ref), tune)
+        report.e2e_kl = (result.loss_before, result.loss_after)
+        # The tuned norms move the keys, values and the lm_head's input: measure them again.
+        X = embed_samples(model, ids, model.dtype)
+        for i in range(model.config.num_layers):
+            _block_tensors(tensors, model, i)
+            if scheme.kv_cache != "none":
+                _kv_scales(tensors, i, capture_block(model, i, X, ()), scheme)
+            X = run_block(model, i, X)
+    for name, qw in quantized.items():
+        _account(report, tensors, qw, name, qw.shape[0] * qw.shape[1])
+    del X_ref
     tensors["model.embed_tokens.weight"] = model.model.embed_tokens.weight.contiguous()
     tensors["model.norm.weight"] = model.model.norm.weight.contiguous()
     _lm_head(model, X, scheme, tensors, report)
@@ -179,6 +194,21 @@ def _quantize_linear(W: torch.Tensor, H: torch.Tensor | None, scheme: QuantSchem
         torch.einsum("nk,kl,nl->", d := qw.dequantize(torch.float32) - W.float(), H, d)
     )
     return qw, err
+
+
+def _kv_scales(tensors: dict, i: int, stats, scheme: QuantScheme) -> None:
+    if scheme.kv_cache != "none":
+        to_scale = int8_kv_scale if scheme.kv_cache == "int8" else fp8_kv_scale
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = to_scale(stats.k_absmax).float()
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = to_scale(stats.v_absmax).float()
+
+
+def _block_tensors(tensors: dict, model: Transformer, i: int) -> None:
+    """Block ``i``'s unquantized tensors (its norms) into ``tensors``."""
+    names = model.config.arch.linear_names
+    for name, t in model.model.layers[i].state_dict().items():
+        if not any(name.startswith(n + ".") for n in names):
+            tensors[f"model.layers.{i}.{name}"] = t.contiguous()
 
 
 def _account(report: QuantizeReport, tensors: dict, qw, prefix: str, n_weights: int) -> None:
@@ -220,4 +250,5 @@ def _report_json(report: QuantizeReport, scheme: QuantScheme, calib: CalibConfig
         "layer_errors": report.layer_errors,
         "tuning": tune.__dict__,
         "tune_losses": report.tune_losses,
+        "e2e_kl": report.e2e_kl,
     }

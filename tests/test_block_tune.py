@@ -1,5 +1,5 @@
-"""Block-output tuning: it lowers the block's output error, keeps codes and zeros, and the pipeline's
-tuned checkpoint is closer to the unquantized model than the untuned one."""
+"""Block-output and end-to-end tuning: each lowers the error it is aimed at, keeps codes and zeros, and the
+pipeline's tuned checkpoint is closer to the unquantized model than the untuned one."""
 
 import json
 
@@ -10,7 +10,7 @@ from qinfer.quantizers.fp8 import int8_kv_scale
 from qinfer.quantizers.rtn import rtn_quantize
 from safetensors.torch import load_file
 
-from qinfer.block_tune import TuneConfig, tune_block
+from qinfer.block_tune import E2E_EVAL_SAMPLES, TuneConfig, tune_block, tune_end_to_end
 from qinfer.errors import QinferError
 from qinfer.format import QuantScheme
 from qinfer.loader import load_model
@@ -76,6 +76,8 @@ def test_bad_config_is_refused():
         TuneConfig(steps=-1)
     with pytest.raises(QinferError, match="tune-steps"):
         TuneConfig(steps=3, lr=0.0)
+    with pytest.raises(QinferError, match="e2e-steps >= 0"):
+        TuneConfig(e2e_steps=-2)
 
 
 def test_pipeline_tuning_brings_the_model_closer(tiny, tmp_path, calib_file):  # noqa: F811
@@ -92,3 +94,67 @@ def test_pipeline_tuning_brings_the_model_closer(tiny, tmp_path, calib_file):  #
     assert all(after < before for before, after in saved["tune_losses"].values())
     assert QuantScheme.load(tmp_path / "tuned") == scheme  # same stored format as without tuning
     assert "tuning left" in report.summary()
+
+
+def dense_copy(folder):
+    """The quantized model at ``folder`` with its packed linears dequantized in place (float32)."""
+    model = load_model(folder, dtype=torch.float32)
+    for layer in model.model.layers:
+        for name in model.config.arch.linear_names:
+            module = layer.get_submodule(name)
+            module.weight = torch.nn.Parameter(module.weight.dequantize(torch.float32), requires_grad=False)
+    return model
+
+
+def kl_to(ref_logits, logits):
+    p = ref_logits.float().log_softmax(-1)
+    return float((p.exp() * (p - logits.float().log_softmax(-1))).sum(-1).mean())
+
+
+def test_end_to_end_tuning_lowers_kl_and_keeps_codes(tiny):  # noqa: F811
+    model = load_model(tiny, dtype=torch.float32)
+    ids = torch.randint(0, model.config.vocab_size, (10, 24))
+    with torch.no_grad():
+        target = model.hidden_states(ids, torch.arange(24))
+        ref_logits = model.lm_head(target)
+    scheme = QuantScheme(method="rtn", bits=3, group_size=32, symmetric=False)
+    packed = {}
+    for i, layer in enumerate(model.model.layers):
+        for name in model.config.arch.linear_names:
+            module = layer.get_submodule(name)
+            packed[f"model.layers.{i}.{name}"] = rtn_quantize(module.weight.data, scheme)
+            module.weight.data = packed[f"model.layers.{i}.{name}"].dequantize(torch.float32)
+    norms = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("norm.weight")}
+    tuned, result = tune_end_to_end(model, packed, ids, target, TuneConfig(e2e_steps=40, lr=1e-2))
+    assert result.loss_after < 0.8 * result.loss_before, result
+    for name, w in tuned.items():
+        assert torch.equal(w.qweight, packed[name].qweight) and torch.equal(w.zero, packed[name].zero)
+        assert w.scale.dtype == torch.float16 and not torch.equal(w.scale, packed[name].scale)
+        assert torch.equal(model.get_submodule(name).weight.data, w.dequantize(torch.float32))
+    assert all(not torch.equal(p, model.get_parameter(n)) for n, p in norms.items())  # every norm, the final one too
+    # the reported KL is the tuned model's own, measured through its ordinary forward
+    with torch.no_grad():
+        own = kl_to(ref_logits[:E2E_EVAL_SAMPLES], model(ids[:E2E_EVAL_SAMPLES]))
+    assert own == pytest.approx(result.loss_after, rel=1e-3)
+
+
+def test_pipeline_end_to_end_tuning_brings_the_model_closer(tiny, tmp_path, calib_file):  # noqa: F811
+    tiny = with_salient_channels(tiny, tmp_path)
+    calib = CalibConfig(source=str(calib_file), samples=16, seq_len=64)
+    ids = torch.tensor([Tokenizer.from_folder(tiny).encode(TEXT)[:64]])
+    scheme = QuantScheme(method="gptq", bits=3, group_size=32, act_order=True, kv_cache="int8")
+    quantize_model(tiny, tmp_path / "plain", scheme, calib)
+    report = quantize_model(tiny, tmp_path / "tuned", scheme, calib, tune=TuneConfig(e2e_steps=32, lr=5e-3))
+    assert logits_error(tiny, tmp_path / "tuned", ids) < logits_error(tiny, tmp_path / "plain", ids)
+    saved = json.loads((tmp_path / "tuned" / "quantize_report.json").read_text())
+    assert saved["tuning"]["e2e_steps"] == 32 and saved["e2e_kl"][1] < saved["e2e_kl"][0]
+    assert "end-to-end tuning: KL" in report.summary()
+    assert QuantScheme.load(tmp_path / "tuned") == scheme
+    # the KV-cache scales are those of the tuned model, in every block
+    model = dense_copy(tmp_path / "tuned")
+    stored = load_file(tmp_path / "tuned" / "model.safetensors")
+    X = embed_samples(model, calibration_batch(tiny, calib), model.dtype)
+    for i in range(model.config.num_layers):
+        expected = int8_kv_scale(capture_block(model, i, X, ()).k_absmax).float()
+        torch.testing.assert_close(stored[f"model.layers.{i}.self_attn.k_scale"], expected, rtol=2e-2, atol=0)
+        X = run_block(model, i, X)

@@ -158,6 +158,8 @@ def test_cli_quantize_then_generate(tiny, tmp_path, calib_file):
         (["--seq-len", "100000", "--calib", "SHORT"], "too short"),
         (["--bits", "8", "--format", "fp8", "--tune-steps", "5"], "FP8 weights have none"),
         (["--tune-steps", "-1"], "--tune-steps >= 0"),
+        (["--bits", "8", "--format", "fp8", "--e2e-steps", "5"], "FP8 weights have none"),
+        (["--e2e-steps", "-1"], "--e2e-steps >= 0"),
     ],
 )
 def test_cli_bad_options(tiny, tmp_path, args, needle):
