@@ -153,13 +153,15 @@ def quantize_model(
     if tune.e2e_steps:
         quantized, result = tune_end_to_end(model, quantized, ids, model.model.norm(X_ref), tune)
         report.e2e_kl = (result.loss_before, result.loss_after)
-        # The tuned norms move the keys, values and the lm_head's input: measure them again.
-        X = embed_samples(model, ids, model.dtype)
         for i in range(model.config.num_layers):
             _block_tensors(tensors, model, i)
-            if scheme.kv_cache != "none":
-                _kv_scales(tensors, i, capture_block(model, i, X, ()), scheme)
-            X = run_block(model, i, X)
+        if scheme.kv_cache != "none" or scheme.quantize_lm_head:
+            # The tuned norms move the keys, values and the lm_head's input: measure them again.
+            X = embed_samples(model, ids, model.dtype)
+            for i in range(model.config.num_layers):
+                if scheme.kv_cache != "none":
+                    _kv_scales(tensors, i, capture_block(model, i, X, ()), scheme)
+                X = run_block(model, i, X)
     for name, qw in quantized.items():
         _account(report, tensors, qw, name, qw.shape[0] * qw.shape[1])
     del X_ref
