@@ -142,9 +142,12 @@ def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed):
                    "for gemma3-270m on 2 CPU cores).")
 @click.option("--tune-lr", type=float, default=2e-3, show_default=True,
               help="Learning rate of --tune-steps and --e2e-steps.")
+@click.option("--mse-clip", is_flag=True,
+              help="Integer formats: each group's range is the shrink of its min/max (100 steps down to 0.2x) "
+                   "with the least |w - q(w)|^2.4, instead of the min/max itself.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache, calib, samples, seq_len, seed,
-             quantize_lm_head, lm_head_bits, tune_steps, e2e_steps, tune_lr, force):
+             quantize_lm_head, lm_head_bits, tune_steps, e2e_steps, tune_lr, mse_clip, force):
     """Quantize MODEL into the qinfer format (safetensors + quant_config.json) at OUT."""
     from qinfer.block_tune import TuneConfig
     from qinfer.format import QuantScheme
@@ -160,7 +163,8 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
     if sym is None:
         sym = fmt == "fp8"
     scheme = QuantScheme(method=method, bits=bits, group_size=group_size, symmetric=sym, act_order=act_order,
-                         format=fmt, kv_cache=kv_cache, quantize_lm_head=quantize_lm_head, lm_head_bits=lm_head_bits)
+                         format=fmt, kv_cache=kv_cache, quantize_lm_head=quantize_lm_head, lm_head_bits=lm_head_bits,
+                         mse_clip=mse_clip)
     calib_config = CalibConfig(source=calib, samples=samples, seq_len=seq_len, seed=seed)
     tune = TuneConfig(steps=tune_steps, lr=tune_lr, e2e_steps=e2e_steps, seed=seed)
     try:

@@ -95,7 +95,9 @@ class QuantScheme:
     ``damp`` is GPTQ's relative damping (a fraction of the mean Hessian diagonal). ``fp8_granularity``
     applies to ``format == "fp8"``, where ``bits`` must be 8, ``group_size`` -1 and ``symmetric`` True, and
     ``method`` is ``"fp8"`` (round to nearest) or ``"gptq"`` (GPTQ's error feedback onto the FP8 grid).
-    ``kv_cache`` is the dtype the engine stores the KV cache in; it does not affect weights.
+    ``kv_cache`` is the dtype the engine stores the KV cache in; it does not affect weights. ``mse_clip``
+    records that integer group parameters came from the clip search (``qinfer.quantizers.rtn``) rather than
+    the group's min/max; the stored layout is the same either way.
     """
 
     method: str = "rtn"
@@ -109,6 +111,7 @@ class QuantScheme:
     lm_head_bits: int = 8
     damp: float = 0.01
     fp8_granularity: str = "channel"
+    mse_clip: bool = False
 
     def __post_init__(self):
         _choice("method", self.method, METHODS)
@@ -116,7 +119,7 @@ class QuantScheme:
         _choice("kv_cache", self.kv_cache, KV_CACHE_DTYPES)
         _choice("fp8_granularity", self.fp8_granularity, FP8_GRANULARITIES)
         _choice("group_size", self.group_size, GROUP_SIZES)
-        for flag in ("symmetric", "act_order", "quantize_lm_head"):
+        for flag in ("symmetric", "act_order", "quantize_lm_head", "mse_clip"):
             _choice(flag, getattr(self, flag), (True, False))
         if type(self.damp) is int:  # JSON writes 1.0 back as 1
             object.__setattr__(self, "damp", float(self.damp))
@@ -134,6 +137,8 @@ class QuantScheme:
                 raise QinferError("QuantScheme: fp8 has no groups; set group_size=-1 and choose fp8_granularity")
             if not self.symmetric:
                 raise QinferError("QuantScheme: fp8 is symmetric (no zero point); set symmetric=True")
+            if self.mse_clip:
+                raise QinferError("QuantScheme: the clip search (mse_clip) is for integer formats; fp8 keeps the full range")
         else:
             _choice("bits", self.bits, INT_BITS)
             _choice("lm_head_bits", self.lm_head_bits, INT_BITS)

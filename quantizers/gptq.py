@@ -153,7 +153,7 @@ def gptq_quantize_ex(
     G = K if group_size == -1 else group_size
     static = scheme.act_order or group_size == -1
     if static:
-        scale, zero = rtn_params(W, bits, group_size, symmetric, name=name)
+        scale, zero = rtn_params(W, bits, group_size, symmetric, mse=scheme.mse_clip, name=name)
     else:
         scale = torch.empty(N, K // G, dtype=torch.float16, device=W.device)
         zero = torch.empty(N, K // G, dtype=torch.uint8, device=W.device)
@@ -164,7 +164,7 @@ def gptq_quantize_ex(
 
     def quantize_column(col: int, W1: torch.Tensor, i: int) -> torch.Tensor:
         if not static and col % G == 0:
-            s, z = rtn_params(W1[:, i : i + G], bits, -1, symmetric, name=name)
+            s, z = rtn_params(W1[:, i : i + G], bits, -1, symmetric, mse=scheme.mse_clip, name=name)
             scale[:, col // G], zero[:, col // G] = s[:, 0], z[:, 0]
         g = group_of[col]
         s, z = scale[:, g : g + 1], zero[:, g : g + 1]

@@ -12,6 +12,11 @@ The scale is stored in float16 and rounded *up* to the next float16 when the cas
 codes are always computed against the stored scale. Then the grid still covers the group's range and every
 weight reconstructs to within half a step: ``|w - w_hat| <= scale / 2`` (up to float32 rounding of the
 division). A group whose range is 0 (all zeros) gets ``scale = 1``: any scale reproduces 0 exactly.
+
+Clip search (``mse=True``; ``qinfer quantize --mse-clip``), the ``mse`` option of the GPTQ authors' code: the
+range above is shrunk by each factor ``1, 0.99, ..., 0.21`` (for asymmetric grids both ends alike) and each
+group keeps the factor that minimises ``sum |w - w_hat|^2.4`` over the group. Outlying weights are then clamped
+to the grid's end, and the half-step bound holds only for the weights inside the shrunk range.
 """
 
 from __future__ import annotations
@@ -38,27 +43,51 @@ def _fp16_scale_up(scale: torch.Tensor, name: str) -> torch.Tensor:
     return torch.where(short, torch.nextafter(s16, torch.full_like(s16, float("inf"))), s16)
 
 
+MSE_NORM, MSE_GRID, MSE_MIN_SHRINK = 2.4, 100, 0.2  # the clip search's error norm and shrink factors
+
+
 def rtn_params(
-    W: torch.Tensor, bits: int, group_size: int, symmetric: bool, *, name: str = "weight"
+    W: torch.Tensor, bits: int, group_size: int, symmetric: bool, *, mse: bool = False, name: str = "weight"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-group ``(scale float16 [N, K/G], zero uint8 [N, K/G])`` for ``W [N, K]`` (see the module docstring).
+    """Per-group ``(scale float16 [N, K/G], zero uint8 [N, K/G])`` for ``W [N, K]`` (see the module docstring;
+    ``mse`` turns on the clip search).
 
     For symmetric grids ``zero`` is filled with the implicit ``2^(bits-1)``, so callers treat both cases alike.
     """
     maxq = (1 << bits) - 1
     x = _groups(W.float(), group_size)
     if symmetric:
-        scale = 2.0 * x.abs().amax(dim=-1) / maxq
+        lo = -x.abs().amax(dim=-1)
+        hi = -lo
     else:
         lo = x.amin(dim=-1).clamp(max=0.0)
         hi = x.amax(dim=-1).clamp(min=0.0)
-        scale = (hi - lo) / maxq
+    if mse:
+        shrink = _best_shrink(x, lo, hi, maxq, symmetric)
+        lo, hi = lo * shrink, hi * shrink
+    scale = (hi - lo) / maxq
     scale = _fp16_scale_up(torch.where(scale == 0, torch.ones_like(scale), scale), name)
     if symmetric:
         zero = torch.full_like(scale, 1 << (bits - 1), dtype=torch.uint8)
     else:
         zero = torch.round(-lo / scale.float()).clamp(0, maxq).to(torch.uint8)
     return scale, zero
+
+
+def _best_shrink(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, maxq: int, symmetric: bool) -> torch.Tensor:
+    """The clip search: per group of ``x [N, groups, G]``, the factor on ``[lo, hi]`` with the least error."""
+    best = torch.full_like(lo, float("inf"))
+    best_shrink = torch.ones_like(lo)
+    for i in range(round((1 - MSE_MIN_SHRINK) * MSE_GRID)):
+        p = 1 - i / MSE_GRID
+        scale = ((hi - lo) * p / maxq).clamp(min=torch.finfo(torch.float32).tiny)
+        zero = torch.full_like(scale, (maxq + 1) // 2) if symmetric else torch.round(-lo * p / scale)
+        q = torch.clamp(torch.round(x / scale.unsqueeze(-1)) + zero.unsqueeze(-1), 0, maxq)
+        err = ((q - zero.unsqueeze(-1)) * scale.unsqueeze(-1) - x).abs_().pow_(MSE_NORM).sum(dim=-1)
+        better = err < best
+        best = torch.where(better, err, best)
+        best_shrink = torch.where(better, p, best_shrink)
+    return best_shrink
 
 
 def quantize_codes(
@@ -82,7 +111,7 @@ def rtn_quantize(W: torch.Tensor, scheme: QuantScheme, *, name: str = "weight") 
         raise QinferError(f"{name}: rtn_quantize needs an integer scheme, got format {scheme.format!r}")
     check_int_shape(tuple(W.shape), scheme.bits, scheme.group_size, name)
     check_finite(W, f"{name}: weight")
-    scale, zero = rtn_params(W, scheme.bits, scheme.group_size, scheme.symmetric, name=name)
+    scale, zero = rtn_params(W, scheme.bits, scheme.group_size, scheme.symmetric, mse=scheme.mse_clip, name=name)
     codes = quantize_codes(W, scale, zero, scheme.bits, scheme.group_size)
     return QuantizedWeight(
         qweight=pack(codes, scheme.bits),

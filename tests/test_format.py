@@ -111,6 +111,8 @@ def test_pack_errors():
         (dict(method="fp8", format="fp8", bits=8, group_size=128), "fp8 has no groups"),
         (dict(method="fp8", format="fp8", bits=8, group_size=-1, symmetric=False), "symmetric"),
         (dict(method="fp8", format="fp8", bits=8, group_size=-1, fp8_granularity="block"), "fp8_granularity"),
+        (dict(method="fp8", format="fp8", bits=8, group_size=-1, mse_clip=True), "clip search"),
+        (dict(mse_clip=1), "mse_clip"),
     ],
 )
 def test_scheme_validation(kwargs, match):
@@ -155,6 +157,9 @@ def test_scheme_from_json_errors(tmp_path):
         QuantScheme.load(tmp_path)
     # JSON writers may drop the ".0" of a float; damp stays a float
     assert QuantScheme.from_json(good.replace('"damp": 0.01', '"damp": 1')).damp == 1.0
+    # quant_config.json written before the clip search existed has no mse_clip: it was off
+    older = good.replace(',\n  "mse_clip": false', '')
+    assert "mse_clip" not in older and QuantScheme.from_json(older) == QuantScheme()
 
 
 # ---------------------------------------------------------------------------------------------- weights

@@ -160,6 +160,7 @@ def test_cli_quantize_then_generate(tiny, tmp_path, calib_file):
         (["--tune-steps", "-1"], "--tune-steps >= 0"),
         (["--bits", "8", "--format", "fp8", "--e2e-steps", "5"], "FP8 weights have none"),
         (["--e2e-steps", "-1"], "--e2e-steps >= 0"),
+        (["--bits", "8", "--format", "fp8", "--mse-clip"], "clip search"),
     ],
 )
 def test_cli_bad_options(tiny, tmp_path, args, needle):

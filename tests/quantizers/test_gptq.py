@@ -186,3 +186,19 @@ def test_fp8_diagonal_hessian_degenerates_to_round_to_nearest():
     got = gptq_quantize(W, H, QuantScheme(method="gptq", format="fp8", bits=8, group_size=-1, act_order=True))
     want = fp8_quantize(W, QuantScheme(method="fp8", format="fp8", bits=8, group_size=-1))
     assert torch.equal(got.weight.view(torch.uint8), want.weight.view(torch.uint8))
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_clip_search_reaches_the_group_parameters(act_order):
+    # With act-order the static groups come from the original W: exactly the clip-searched RTN parameters.
+    # Without it, the groups are formed during the sweep; the search must change them and not hurt the output.
+    W, X = _problem()
+    H = X.T @ X
+    base = QuantScheme(method="gptq", bits=4, group_size=128, symmetric=False, act_order=act_order)
+    clipped = gptq_quantize(W, H, QuantScheme(**{**base.__dict__, "mse_clip": True}))
+    plain = gptq_quantize(W, H, base)
+    if act_order:
+        scale, zero = rtn_params(W, 4, 128, False, mse=True)
+        assert torch.equal(clipped.scale, scale) and torch.equal(clipped.zero, zero)
+    assert not torch.equal(clipped.scale, plain.scale)
+    assert _out_err(X, W, clipped.dequantize(torch.float32)) < 1.1 * _out_err(X, W, plain.dequantize(torch.float32))

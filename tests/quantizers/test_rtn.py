@@ -116,3 +116,50 @@ def test_errors_name_the_layer():
         rtn_quantize(torch.full((2, 32), 1e6), QuantScheme(group_size=32))
     with pytest.raises(QinferError, match="integer scheme"):
         rtn_quantize(torch.randn(2, 32), QuantScheme(method="fp8", format="fp8", bits=8, group_size=-1))
+
+
+def _group_error(W, qw, group_size, norm=2.4):
+    err = (W - qw.dequantize(torch.float32)).abs().pow(norm)
+    G = W.shape[1] if group_size == -1 else group_size
+    return err.reshape(W.shape[0], -1, G).sum(-1)
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("group_size", [32, -1])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_clip_search_never_loses_to_min_max(bits, group_size, symmetric):
+    # Shrink factor 1 is among the candidates, so every group's |w - w_hat|^2.4 can only go down, and with
+    # outliers in the weight some groups must shrink (smaller scale) and gain.
+    W = _weight()
+    plain = rtn_quantize(W, QuantScheme(bits=bits, group_size=group_size, symmetric=symmetric))
+    clipped = rtn_quantize(W, QuantScheme(bits=bits, group_size=group_size, symmetric=symmetric, mse_clip=True))
+    e_plain, e_clip = _group_error(W, plain, group_size), _group_error(W, clipped, group_size)
+    assert bool((e_clip <= e_plain * (1 + 1e-3) + 1e-12).all())
+    assert e_clip.sum() < 0.97 * e_plain.sum()
+    assert bool((clipped.scale <= plain.scale).all()) and bool((clipped.scale < plain.scale).any())
+    if symmetric:
+        assert clipped.zero is None
+    # The codes are still round to nearest on the stored grid.
+    zero = 1 << (bits - 1) if symmetric else clipped.zero
+    assert torch.equal(clipped.codes(), quantize_codes(W, clipped.scale, zero if not symmetric else
+                                                       torch.full_like(clipped.scale, zero, dtype=torch.uint8),
+                                                       bits, group_size))
+
+
+def test_clip_search_picks_the_best_shrink_of_a_single_group():
+    # One group: brute force over the same 80 shrink factors must agree with the search.
+    torch.manual_seed(0)
+    x = torch.randn(1, 64)
+    x[0, 3] = 9.0
+    scale, _ = rtn_params(x, 4, -1, False, mse=True)
+    lo0, hi0 = x.min().item(), x.max().item()
+    best = None
+    for i in range(80):
+        p = 1 - i / 100
+        s = (hi0 - lo0) * p / 15
+        z = round(-lo0 * p / s)
+        err = ((torch.clamp(torch.round(x / s) + z, 0, 15) - z) * s - x).abs().pow(2.4).sum().item()
+        if best is None or err < best[0]:
+            best = (err, s)
+    assert scale.float().item() == pytest.approx(best[1], rel=1e-3)
+    assert best[1] < (hi0 - lo0) / 15 * 0.99
