@@ -74,12 +74,19 @@ def run_block(model: Transformer, layer_idx: int, X: torch.Tensor, batch: int = 
     return out
 
 
+class _EnoughSeen(Exception):
+    """Raised by the last hooked linear of a partial capture: the rest of the block is not needed."""
+
+
 @torch.no_grad()
-def capture_block(model: Transformer, layer_idx: int, X: torch.Tensor, groups: tuple[tuple[str, ...], ...]) -> BlockStats:
+def capture_block(
+    model: Transformer, layer_idx: int, X: torch.Tensor, groups: tuple[tuple[str, ...], ...], partial: bool = False
+) -> BlockStats:
     """Run block ``layer_idx`` on X [S, L, C] and collect statistics for its linears.
 
     ``groups`` lists linears that read the same input; each group is hooked once and its members share
-    one ``LinearStats``.
+    one ``LinearStats``. With ``partial``, the block's forward stops once the last group (in forward order)
+    has seen its input; the K/V ranges are then those of whatever attention ran (zero if none did).
     """
     block = model.model.layers[layer_idx]
     modules: dict[str, QLinear] = {group[0]: block.get_submodule(group[0]) for group in groups}
@@ -88,20 +95,31 @@ def capture_block(model: Transformer, layer_idx: int, X: torch.Tensor, groups: t
         for name, m in modules.items()
     }
 
+    last = groups[-1][0] if partial and groups else None
+
     def hook(name):
-        def fn(module, inputs, output):
+        def fn(module, inputs):
             x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).cpu()  # [rows, K]
             s = stats[name]
             s.H += (x.T @ x).float()
             s.abs_sum += x.abs().float().sum(0)
             s.n += x.shape[0]
+            if name == last:
+                raise _EnoughSeen
 
         return fn
 
-    handles = [m.register_forward_hook(hook(name)) for name, m in modules.items()]
+    handles = [m.register_forward_pre_hook(hook(name)) for name, m in modules.items()]
     cache = _StatsCache(model.config.num_kv_heads)
     try:
-        run_block(model, layer_idx, X, cache=cache)
+        if last is None:
+            run_block(model, layer_idx, X, cache=cache)
+        else:
+            for i in range(0, X.shape[0], 8):
+                try:
+                    run_block(model, layer_idx, X[i : i + 8], cache=cache)
+                except _EnoughSeen:
+                    pass
     finally:
         for h in handles:
             h.remove()

@@ -1,7 +1,10 @@
 """The quantize pipeline: walk the model block by block, calibrate, quantize, write the qinfer format.
 
-True sequential: block i is calibrated on the outputs of the already-quantized blocks 0..i-1, so each
-block's quantizer sees (and can compensate) the error that reaches it. Memory stays bounded by the
+Sequential: block i is calibrated on the outputs of the already-quantized blocks 0..i-1, so each
+block's quantizer sees (and can compensate) the error that reaches it. With ``CalibConfig.true_sequential``
+(GPTQ) the same holds inside a block: each group of linears that share an input (q/k/v, o, gate/up, down)
+gets its Hessian from a forward through the groups before it already quantized, at the cost of a partial
+block forward per group. Memory stays bounded by the
 bf16 model (memory-mapped) plus one block's activations [S, L, C] in bf16. Blocks run in bf16 (the
 model's own compute dtype, and AMX-fast on CPU); quantizers work on fp32 copies of each weight.
 
@@ -47,6 +50,7 @@ class CalibConfig:
     samples: int = 128
     seq_len: int = 512
     seed: int = 0
+    true_sequential: bool = False  # GPTQ: capture each linear group's input after the groups before it are quantized
 
     def __post_init__(self):
         if self.samples < 1 or self.seq_len < 2:
@@ -107,6 +111,8 @@ def quantize_model(
         raise QinferError(f"{out} already exists: choose another -o or pass --force to replace it")
     if (folder / "quant_config.json").exists():
         raise QinferError(f"{folder} is already quantized: quantize the original model instead")
+    if calib.true_sequential and scheme.method != "gptq":
+        raise QinferError(f"--true-sequential re-captures GPTQ's Hessians inside each block: drop it for --method {scheme.method}")
     start = time.perf_counter()
     model = load_model(folder, dtype=torch.bfloat16)
     needs_calib = scheme.method in ("gptq", "awq") or scheme.kv_cache != "none" or tune.active
@@ -117,7 +123,6 @@ def quantize_model(
     quantized = {}  # "model.layers.{i}.{linear}" -> packed weight
     tensors: dict[str, torch.Tensor] = {}
     report = QuantizeReport(out, _folder_bytes(folder), 0, 0, 0, 0.0, 0)
-    names = model.config.arch.linear_names
     groups = tuple(g.linears for g in model.config.arch.linear_groups)
     label = scheme.method + (" + tuning" if tune.active else "")
     for i in tqdm(range(model.config.num_layers), desc=f"quantizing ({label})", unit="block"):
@@ -130,12 +135,15 @@ def quantize_model(
         if scheme.method == "awq":
             apply_awq(model, i, stats, scheme)
         packed = {}
-        for name in names:
-            module: QLinear = block.get_submodule(name)
-            prefix = f"model.layers.{i}.{name}"
-            H = stats.linears[name].H if stats is not None else None
-            packed[name], report.layer_errors[prefix] = _quantize_linear(module.weight.data.float(), H, scheme, prefix)
-            module.weight.data = packed[name].dequantize(model.dtype)  # the next blocks see the quantized block
+        for g, group in enumerate(groups):
+            if g and calib.true_sequential:  # this group's input, from the block's quantized groups before it
+                stats.linears.update(capture_block(model, i, X, (group,), partial=True).linears)
+            for name in group:
+                module: QLinear = block.get_submodule(name)
+                prefix = f"model.layers.{i}.{name}"
+                H = stats.linears[name].H if stats is not None else None
+                packed[name], report.layer_errors[prefix] = _quantize_linear(module.weight.data.float(), H, scheme, prefix)
+                module.weight.data = packed[name].dequantize(model.dtype)  # later groups and blocks see it quantized
         if tune.steps:
             packed, result = tune_block(model, i, packed, X, X_ref, tune)
             report.tune_losses[f"model.layers.{i}"] = (result.loss_before, result.loss_after)

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,7 +15,8 @@ from safetensors.torch import load_file, save_file
 from qinfer.errors import QinferError
 from qinfer.format import QuantScheme
 from qinfer.loader import load_model
-from qinfer.quantize import CalibConfig, quantize_model
+from qinfer.calib.capture import capture_block, embed_samples
+from qinfer.quantize import CalibConfig, calibration_batch, quantize_model
 from qinfer.tokenizer import Tokenizer
 from tests.test_cli_errors import assert_one_line_error, run_qinfer
 from tests.tiny_models import TEXT, make_model
@@ -147,6 +149,36 @@ def test_cli_quantize_then_generate(tiny, tmp_path, calib_file):
     assert gen.stdout.startswith("a single")
 
 
+def test_true_sequential_takes_hessians_after_earlier_groups(tiny, tmp_path, calib_file, monkeypatch):
+    import qinfer.quantize as pipeline
+
+    calib = CalibConfig(source=str(calib_file), samples=8, seq_len=32)
+    seen = {}
+    quantize_linear = pipeline._quantize_linear
+
+    def spy(W, H, scheme, name):
+        seen[name] = H.clone()
+        return quantize_linear(W, H, scheme, name)
+
+    monkeypatch.setattr(pipeline, "_quantize_linear", spy)
+    scheme = QuantScheme(method="gptq", bits=4, group_size=32)
+    quantize_model(tiny, tmp_path / "plain", scheme, calib)
+    plain = dict(seen)
+    quantize_model(tiny, tmp_path / "seq", scheme, replace(calib, true_sequential=True))
+    # Block 0's inputs are the same embeddings either way: its first group sees the same Hessian, while
+    # the later groups see inputs that went through the block's quantized q/k/v (and o, gate/up) first.
+    first, later = "model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"
+    torch.testing.assert_close(seen[first], plain[first])
+    assert not torch.allclose(seen[later], plain[later], rtol=1e-3)
+    # ... and exactly the Hessian of the quantized block: recapture it from the written checkpoint.
+    model = load_model(tmp_path / "seq", dtype=torch.bfloat16)
+    X = embed_samples(model, calibration_batch(tiny, calib), model.dtype)
+    H = capture_block(model, 0, X, (("mlp.down_proj",),)).linears["mlp.down_proj"].H
+    assert float((H - seen[later]).norm() / H.norm()) < 0.02
+    assert float((H - plain[later]).norm() / H.norm()) > 2 * float((H - seen[later]).norm() / H.norm())
+    assert json.loads((tmp_path / "seq" / "quantize_report.json").read_text())["calibration"]["true_sequential"]
+
+
 @pytest.mark.parametrize(
     "args,needle",
     [
@@ -161,6 +193,7 @@ def test_cli_quantize_then_generate(tiny, tmp_path, calib_file):
         (["--bits", "8", "--format", "fp8", "--e2e-steps", "5"], "FP8 weights have none"),
         (["--e2e-steps", "-1"], "--e2e-steps >= 0"),
         (["--bits", "8", "--format", "fp8", "--mse-clip"], "clip search"),
+        (["--method", "awq", "--true-sequential"], "drop it for --method awq"),
     ],
 )
 def test_cli_bad_options(tiny, tmp_path, args, needle):
