@@ -4,9 +4,11 @@ Sequential: block i is calibrated on the outputs of the already-quantized blocks
 block's quantizer sees (and can compensate) the error that reaches it. With ``CalibConfig.true_sequential``
 (GPTQ) the same holds inside a block: each group of linears that share an input (q/k/v, o, gate/up, down)
 gets its Hessian from a forward through the groups before it already quantized, at the cost of a partial
-block forward per group. Memory stays bounded by the
-bf16 model (memory-mapped) plus one block's activations [S, L, C] in bf16. Blocks run in bf16 (the
-model's own compute dtype, and AMX-fast on CPU); quantizers work on fp32 copies of each weight.
+block forward per group.
+
+Memory stays bounded by the bf16 model (memory-mapped) plus one block's activations [S, L, C] in bf16.
+Blocks run in bf16 (the model's own compute dtype, and AMX-fast on CPU); quantizers work on fp32 copies
+of each weight.
 
 With tuning (``TuneConfig.steps > 0``, see :mod:`qinfer.block_tune`) a second stream of activations runs
 beside the first through the *unquantized* blocks; once block i's linears are quantized, its scales and
