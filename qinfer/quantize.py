@@ -133,7 +133,7 @@ def quantize_model(
         if X_ref is not None:
             X_ref = run_block(model, i, X_ref)  # before anything in block i changes
         if X is not None:
-            stats = capture_block(model, i, X, groups)
+            stats = capture_block(model, i, X, groups[:1] if calib.true_sequential else groups)  # later groups: below
         if scheme.method == "awq":
             apply_awq(model, i, stats, scheme)
         packed = {}
