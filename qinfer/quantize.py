@@ -114,7 +114,9 @@ def quantize_model(
     if (folder / "quant_config.json").exists():
         raise QinferError(f"{folder} is already quantized: quantize the original model instead")
     if calib.true_sequential and scheme.method != "gptq":
-        raise QinferError(f"--true-sequential re-captures GPTQ's Hessians inside each block: drop it for --method {scheme.method}")
+        raise QinferError(
+            f"--true-sequential re-captures GPTQ's Hessians inside each block: drop it for --method {scheme.method}"
+        )
     start = time.perf_counter()
     model = load_model(folder, dtype=torch.bfloat16)
     needs_calib = scheme.method in ("gptq", "awq") or scheme.kv_cache != "none" or tune.active
