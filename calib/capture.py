@@ -58,8 +58,11 @@ def embed_samples(model: Transformer, samples: torch.Tensor, dtype: torch.dtype)
         return torch.cat([model.embed(s[None].to(model.device)) for s in samples]).to(dtype)
 
 
+BATCH = 8  # calibration samples per block forward
+
+
 @torch.no_grad()
-def run_block(model: Transformer, layer_idx: int, X: torch.Tensor, batch: int = 8, cache=None) -> torch.Tensor:
+def run_block(model: Transformer, layer_idx: int, X: torch.Tensor, batch: int = BATCH, cache=None) -> torch.Tensor:
     """The block's output for every sample: X [S, L, C] -> [S, L, C], computed in X's dtype (the block's
     weights must be in that dtype too: calibration runs one block in fp32 inside a bf16 model)."""
     block: Block = model.model.layers[layer_idx]
@@ -115,9 +118,9 @@ def capture_block(
         if last is None:
             run_block(model, layer_idx, X, cache=cache)
         else:
-            for i in range(0, X.shape[0], 8):
+            for i in range(0, X.shape[0], BATCH):
                 try:
-                    run_block(model, layer_idx, X[i : i + 8], cache=cache)
+                    run_block(model, layer_idx, X[i : i + BATCH], cache=cache)
                 except _EnoughSeen:
                     pass
     finally:
