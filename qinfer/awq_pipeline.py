@@ -41,7 +41,7 @@ def apply_awq(model: Transformer, layer_idx: int, stats: BlockStats, scheme: Qua
             if group.norm is not None:
                 norm = block.get_submodule(group.norm)
                 w, _ = fold_scales_into_norm(norm.weight.data.float(), s, offset=arch.norm_offset)
-                norm.weight.data = w.to(norm.weight.dtype)
+                norm.weight.data = w.to(norm.weight_dtype(norm.weight.dtype, w.dtype))  # fp32 for Gemma's 1 + w
             else:
                 prev = block.get_submodule(group.prev)
                 bias = None if prev.bias is None else prev.bias.data.float()

@@ -84,7 +84,7 @@ def tune_block(
     left holding the tuned weights dequantized in the block's dtype. Integer formats only.
     """
     block = model.model.layers[layer_idx]
-    dtype = next(block.parameters()).dtype
+    dtype = model.dtype
     S, L, _ = X.shape
     pos = torch.arange(L, device=X.device)
     mask = model.masks(pos, 0)[model.config.sliding_window[layer_idx]]
@@ -125,6 +125,7 @@ def tune_block(
             after = full_loss()
     finally:
         block.to(dtype)
+    _keep_norms(block, norms, dtype)
     return tuned, TuneResult(before, after)
 
 
@@ -209,7 +210,16 @@ def tune_end_to_end(
     finally:
         for part in tuned_parts:
             part.to(dtype)
+    _keep_norms(model.model, norms, dtype)
     return tuned, TuneResult(before, after)
+
+
+def _keep_norms(root: torch.nn.Module, norms: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """The tuned fp32 norm weights back into ``root`` after its cast to ``dtype``, kept in fp32 where the norm
+    holds fp32 (Gemma's ``1 + w``; see ``RMSNorm``)."""
+    for n, p in norms.items():
+        norm = root.get_submodule(n.rsplit(".", 1)[0])
+        norm.weight.data = p.detach().to(norm.weight_dtype(dtype, torch.float32))
 
 
 def _levels(w: QuantizedWeight) -> torch.Tensor:

@@ -4,7 +4,9 @@ A quantized checkpoint is a folder of safetensors files plus ``quant_config.json
 :class:`QuantScheme` with one extra key, ``"format_version": 1``. A quantized linear is stored under the
 Hugging Face name of its weight minus the ``.weight`` suffix, its prefix ``P`` (``model.layers.0.mlp.up_proj``).
 ``W`` is that linear's weight, shape ``[N, K]`` (out features, in features) as in ``torch.nn.Linear``.
-Tensors that are not quantized keep their original names and dtypes. A quantized lm_head follows
+Tensors that are not quantized keep their original names and dtypes, except that norm weights which AWQ
+folded scales into, or the tuning stages fitted, are float32 where the norm multiplies by ``1 + w`` (Gemma):
+there bf16 would keep ``1 + w`` only to a few percent once it moves far from 1. A quantized lm_head follows
 ``scheme.lm_head_scheme()``: the same scheme with ``bits = lm_head_bits``.
 
 Integer weights (``format == "int"``)

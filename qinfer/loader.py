@@ -14,7 +14,7 @@ import torch
 from qinfer.arch import ModelConfig
 from qinfer.errors import QinferError
 from qinfer.format import QUANT_CONFIG_FILE, QuantScheme, packed_weight
-from qinfer.model import QLinear, Transformer
+from qinfer.model import QLinear, RMSNorm, Transformer
 
 _DTYPES = {
     "F64": torch.float64,
@@ -95,11 +95,13 @@ def load_model(folder: Path, dtype: torch.dtype = torch.bfloat16, device: str = 
     if missing or unexpected:
         what = f"missing {', '.join(missing[:3])}" if missing else f"unexpected {', '.join(unexpected[:3])}"
         raise QinferError(f"{folder}: weights do not match a {config.model_type} model with this config.json ({what})")
+    norms = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, RMSNorm)}
     state = {}
     for name, t in tensors.items():
         if tuple(t.shape) != shapes[name]:
             raise QinferError(f"{folder}: {name} has shape {tuple(t.shape)}, config.json implies {shapes[name]}")
-        state[name] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+        want = norms[name].weight_dtype(dtype, t.dtype) if name in norms else dtype
+        state[name] = t.to(device=device, dtype=want if t.is_floating_point() else t.dtype)
     model.load_state_dict(state, assign=True, strict=False)
     for name, weight in packed.items():
         module: QLinear = model.get_submodule(name.removesuffix(".weight"))

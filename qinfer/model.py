@@ -38,6 +38,13 @@ class QLinear(nn.Module):
 
 
 class RMSNorm(nn.Module):
+    """``x / rms(x) * (offset + w)``.
+
+    A norm that scales in fp32 (Gemma) may hold an fp32 weight, and keeps one it was given (see
+    :meth:`weight_dtype`): AWQ's fold and the tuning stages move ``offset + w`` far from 1, where ``w``
+    in bf16 loses the multiplier's precision (``w = -0.97`` keeps ``1 + w = 0.03`` only to ~7%).
+    """
+
     def __init__(self, dim: int, eps: float, offset: float, scale_in_fp32: bool):
         super().__init__()
         self.eps, self.offset, self.scale_in_fp32 = eps, offset, scale_in_fp32
@@ -50,6 +57,10 @@ class RMSNorm(nn.Module):
         if self.scale_in_fp32:  # Gemma: (x * (1 + w)) rounded once
             return (xf * (self.offset + self.weight.float())).type_as(x)
         return self.weight * xf.type_as(x)  # Llama: round x, then scale in the weight's dtype
+
+    def weight_dtype(self, dtype: torch.dtype, given: torch.dtype) -> torch.dtype:
+        """The dtype to hold a ``given``-dtype weight in a ``dtype`` model: fp32 stays fp32 where the norm scales in fp32."""
+        return torch.float32 if self.scale_in_fp32 and given == torch.float32 else dtype
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:

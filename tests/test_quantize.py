@@ -77,6 +77,24 @@ def test_calibrated_methods_beat_rtn(tiny, tmp_path, calib_file):
         assert errors["awq"] < 1.15 * errors["rtn"], errors
 
 
+def test_awq_folded_gemma_norms_keep_fp32(tiny, tmp_path, calib_file):
+    """Gemma's norm multiplies by 1 + w: AWQ's fold (1 + w) / s - 1 moves w towards -1, where bf16 keeps
+    1 + w only to a few percent, so folded Gemma norms are written and loaded in fp32. Llama's w / s only
+    rounds relatively, and stays in the model dtype."""
+    tiny = with_salient_channels(tiny, tmp_path)
+    path = tiny / "model.safetensors"  # a bf16 checkpoint, like the built-in models: fp32 norms come from the fold
+    save_file({k: v.bfloat16() for k, v in load_file(path).items()}, path, metadata={"format": "pt"})
+    out = tmp_path / "awq"
+    quantize_model(tiny, out, QuantScheme(method="awq", bits=4, group_size=32), CalibConfig(str(calib_file), 8, 32))
+    gemma = json.loads((tiny / "config.json").read_text())["model_type"].startswith("gemma")
+    norm = load_file(out / "model.safetensors")["model.layers.0.input_layernorm.weight"]
+    assert norm.dtype == (torch.float32 if gemma else torch.bfloat16)
+    if gemma:
+        assert not torch.equal(norm, norm.bfloat16().float())  # the fold's digits past bf16 survive
+    loaded = load_model(out, dtype=torch.bfloat16).model.layers[0].input_layernorm.weight
+    assert loaded.dtype == norm.dtype and torch.equal(loaded, norm)
+
+
 def test_output_folder_is_complete_and_loads_packed(tiny, tmp_path, calib_file):
     out = tmp_path / "q"
     scheme = QuantScheme(method="gptq", bits=4, group_size=32, kv_cache="int8", quantize_lm_head=True)
