@@ -21,7 +21,7 @@ from pathlib import Path
 from qinfer.cache import cache_dir
 from qinfer.errors import QinferError
 from qinfer.format import QuantScheme
-from qinfer.quantize import CalibConfig, quantize_model
+from qinfer.quantize import CalibConfig, code_fingerprint, quantize_model
 from qinfer.sources import resolve_model
 
 MODEL = "gemma3-270m"
@@ -53,10 +53,11 @@ def quantized_dir(model: str, name: str) -> Path:
 
 
 def _matches(folder: Path, scheme: QuantScheme, calib: CalibConfig) -> bool:
-    """True when ``folder`` is a finished quantization with this scheme and calibration."""
+    """True when ``folder`` is a finished quantization with this scheme and calibration, by this code."""
     try:
         report = json.loads((folder / "quantize_report.json").read_text())
-        return QuantScheme.load(folder) == scheme and report.get("calibration") == calib.__dict__
+        same = report.get("calibration") == calib.__dict__ and report.get("code") == code_fingerprint()
+        return QuantScheme.load(folder) == scheme and same
     except (OSError, ValueError, QinferError):
         return False
 

@@ -15,6 +15,9 @@ beside the first through the *unquantized* blocks; once block i's linears are qu
 norms are tuned towards that stream's block-i output. That doubles the activations kept (two [S, L, C]).
 """
 
+import functools
+import hashlib
+import importlib
 import json
 import resource
 import shutil
@@ -44,6 +47,24 @@ from qinfer.tokenizer import Tokenizer
 
 # Files copied unchanged from the source folder so the output is a complete model folder.
 COPIED_FILES = ("config.json", *SIDE_FILES)
+
+# The code that decides what a quantization writes; its fingerprint goes into quantize_report.json so a
+# cached quantized folder (the main job's) is redone after a change to any of it.
+QUANTIZE_MODULES = (
+    "qinfer.quantize", "qinfer.awq_pipeline", "qinfer.block_tune", "qinfer.calib.capture", "qinfer.model",
+    "qinfer.loader", "qinfer.format",
+)
+
+
+@functools.cache
+def code_fingerprint() -> str:
+    """sha256 over the source of :data:`QUANTIZE_MODULES` and of every module in ``qinfer.quantizers``."""
+    quantizers = Path(importlib.import_module("qinfer.quantizers").__file__).parent
+    files = [Path(importlib.import_module(m).__file__) for m in QUANTIZE_MODULES] + sorted(quantizers.glob("*.py"))
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -265,4 +286,5 @@ def _report_json(report: QuantizeReport, scheme: QuantScheme, calib: CalibConfig
         "tuning": tune.__dict__,
         "tune_losses": report.tune_losses,
         "e2e_kl": report.e2e_kl,
+        "code": code_fingerprint(),
     }

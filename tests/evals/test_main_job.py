@@ -68,3 +68,13 @@ def test_the_main_job_end_to_end(tmp_path):
         assert r.text.kl > 0 and r.effective_bits < 16
     for name in ("results.json", "results.md", "pareto.png", "roofline.png"):
         assert (tmp_path / "results" / name).exists()
+
+def test_a_folder_quantized_by_other_code_is_not_reused(job):
+    config, quantized, _ = job
+    main_job.run_main_job(config)
+    report = main_job.quantized_dir(config.model, "rtn-w4g32") / "quantize_report.json"
+    saved = json.loads(report.read_text())
+    assert saved["code"] == main_job.code_fingerprint()
+    report.write_text(json.dumps({**saved, "code": "an older quantizer"}))
+    main_job.run_main_job(config)
+    assert quantized == ["rtn", "awq", "rtn", "awq"]  # re-quantized after a quantizer change
