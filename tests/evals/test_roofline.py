@@ -85,6 +85,11 @@ def test_cache_is_used_while_it_describes_this_process(monkeypatch):
     assert measure_roofline() == fresh and calls == ["cpu", "cpu"]
     roofline_path("cpu").write_text("garbage")
     assert measure_roofline() == fresh and len(calls) == 3
+    legacy = _roofline().to_json()
+    del legacy["matmul_op"]  # written before the peaks timed x @ w.T: the old a @ b peak is re-measured
+    roofline_path("cpu").write_text(json.dumps(legacy))
+    assert load_roofline(roofline_path("cpu")).matmul_op == "a @ b"
+    assert measure_roofline() == fresh and len(calls) == 4
 
 
 def test_measurement_runs_and_gives_a_valid_roofline(monkeypatch):
@@ -93,6 +98,7 @@ def test_measurement_runs_and_gives_a_valid_roofline(monkeypatch):
     monkeypatch.setattr(rl, "_MATMUL_TARGET_S", 0.0)
     r = measure_roofline(seconds=0.05, force=True)
     assert set(r.peak_tflops) == {"bf16", "fp32"} and r.matmul_n == {"bf16": 256, "fp32": 256}
+    assert r.matmul_op == "x @ w.T"
     assert r.buffer_bytes == 16 << 20 and r.threads == torch.get_num_threads() and r.cpu_name
     assert load_roofline(roofline_path("cpu")) == r
 
