@@ -14,7 +14,15 @@ FLOPs are model FLOPs, the useful work (the MFU convention): ``2 * in * out`` pe
 attention ``4 * H * D`` per (query, visible key) pair, where a sliding-window layer sees at most
 ``window`` keys. Prefill runs the lm_head on the last position only (``generate.prefill``).
 Bytes of a prefill: each weight once, ``T`` embedding rows, and the KV cache it writes.
+
+:func:`prefill_flops_by_dtype` splits a prefill's FLOPs by the dtype they multiply in, which MFU takes its
+ceilings from: a linear's from its kernel (``QLinear.matmul_dtype``: the CPU int4 kernel multiplies in fp32,
+a dense or dequantize-then-matmul linear in the activations' dtype), attention's in the model's dtype.
 """
+
+from collections import Counter
+
+import torch
 
 from qinfer.kv_cache import KVCache
 from qinfer.model import QLinear, RMSNorm, Transformer
@@ -83,6 +91,17 @@ def _attention_flops(model: Transformer, queries: range) -> int:
 def prefill_flops(model: Transformer, tokens: int) -> int:
     blocks, head = _linear_flops_per_token(model)
     return blocks * tokens + head + _attention_flops(model, range(tokens))
+
+
+def prefill_flops_by_dtype(model: Transformer, tokens: int) -> dict[torch.dtype, int]:
+    """:func:`prefill_flops` split by the dtype each FLOP multiplies in; the values sum to it."""
+    flops = Counter({model.dtype: _attention_flops(model, range(tokens))})
+    for m in model.model.layers.modules():
+        if isinstance(m, QLinear):
+            flops[m.matmul_dtype(model.dtype, model.device)] += 2 * m.in_features * m.out_features * tokens
+    head = model.lm_head
+    flops[head.matmul_dtype(model.dtype, model.device)] += 2 * head.in_features * head.out_features
+    return dict(flops)
 
 
 def decode_flops(model: Transformer, context: int) -> int:

@@ -23,10 +23,12 @@
         "text": {"ppl", "nll", "kl", "top1_agreement": <float>, "tokens", "window", "stride": <int>},
         "tasks": {"<task>": {"accuracy": <float>, "accuracy_norm": <float>, "n": <int>}, ...},
         "speed": null | {
-          "prompt_tokens", "decode_steps", "repeats": <int>, "kv_cache", "compute_dtype": <str>,
+          "prompt_tokens", "decode_steps", "repeats": <int>, "kv_cache",
+          "compute_dtype": <str, the dtype most prefill FLOPs multiply in>,
           "ttft_s", "prefill_tok_s", "tpot_s", "decode_tok_s", "decode_context": <float>,
           "decode_bytes", "decode_flops", "prefill_bytes", "prefill_flops": <int>,
-          "mbu", "mfu_prefill": <float, fractions of the roofline>, "threads": <int>
+          "mbu", "mfu_prefill": <float, fractions of the roofline>, "threads": <int>,
+          "prefill_flops_by_dtype": {"bf16" | "fp32": <int, prefill FLOPs multiplied in that dtype>}
         }
       }, ...]
     }

@@ -19,7 +19,7 @@ import torch
 from qinfer.cache import cache_dir, write_atomic
 
 # Bump when a measurement changes meaning, so old cached numbers are not mixed with new ones.
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 # Modules whose code decides what an eval measures (besides the kernels package, which is read whole).

@@ -177,11 +177,16 @@ def mbu(bytes_per_token: float, seconds_per_token: float, roofline: Roofline) ->
     return bytes_per_token / seconds_per_token / (roofline.bandwidth_gbs * 1e9)
 
 
-def mfu(flops: float, seconds: float, roofline: Roofline, dtype: str) -> float:
-    """Model FLOP utilisation: FLOP per second over the measured ``dtype`` matmul peak."""
-    _positive("flops", flops)
+def mfu(flops: Mapping[str, float], seconds: float, roofline: Roofline) -> float:
+    """Model FLOP utilisation of work whose FLOPs multiply in several dtypes (``flops`` maps a dtype name to
+    its FLOPs): the time the measured peaks allow for it, each dtype's FLOPs at that dtype's peak, over
+    ``seconds``. With one dtype this is FLOP per second over that dtype's peak."""
+    if not isinstance(flops, Mapping) or not flops:
+        raise QinferError(f"mfu needs FLOPs keyed by dtype name; got {flops!r}")
     _positive("seconds", seconds)
-    return flops / seconds / (_peak(roofline, dtype) * 1e12)
+    for dtype, n in flops.items():
+        _positive(f"flops[{dtype!r}]", n)
+    return sum(n / (_peak(roofline, dtype) * 1e12) for dtype, n in flops.items()) / seconds
 
 
 def attainable_tflops(arithmetic_intensity: float, roofline: Roofline, dtype: str) -> float:

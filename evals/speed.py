@@ -9,27 +9,30 @@ Utilisation against the measured roofline (:mod:`qinfer.evals.roofline`):
 
     MBU = decode_bytes / TPOT / read bandwidth      bytes per step from qinfer.evals.costs, at the mean
                                                     context of the decode steps
-    MFU = prefill_flops / prefill time / peak       peak of the model's compute dtype (bf16 or fp32)
+    MFU = sum over dtypes of prefill FLOPs in that dtype / its peak, over the prefill time: the share of
+          the measured ceilings the prefill reaches, each FLOP held to the peak of the dtype it multiplies
+          in (qinfer.evals.costs.prefill_flops_by_dtype: the CPU int4 kernel multiplies in fp32 even in a
+          bf16 model, so a 4-bit model's prefill is held to the fp32 peak, a bf16 one's to the bf16 peak)
 
 The prompt is fixed pseudo-random token ids: the work of a forward does not depend on which tokens.
 """
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
 
 from qinfer.errors import QinferError
-from qinfer.evals.costs import decode_bytes, decode_flops, prefill_bytes, prefill_flops
+from qinfer.evals.costs import decode_bytes, decode_flops, prefill_bytes, prefill_flops, prefill_flops_by_dtype
 from qinfer.evals.forward import make_cache
-from qinfer.evals.roofline import Roofline, mbu, mfu
+from qinfer.evals.roofline import DTYPES, Roofline, mbu, mfu
 from qinfer.generate import decode_step, prefill
 from qinfer.kv_cache import KVCache
 from qinfer.model import Transformer
 
-_COMPUTE_DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _WARMUP_PROMPT, _WARMUP_STEPS = 16, 2
 
 
@@ -39,7 +42,7 @@ class SpeedResult:
     decode_steps: int
     repeats: int
     kv_cache: str
-    compute_dtype: str  # "bf16" or "fp32": the roofline ceiling MFU is taken against
+    compute_dtype: str  # "bf16" or "fp32": the dtype most of the prefill's FLOPs multiply in
     ttft_s: float  # median time to first token: prefill + its argmax
     prefill_tok_s: float  # prompt_tokens / median TTFT
     tpot_s: float  # median over runs of the mean seconds per decode step
@@ -52,6 +55,7 @@ class SpeedResult:
     mbu: float
     mfu_prefill: float
     threads: int
+    prefill_flops_by_dtype: dict[str, int] = field(default_factory=dict)  # what MFU holds to each dtype's peak
 
 
 def _run(model: Transformer, prompt: torch.Tensor, steps: int, kv_dtype: str) -> tuple[float, float, KVCache]:
@@ -89,8 +93,10 @@ def measure_speed(
             f"a {prompt_tokens}-token prompt + {decode_steps} decode steps exceed the model's context of "
             f"{model.config.max_position_embeddings} tokens"
         )
-    if model.dtype not in _COMPUTE_DTYPES:
+    by_dtype = prefill_flops_by_dtype(model, prompt_tokens)
+    if set(by_dtype) - set(_DTYPE_NAMES):
         raise QinferError(f"no roofline ceiling for compute dtype {model.dtype}; load the model in bf16 or fp32")
+    by_dtype = {_DTYPE_NAMES[d]: n for d, n in by_dtype.items()}
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size, (1, prompt_tokens), generator=generator).to(model.device)
     _run(model, prompt[:, :_WARMUP_PROMPT], _WARMUP_STEPS, kv_dtype)
@@ -103,13 +109,12 @@ def measure_speed(
     step_bytes = decode_bytes(model, cache, round(context))
     step_flops = decode_flops(model, round(context))
     fill_flops = prefill_flops(model, prompt_tokens)
-    compute_dtype = _COMPUTE_DTYPES[model.dtype]
     return SpeedResult(
         prompt_tokens=prompt_tokens,
         decode_steps=decode_steps,
         repeats=repeats,
         kv_cache=kv_dtype,
-        compute_dtype=compute_dtype,
+        compute_dtype=max(by_dtype, key=by_dtype.get),
         ttft_s=ttft,
         prefill_tok_s=prompt_tokens / ttft,
         tpot_s=tpot,
@@ -120,6 +125,7 @@ def measure_speed(
         prefill_bytes=prefill_bytes(model, cache, prompt_tokens),
         prefill_flops=fill_flops,
         mbu=mbu(step_bytes, tpot, roofline),
-        mfu_prefill=mfu(fill_flops, ttft, roofline, compute_dtype),
+        mfu_prefill=mfu(by_dtype, ttft, roofline),
         threads=torch.get_num_threads(),
+        prefill_flops_by_dtype=by_dtype,
     )

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from qinfer.format import QuantizedWeight
 
 GROUP_SIZES = (32, 64, 128, 256)
+MATMUL_DTYPE = torch.float32  # the kernel widens activations and unpacked weights to fp32 and multiply-adds in fp32
 _PACKED: dict[int, tuple[torch.Tensor, dict[torch.dtype, torch.Tensor]]] = {}
 
 

@@ -1,7 +1,8 @@
 """The linear entry point: ``y = x @ W^T + b`` for whatever form ``W`` is stored in.
 
 A dense tensor goes to ``torch.nn.functional.linear``. A packed weight registers its kernel with
-``register`` (keyed by the weight's type), so new formats plug in without touching the model.
+``register`` (keyed by the weight's type), so new formats plug in without touching the model, and
+optionally the dtype that kernel multiplies in (``matmul_dtype``), which MFU takes its ceiling from.
 """
 
 from collections.abc import Callable
@@ -10,11 +11,18 @@ import torch
 import torch.nn.functional as F
 
 _KERNELS: dict[type, Callable] = {}
+_MATMUL_DTYPES: dict[type, Callable] = {}
 
 
-def register(weight_type: type, kernel: Callable) -> None:
-    """Route ``linear(x, w, b)`` for ``isinstance(w, weight_type)`` to ``kernel(x, w, b)``."""
+def register(weight_type: type, kernel: Callable, matmul_dtype: Callable | None = None) -> None:
+    """Route ``linear(x, w, b)`` for ``isinstance(w, weight_type)`` to ``kernel(x, w, b)``.
+
+    ``matmul_dtype(w, x_dtype, device)`` names the dtype that kernel's multiply-adds run in; without it,
+    the activations' dtype (a dequantize-then-matmul kernel).
+    """
     _KERNELS[weight_type] = kernel
+    if matmul_dtype is not None:
+        _MATMUL_DTYPES[weight_type] = matmul_dtype
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -25,3 +33,11 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
         if cls in _KERNELS:
             return _KERNELS[cls](x, weight, bias)
     raise TypeError(f"no linear kernel registered for weights of type {type(weight).__name__}")
+
+
+def matmul_dtype(weight, x_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype ``linear(x, weight)`` multiplies in for ``x`` of ``x_dtype`` on ``device``."""
+    for cls in type(weight).__mro__:
+        if cls in _MATMUL_DTYPES:
+            return _MATMUL_DTYPES[cls](weight, x_dtype, device)
+    return x_dtype

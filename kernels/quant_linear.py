@@ -2,7 +2,8 @@
 
 ``dequant_linear_ref`` dequantizes the whole weight, then runs a dense matmul: correct for every format
 and device, and the definition the fast kernels are tested against, but it materialises the dense weight
-on every call. ``quant_linear`` is the entry point: the CPU int4 kernel where it applies, else the reference.
+on every call. ``quant_linear`` is the entry point: the CPU int4 kernel where it applies, else the reference;
+``quant_linear_dtype`` says which dtype the chosen kernel multiplies in.
 """
 
 import torch
@@ -21,3 +22,9 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
     if int4_cpu.supported(x, weight):
         return int4_cpu.int4_linear(x, weight, bias)
     return dequant_linear_ref(x, weight, bias)
+
+
+def quant_linear_dtype(weight: QuantizedWeight, x_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    if int4_cpu.supported(torch.empty(0, dtype=x_dtype, device=device), weight):
+        return int4_cpu.MATMUL_DTYPE
+    return x_dtype

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qinfer.arch import ModelConfig, RopeConfig
-from qinfer.kernels import attention, linear
+from qinfer.kernels import attention, linear, matmul_dtype
 from qinfer.kv_cache import KVCache
 
 
@@ -32,6 +32,10 @@ class QLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+    def matmul_dtype(self, x_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+        """The dtype ``forward`` multiplies in for inputs of ``x_dtype`` on ``device`` (MFU's ceiling)."""
+        return matmul_dtype(self.weight, x_dtype, device)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, weight={type(self.weight).__name__}"

@@ -1,12 +1,14 @@
 import shutil
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from qinfer.evals.checkpoint import content_key, effective_bits, size_on_disk
-from qinfer.evals.costs import decode_bytes, decode_flops, prefill_flops, weight_bytes
+from qinfer.evals.costs import decode_bytes, decode_flops, prefill_flops, prefill_flops_by_dtype, weight_bytes
 from qinfer.evals.forward import make_cache
 from qinfer.format import QuantScheme
+from qinfer.kernels import int4_cpu
 from qinfer.loader import load_model
 from qinfer.model import QLinear
 from qinfer.quantize import CalibConfig, quantize_model
@@ -105,3 +107,20 @@ def test_content_key_is_stable_and_follows_the_weights(folders, tmp_path):
     weights = copy / "model.safetensors"
     weights.write_bytes(weights.read_bytes())  # rewritten: same bytes, new mtime
     assert content_key(copy) != before
+
+
+def test_prefill_flops_split_by_the_dtype_each_kernel_multiplies_in(folders):
+    # bf16 and FP8 (dequantize, then a bf16 matmul) models multiply in bf16 throughout; a 4-bit model's block
+    # linears go through the CPU int4 kernel, which multiplies in fp32, while its bf16 lm_head and attention
+    # stay bf16. The split always sums to prefill_flops.
+    T = 23
+    for name in ("ref", "fp8"):
+        model = load_model(folders[name])
+        assert prefill_flops_by_dtype(model, T) == {torch.bfloat16: prefill_flops(model, T)}
+    model = load_model(folders["rtn"])
+    linears = [m for m in model.model.layers.modules() if isinstance(m, QLinear)]
+    x = torch.empty(0, dtype=model.dtype)
+    assert all(int4_cpu.supported(x, m.weight) for m in linears)
+    by_dtype = prefill_flops_by_dtype(model, T)
+    assert by_dtype[torch.float32] == 2 * T * sum(m.in_features * m.out_features for m in linears)
+    assert sum(by_dtype.values()) == prefill_flops(model, T) and by_dtype[torch.bfloat16] > 0

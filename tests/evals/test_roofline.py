@@ -32,8 +32,10 @@ def _roofline(**changes) -> Roofline:
 def test_mbu_mfu_and_the_roof_are_exact():
     r = _roofline()
     assert mbu(2e9, 0.2, r) == 0.5  # 10 GB/s of 20
-    assert mfu(1e12, 4.0, r, "fp32") == 1.0  # 0.25 TFLOP/s of 0.25
-    assert mfu(1e12, 4.0, r, "bf16") == 0.5
+    assert mfu({"fp32": 1e12}, 4.0, r) == 1.0  # 0.25 TFLOP/s of 0.25
+    assert mfu({"bf16": 1e12}, 4.0, r) == 0.5
+    # mixed work: 1e12 FLOP at the fp32 peak take 4 s, 1e12 at the bf16 peak 2 s; done in 12 s
+    assert mfu({"fp32": 1e12, "bf16": 1e12}, 12.0, r) == 0.5
     assert r.ridge("bf16") == 25.0 and r.ridge("fp32") == 12.5  # FLOP/byte where slope meets ceiling
     assert attainable_tflops(10.0, r, "bf16") == pytest.approx(0.2, rel=1e-15)  # on the slope: 10 x 20 GB/s
     assert attainable_tflops(25.0, r, "bf16") == 0.5
@@ -43,7 +45,9 @@ def test_mbu_mfu_and_the_roof_are_exact():
 def test_helpers_reject_bad_input():
     r = _roofline()
     with pytest.raises(QinferError, match="no measured peak for dtype 'fp8'.*bf16, fp32"):
-        mfu(1.0, 1.0, r, "fp8")
+        mfu({"fp8": 1.0}, 1.0, r)
+    with pytest.raises(QinferError, match="FLOPs keyed by dtype"):
+        mfu(1.0, 1.0, r)
     with pytest.raises(QinferError, match="seconds_per_token must be a positive"):
         mbu(1.0, 0.0, r)
     with pytest.raises(QinferError, match="arithmetic_intensity"):

@@ -132,9 +132,10 @@ def test_results_json_follows_the_documented_schema(env):
     assert set(m["speed"]) == {
         "prompt_tokens", "decode_steps", "repeats", "kv_cache", "compute_dtype", "ttft_s", "prefill_tok_s", "tpot_s",
         "decode_tok_s", "decode_context", "decode_bytes", "decode_flops", "prefill_bytes", "prefill_flops", "mbu",
-        "mfu_prefill", "threads",
+        "mfu_prefill", "threads", "prefill_flops_by_dtype",
     }
     assert m["effective_bits"] == 16.0 and m["speed"]["prompt_tokens"] == 24 and m["speed"]["compute_dtype"] == "bf16"
+    assert m["speed"]["prefill_flops_by_dtype"] == {"bf16": m["speed"]["prefill_flops"]}
     assert ModelResult.from_json(m) == result  # the JSON holds the whole result
     assert (out / "results.md").read_text().count("| m (baseline) |") == 1
     for png in ("pareto.png", "roofline.png"):
