@@ -228,11 +228,23 @@ def test_interrupt_leaves_no_output(tmp_path, calib_file):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "qinfer", "quantize", str(tmp_path / "src"), "-o", str(out), "--group-size", "32",
            "--calib", str(calib_file), "--samples", "40000", "--seq-len", "64"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(6)  # past start-up, into calibration (40000 samples keep it busy)
-    assert proc.poll() is None, "finished before it could be interrupted"
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    log = tmp_path / "stderr.txt"
+    with log.open("w") as stderr:
+        # SIGINT back to its default in the child: a shell's background job (`pytest &`) inherits it ignored,
+        # and Python only turns SIGINT into KeyboardInterrupt when it starts with the default disposition
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        deadline = time.monotonic() + 120
+        while "quantizing" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)  # until the block loop has started (40000 samples keep it busy)
+        assert proc.poll() is None, f"finished before it could be interrupted: {log.read_text()[-500:]}"
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail(f"still running 120 s after SIGINT; stderr: {log.read_text()[-500:]}")
+    err = log.read_text()
     assert proc.returncode != 0
     assert "Traceback" not in err
     assert not out.exists()
