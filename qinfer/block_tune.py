@@ -84,7 +84,7 @@ def tune_block(
     left holding the tuned weights dequantized in the block's dtype. Integer formats only.
     """
     block = model.model.layers[layer_idx]
-    dtype = model.dtype
+    dtype = block.get_submodule(next(iter(weights))).weight.dtype  # the block's compute dtype, restored after
     S, L, _ = X.shape
     pos = torch.arange(L, device=X.device)
     mask = model.masks(pos, 0)[model.config.sliding_window[layer_idx]]
@@ -150,7 +150,9 @@ def tune_end_to_end(
     pos = torch.arange(L, device=ids.device)
     masks = model.masks(pos, 0)
     ropes = [model.rope(i, pos, torch.float32) for i in range(len(layers))]
-    head = model.lm_head.weight
+    # the lm_head (its 2 * C * vocab FLOPs per token are most of a step's) multiplies in fp32: its bf16
+    # matmul runs ~9x slower on CPUs without AVX-512, and fp32 is what the logits are taken in anyway
+    head = model.lm_head.weight.float()
     levels = {n: _levels(w) for n, w in weights.items()}
     logs = {n: torch.zeros(w.scale.shape, requires_grad=True) for n, w in weights.items()}
     norms = {n: p.detach().float().clone().requires_grad_(True) for n, p in model.model.named_parameters() if _is_norm(n)}
@@ -165,7 +167,7 @@ def tune_end_to_end(
         return params
 
     def log_probs(h: torch.Tensor) -> torch.Tensor:
-        return F.log_softmax((h.to(head.dtype) @ head.T).float(), dim=-1)
+        return F.log_softmax(h.float() @ head.T, dim=-1)
 
     def kl(idx: torch.Tensor) -> torch.Tensor:
         x = model.embed(ids[idx]).float()

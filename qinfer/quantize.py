@@ -6,9 +6,10 @@ block's quantizer sees (and can compensate) the error that reaches it. With ``Ca
 gets its Hessian from a forward through the groups before it already quantized, at the cost of a partial
 block forward per group.
 
-Memory stays bounded by the bf16 model (memory-mapped) plus one block's activations [S, L, C] in bf16.
-Blocks run in bf16 (the model's own compute dtype, and AMX-fast on CPU); quantizers work on fp32 copies
-of each weight.
+Memory stays bounded by the bf16 model (memory-mapped) plus one block's activations [S, L, C].
+Blocks run in bf16 (the model's own compute dtype, and AMX-fast on CPU) where the device has fast bf16
+matmuls, else in fp32 one block at a time (``calib.capture.compute_dtype``: AVX2-only CPUs); the
+activations are kept in the same dtype. Quantizers work on fp32 copies of each weight.
 
 With tuning (``TuneConfig.steps > 0``, see :mod:`qinfer.block_tune`) a second stream of activations runs
 beside the first through the *unquantized* blocks; once block i's linears are quantized, its scales and
@@ -32,7 +33,7 @@ from tqdm import tqdm
 from qinfer.awq_pipeline import apply_awq
 from qinfer.block_tune import E2E_EVAL_SAMPLES, TuneConfig, tune_block, tune_end_to_end
 from qinfer.cache import atomic_dir
-from qinfer.calib.capture import capture_block, embed_samples, run_block
+from qinfer.calib.capture import block_in, capture_block, compute_dtype, embed_samples, run_block
 from qinfer.calib.sampling import sample_windows
 from qinfer.calib.sources import load_calibration_documents
 from qinfer.errors import QinferError
@@ -92,6 +93,7 @@ class QuantizeReport:
     layer_errors: dict[str, float] = field(default_factory=dict)
     tune_losses: dict[str, tuple[float, float]] = field(default_factory=dict)  # block -> (before, after)
     e2e_kl: tuple[float, float] | None = None  # end-to-end tuning: KL to the unquantized model (before, after)
+    compute_dtype: str = "bfloat16"  # what the blocks ran in during calibration
 
     @property
     def effective_bits(self) -> float:
@@ -142,43 +144,46 @@ def quantize_model(
     model = load_model(folder, dtype=torch.bfloat16)
     needs_calib = scheme.method in ("gptq", "awq") or scheme.kv_cache != "none" or tune.active
     ids = calibration_batch(folder, calib) if needs_calib else None
-    X = embed_samples(model, ids, model.dtype) if needs_calib else None
+    dtype = compute_dtype(model.device)  # the blocks run in this while they are calibrated
+    X = embed_samples(model, ids, dtype) if needs_calib else None
     # Tuning aims at the unquantized model's outputs: carry that stream beside the quantized one.
     X_ref = X.clone() if tune.active else None
     quantized = {}  # "model.layers.{i}.{linear}" -> packed weight
     tensors: dict[str, torch.Tensor] = {}
-    report = QuantizeReport(out, _folder_bytes(folder), 0, 0, 0, 0.0, 0)
+    report = QuantizeReport(out, _folder_bytes(folder), 0, 0, 0, 0.0, 0, compute_dtype=str(dtype).removeprefix("torch."))
     groups = tuple(g.linears for g in model.config.arch.linear_groups)
     label = scheme.method + (" + tuning" if tune.active else "")
     for i in tqdm(range(model.config.num_layers), desc=f"quantizing ({label})", unit="block"):
         block = model.model.layers[i]
         stats = None
-        if X_ref is not None:
-            X_ref = run_block(model, i, X_ref)  # before anything in block i changes
-        if X is not None:
-            stats = capture_block(model, i, X, groups[:1] if calib.true_sequential else groups)  # later groups: below
-        if scheme.method == "awq":
-            apply_awq(model, i, stats, scheme)
-        packed = {}
-        for g, group in enumerate(groups):
-            if g and calib.true_sequential:  # this group's input, from the block's quantized groups before it
-                stats.linears.update(capture_block(model, i, X, (group,), partial=True).linears)
-            for name in group:
-                module: QLinear = block.get_submodule(name)
-                prefix = f"model.layers.{i}.{name}"
-                H = stats.linears[name].H if stats is not None else None
-                packed[name], report.layer_errors[prefix] = _quantize_linear(module.weight.data.float(), H, scheme, prefix)
-                module.weight.data = packed[name].dequantize(model.dtype)  # later groups and blocks see it quantized
-        if tune.steps:
-            packed, result = tune_block(model, i, packed, X, X_ref, tune)
-            report.tune_losses[f"model.layers.{i}"] = (result.loss_before, result.loss_after)
-            if scheme.kv_cache != "none":  # the tuned q/k norms move the keys: measure the ranges again
-                stats = capture_block(model, i, X, groups)
-        quantized.update({f"model.layers.{i}.{name}": qw for name, qw in packed.items()})
-        if stats is not None:
-            _kv_scales(tensors, i, stats, scheme)
-        if X is not None:
-            X = run_block(model, i, X)
+        with block_in(block, dtype, back=model.dtype):
+            if X_ref is not None:
+                X_ref = run_block(model, i, X_ref)  # before anything in block i changes
+            if X is not None:
+                stats = capture_block(model, i, X, groups[:1] if calib.true_sequential else groups)  # later: below
+            if scheme.method == "awq":
+                apply_awq(model, i, stats, scheme)
+            packed = {}
+            for g, group in enumerate(groups):
+                if g and calib.true_sequential:  # this group's input, from the block's quantized groups before it
+                    stats.linears.update(capture_block(model, i, X, (group,), partial=True).linears)
+                for name in group:
+                    module: QLinear = block.get_submodule(name)
+                    prefix = f"model.layers.{i}.{name}"
+                    H = stats.linears[name].H if stats is not None else None
+                    packed[name], report.layer_errors[prefix] = _quantize_linear(module.weight.data.float(), H, scheme,
+                                                                                 prefix)
+                    module.weight.data = packed[name].dequantize(dtype)  # later groups and blocks see it quantized
+            if tune.steps:
+                packed, result = tune_block(model, i, packed, X, X_ref, tune)
+                report.tune_losses[f"model.layers.{i}"] = (result.loss_before, result.loss_after)
+                if scheme.kv_cache != "none":  # the tuned q/k norms move the keys: measure the ranges again
+                    stats = capture_block(model, i, X, groups)
+            quantized.update({f"model.layers.{i}.{name}": qw for name, qw in packed.items()})
+            if stats is not None:
+                _kv_scales(tensors, i, stats, scheme)
+            if X is not None:
+                X = run_block(model, i, X)
         _block_tensors(tensors, model, i)  # norms (maybe AWQ-rescaled) go back in the model dtype
         if not tune.e2e_steps:  # done with this block: release its weights (end-to-end tuning needs them all)
             model.model.layers[i] = torch.nn.Identity()
@@ -190,11 +195,12 @@ def quantize_model(
             _block_tensors(tensors, model, i)
         if scheme.kv_cache != "none" or scheme.quantize_lm_head:
             # The tuned norms move the keys, values and the lm_head's input: measure them again.
-            X = embed_samples(model, ids, model.dtype)
+            X = embed_samples(model, ids, dtype)
             for i in range(model.config.num_layers):
-                if scheme.kv_cache != "none":
-                    _kv_scales(tensors, i, capture_block(model, i, X, ()), scheme)
-                X = run_block(model, i, X)
+                with block_in(model.model.layers[i], dtype, back=model.dtype):
+                    if scheme.kv_cache != "none":
+                        _kv_scales(tensors, i, capture_block(model, i, X, ()), scheme)
+                    X = run_block(model, i, X)
     for name, qw in quantized.items():
         _account(report, tensors, qw, name, qw.shape[0] * qw.shape[1])
     del X_ref
@@ -286,5 +292,6 @@ def _report_json(report: QuantizeReport, scheme: QuantScheme, calib: CalibConfig
         "tuning": tune.__dict__,
         "tune_losses": report.tune_losses,
         "e2e_kl": report.e2e_kl,
+        "compute_dtype": report.compute_dtype,
         "code": code_fingerprint(),
     }

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from qinfer.block_tune import TuneConfig
 from qinfer.errors import QinferError
 from qinfer.format import QuantScheme
 from qinfer.loader import load_model
@@ -93,6 +94,26 @@ def test_awq_folded_gemma_norms_keep_fp32(tiny, tmp_path, calib_file):
         assert not torch.equal(norm, norm.bfloat16().float())  # the fold's digits past bf16 survive
     loaded = load_model(out, dtype=torch.bfloat16).model.layers[0].input_layernorm.weight
     assert loaded.dtype == norm.dtype and torch.equal(loaded, norm)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_blocks_calibrated_in_fp32_or_bf16_give_the_same_format(tiny, tmp_path, calib_file, monkeypatch, method):
+    """Blocks are calibrated in bf16, or in fp32 on CPUs without fast bf16 matmuls (``compute_dtype``): the
+    checkpoint has the same tensors in the same dtypes either way, and the two models differ from each other
+    less than either differs from the unquantized one."""
+    scheme = QuantScheme(method=method, bits=4, group_size=32, kv_cache="int8")
+    outs = []
+    for dtype in (torch.bfloat16, torch.float32):
+        monkeypatch.setattr("qinfer.quantize.compute_dtype", lambda device, dtype=dtype: dtype)
+        out = tmp_path / str(dtype)
+        quantize_model(tiny, out, scheme, CalibConfig(str(calib_file), 8, 32), tune=TuneConfig(steps=2, e2e_steps=2))
+        assert json.loads((out / "quantize_report.json").read_text())["compute_dtype"] == str(dtype).split(".")[1]
+        outs.append(out)
+    a, b = (load_file(out / "model.safetensors") for out in outs)
+    assert {k: (v.dtype, v.shape) for k, v in a.items()} == {k: (v.dtype, v.shape) for k, v in b.items()}
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    between = logits_error(outs[0], outs[1], ids)
+    assert between < min(logits_error(tiny, outs[0], ids), logits_error(tiny, outs[1], ids))
 
 
 def test_output_folder_is_complete_and_loads_packed(tiny, tmp_path, calib_file):
