@@ -9,6 +9,9 @@ Per linear input (linears that share an input, like q/k/v, share one record):
   computed in the activations' dtype (bf16 matmuls are ~3x faster on CPU; a batch's bf16-rounded partial
   sum is within ~0.2% of fp32 per entry, well below GPTQ's 1% damping),
 - the mean absolute activation per input channel [K] (AWQ's salience; AWQ's searches use H too).
+- with a second stream ``X_ref`` (the unquantized model's activations, for GPTQ's ``--fp-target``): the
+  input-shift matrix ``D = sum_t (x~_t - x_t) x_t^T`` [K, K] in fp32, x~ the input the unquantized block
+  sees on the same token; each batch runs through the block twice, once per stream.
 Per attention layer: the absolute maximum of the keys (after norm and RoPE, as the cache stores them) and
 values per KV head, for KV-cache quantization scales.
 
@@ -57,6 +60,7 @@ class LinearStats:
     H: torch.Tensor  # [K, K] fp32, sum of x x^T
     abs_sum: torch.Tensor  # [K] fp32, sum of |x|
     n: int = 0  # rows seen
+    D: torch.Tensor | None = None  # [K, K] fp32, sum of (x_ref - x) x^T, when a reference stream was given
 
     @property
     def abs_mean(self) -> torch.Tensor:
@@ -94,19 +98,46 @@ BATCH = 8  # calibration samples per block forward
 
 
 @torch.no_grad()
-def run_block(model: Transformer, layer_idx: int, X: torch.Tensor, batch: int = BATCH, cache=None) -> torch.Tensor:
+def run_block(
+    model: Transformer,
+    layer_idx: int,
+    X: torch.Tensor,
+    batch: int = BATCH,
+    cache=None,
+    out: torch.Tensor | None = None,
+    weights: dict[str, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """The block's output for every sample: X [S, L, C] -> [S, L, C], computed in X's dtype (the block's
-    weights must be in that dtype too: calibration runs one block in fp32 inside a bf16 model)."""
+    weights must be in that dtype too: calibration runs one block in fp32 inside a bf16 model).
+
+    ``out=X`` writes the output over the input, batch by batch (a sample's output depends on that sample
+    alone), so the pipeline holds one [S, L, C] buffer per stream rather than two. With ``weights``
+    (linear name -> weight), those linears hold those weights for the forward and their own after.
+    """
     block: Block = model.model.layers[layer_idx]
     L = X.shape[1]
     pos = torch.arange(L, device=model.device)
     mask = model.masks(pos, L if cache is not None else 0)[model.config.sliding_window[layer_idx]]
-    out = torch.empty_like(X)
-    for i in range(0, X.shape[0], batch):
-        x = X[i : i + batch].to(model.device)
-        cos, sin = model.rope(layer_idx, pos, x.dtype)
-        out[i : i + batch] = block(x, cos, sin, mask, cache, pos)
+    out = torch.empty_like(X) if out is None else out
+    with _holding(block, weights or {}):
+        for i in range(0, X.shape[0], batch):
+            x = X[i : i + batch].to(model.device)
+            cos, sin = model.rope(layer_idx, pos, x.dtype)
+            out[i : i + batch] = block(x, cos, sin, mask, cache, pos)
     return out
+
+
+@contextlib.contextmanager
+def _holding(block: torch.nn.Module, weights: dict[str, torch.Tensor]) -> Iterator[None]:
+    """The named linears of ``block`` hold ``weights`` inside the ``with``, their own weights after."""
+    own = {name: block.get_submodule(name).weight.data for name in weights}
+    try:
+        for name, w in weights.items():
+            block.get_submodule(name).weight.data = w
+        yield
+    finally:
+        for name, w in own.items():
+            block.get_submodule(name).weight.data = w
 
 
 class _EnoughSeen(Exception):
@@ -115,30 +146,55 @@ class _EnoughSeen(Exception):
 
 @torch.no_grad()
 def capture_block(
-    model: Transformer, layer_idx: int, X: torch.Tensor, groups: tuple[tuple[str, ...], ...], partial: bool = False
+    model: Transformer,
+    layer_idx: int,
+    X: torch.Tensor,
+    groups: tuple[tuple[str, ...], ...],
+    partial: bool = False,
+    X_ref: torch.Tensor | None = None,
+    ref_weights: dict[str, torch.Tensor] | None = None,
 ) -> BlockStats:
     """Run block ``layer_idx`` on X [S, L, C] and collect statistics for its linears.
 
     ``groups`` lists linears that read the same input; each group is hooked once and its members share
     one ``LinearStats``. With ``partial``, the block's forward stops once the last group (in forward order)
     has seen its input; the K/V ranges are then those of whatever attention ran (zero if none did).
+    With ``X_ref`` (the shape of X) each batch also runs on the reference stream, as far as the last group
+    in ``groups``, with the linears named in ``ref_weights`` holding those weights instead of their own (the
+    unquantized ones, once some are quantized): the linears' input shifts ``D`` are collected.
     """
+    if X_ref is not None and X_ref.shape != X.shape:
+        raise ValueError(f"the reference stream's shape {list(X_ref.shape)} is not X's {list(X.shape)}")
     block = model.model.layers[layer_idx]
     modules: dict[str, QLinear] = {group[0]: block.get_submodule(group[0]) for group in groups}
     stats = {
-        name: LinearStats(H=torch.zeros(m.in_features, m.in_features), abs_sum=torch.zeros(m.in_features))
+        name: LinearStats(
+            H=torch.zeros(m.in_features, m.in_features),
+            abs_sum=torch.zeros(m.in_features),
+            D=None if X_ref is None else torch.zeros(m.in_features, m.in_features),
+        )
         for name, m in modules.items()
     }
 
     last = groups[-1][0] if partial and groups else None
+    seen: dict[str, torch.Tensor] = {}  # this batch's inputs on the quantized stream, by group
+    on_ref = False
 
     def hook(name):
         def fn(module, inputs):
             x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).cpu()  # [rows, K]
             s = stats[name]
+            if on_ref:
+                x_q = seen.pop(name).float()
+                s.D += (x.float() - x_q).T @ x_q
+                if name == groups[-1][0]:
+                    raise _EnoughSeen
+                return
             s.H += (x.T @ x).float()
             s.abs_sum += x.abs().float().sum(0)
             s.n += x.shape[0]
+            if X_ref is not None:
+                seen[name] = x
             if name == last:
                 raise _EnoughSeen
 
@@ -147,7 +203,7 @@ def capture_block(
     handles = [m.register_forward_pre_hook(hook(name)) for name, m in modules.items()]
     cache = _StatsCache(model.config.num_kv_heads)
     try:
-        if last is None:
+        if last is None and X_ref is None:
             run_block(model, layer_idx, X, cache=cache)
         else:
             for i in range(0, X.shape[0], BATCH):
@@ -155,6 +211,14 @@ def capture_block(
                     run_block(model, layer_idx, X[i : i + BATCH], cache=cache)
                 except _EnoughSeen:
                     pass
+                if X_ref is not None:  # the K/V ranges stay the quantized stream's: what the cache will hold
+                    on_ref = True
+                    try:
+                        run_block(model, layer_idx, X_ref[i : i + BATCH], weights=ref_weights)
+                    except _EnoughSeen:
+                        pass
+                    finally:
+                        on_ref = False
     finally:
         for h in handles:
             h.remove()

@@ -148,9 +148,15 @@ def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed):
 @click.option("--true-sequential", is_flag=True,
               help="GPTQ: inside each block too, take each linear group's Hessian after the groups before it "
                    "(q/k/v, o, gate/up, down) are quantized (a partial block forward per group; slower).")
+@click.option("--fp-target", is_flag=True,
+              help="GPTQ: fit each linear to the unquantized model's output on the unquantized model's inputs "
+                   "(asymmetric calibration, as GPTAQ), not to its own output on the quantized model's inputs; "
+                   "runs an unquantized stream beside the quantized one and implies --true-sequential (slower, "
+                   "one more [samples, seq-len, hidden] activation buffer).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache, calib, samples, seq_len, seed,
-             quantize_lm_head, lm_head_bits, tune_steps, e2e_steps, tune_lr, mse_clip, true_sequential, force):
+             quantize_lm_head, lm_head_bits, tune_steps, e2e_steps, tune_lr, mse_clip, true_sequential, fp_target,
+             force):
     """Quantize MODEL into the qinfer format (safetensors + quant_config.json) at OUT."""
     from qinfer.block_tune import TuneConfig
     from qinfer.format import QuantScheme
@@ -168,7 +174,8 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
     scheme = QuantScheme(method=method, bits=bits, group_size=group_size, symmetric=sym, act_order=act_order,
                          format=fmt, kv_cache=kv_cache, quantize_lm_head=quantize_lm_head, lm_head_bits=lm_head_bits,
                          mse_clip=mse_clip)
-    calib_config = CalibConfig(source=calib, samples=samples, seq_len=seq_len, seed=seed, true_sequential=true_sequential)
+    calib_config = CalibConfig(source=calib, samples=samples, seq_len=seq_len, seed=seed, true_sequential=true_sequential,
+                               fp_target=fp_target)
     tune = TuneConfig(steps=tune_steps, lr=tune_lr, e2e_steps=e2e_steps, seed=seed)
     try:
         report = quantize_model(resolve_model(model), out, scheme, calib_config, force=force, tune=tune)

@@ -11,6 +11,13 @@ Blocks run in bf16 (the model's own compute dtype, and AMX-fast on CPU) where th
 matmuls, else in fp32 one block at a time (``calib.capture.compute_dtype``: AVX2-only CPUs); the
 activations are kept in the same dtype. Quantizers work on fp32 copies of each weight.
 
+With ``CalibConfig.fp_target`` (GPTQ) a second stream of activations runs beside the first through the
+*unquantized* blocks, and each linear is fitted to the unquantized model's output on that stream's inputs
+(:func:`qinfer.quantizers.gptq.fp_target`) rather than to its own output on the quantized stream's, so
+the drift that earlier blocks left is corrected where it arises. It implies ``true_sequential``: a group's
+input is captured after the groups before it (already aimed at the unquantized output) are quantized, or
+the drift would be corrected twice.
+
 With tuning (``TuneConfig.steps > 0``, see :mod:`qinfer.block_tune`) a second stream of activations runs
 beside the first through the *unquantized* blocks; once block i's linears are quantized, its scales and
 norms are tuned towards that stream's block-i output. That doubles the activations kept (two [S, L, C]).
@@ -42,7 +49,7 @@ from qinfer.interop.folders import SIDE_FILES
 from qinfer.loader import load_model
 from qinfer.model import QLinear, Transformer
 from qinfer.quantizers.fp8 import fp8_kv_scale, fp8_quantize, int8_kv_scale
-from qinfer.quantizers.gptq import gptq_quantize_ex
+from qinfer.quantizers.gptq import fp_target, gptq_quantize_ex
 from qinfer.quantizers.rtn import rtn_quantize
 from qinfer.tokenizer import Tokenizer
 
@@ -75,6 +82,8 @@ class CalibConfig:
     seq_len: int = 512
     seed: int = 0
     true_sequential: bool = False  # GPTQ: capture each linear group's input after the groups before it are quantized
+    fp_target: bool = False  # GPTQ: fit each linear to the unquantized model's output (quantizers.gptq.fp_target);
+    # implies true_sequential, so that each group's target accounts for the groups before it being quantized
 
     def __post_init__(self):
         if self.samples < 1 or self.seq_len < 2:
@@ -140,40 +149,50 @@ def quantize_model(
         raise QinferError(
             f"--true-sequential re-captures GPTQ's Hessians inside each block: drop it for --method {scheme.method}"
         )
+    if calib.fp_target and scheme.method != "gptq":
+        raise QinferError(f"--fp-target fits GPTQ's weights to the unquantized model: drop it for --method {scheme.method}")
     start = time.perf_counter()
     model = load_model(folder, dtype=torch.bfloat16)
     needs_calib = scheme.method in ("gptq", "awq") or scheme.kv_cache != "none" or tune.active
     ids = calibration_batch(folder, calib) if needs_calib else None
     dtype = compute_dtype(model.device)  # the blocks run in this while they are calibrated
     X = embed_samples(model, ids, dtype) if needs_calib else None
-    # Tuning aims at the unquantized model's outputs: carry that stream beside the quantized one.
-    X_ref = X.clone() if tune.active else None
+    # Tuning and --fp-target aim at the unquantized model's outputs: carry that stream beside the quantized one.
+    X_ref = X.clone() if tune.active or calib.fp_target else None
     quantized = {}  # "model.layers.{i}.{linear}" -> packed weight
     tensors: dict[str, torch.Tensor] = {}
     report = QuantizeReport(out, _folder_bytes(folder), 0, 0, 0, 0.0, 0, compute_dtype=str(dtype).removeprefix("torch."))
     groups = tuple(g.linears for g in model.config.arch.linear_groups)
     label = scheme.method + (" + tuning" if tune.active else "")
+    sequential = calib.true_sequential or calib.fp_target
     for i in tqdm(range(model.config.num_layers), desc=f"quantizing ({label})", unit="block"):
         block = model.model.layers[i]
         stats = None
         with block_in(block, dtype, back=model.dtype):
-            if X_ref is not None:
-                X_ref = run_block(model, i, X_ref)  # before anything in block i changes
+            ref_in = ref_weights = None
+            if calib.fp_target:  # every group's capture also runs the unquantized stream through these weights
+                ref_in, ref_weights = X_ref, {n: block.get_submodule(n).weight.data for g in groups for n in g}
+            elif X_ref is not None:
+                X_ref = run_block(model, i, X_ref, out=X_ref)  # before anything in block i changes
             if X is not None:
-                stats = capture_block(model, i, X, groups[:1] if calib.true_sequential else groups)  # later: below
+                stats = capture_block(model, i, X, groups[:1] if sequential else groups, X_ref=ref_in,
+                                      ref_weights=ref_weights)  # later groups: below
             if scheme.method == "awq":
                 apply_awq(model, i, stats, scheme)
             packed = {}
             for g, group in enumerate(groups):
-                if g and calib.true_sequential:  # this group's input, from the block's quantized groups before it
-                    stats.linears.update(capture_block(model, i, X, (group,), partial=True).linears)
+                if g and sequential:  # this group's input, from the block's quantized groups before it
+                    stats.linears.update(capture_block(model, i, X, (group,), partial=True, X_ref=ref_in,
+                                                       ref_weights=ref_weights).linears)
                 for name in group:
                     module: QLinear = block.get_submodule(name)
                     prefix = f"model.layers.{i}.{name}"
-                    H = stats.linears[name].H if stats is not None else None
+                    H, D = (stats.linears[name].H, stats.linears[name].D) if stats is not None else (None, None)
                     packed[name], report.layer_errors[prefix] = _quantize_linear(module.weight.data.float(), H, scheme,
-                                                                                 prefix)
+                                                                                 prefix, D)
                     module.weight.data = packed[name].dequantize(dtype)  # later groups and blocks see it quantized
+            if calib.fp_target:  # the unquantized stream moves on through the unquantized weights
+                X_ref = run_block(model, i, X_ref, out=X_ref, weights=ref_weights)
             if tune.steps:
                 packed, result = tune_block(model, i, packed, X, X_ref, tune)
                 report.tune_losses[f"model.layers.{i}"] = (result.loss_before, result.loss_after)
@@ -183,7 +202,7 @@ def quantize_model(
             if stats is not None:
                 _kv_scales(tensors, i, stats, scheme)
             if X is not None:
-                X = run_block(model, i, X)
+                X = run_block(model, i, X, out=X)
         _block_tensors(tensors, model, i)  # norms (maybe AWQ-rescaled) go back in the model dtype
         if not tune.e2e_steps:  # done with this block: release its weights (end-to-end tuning needs them all)
             model.model.layers[i] = torch.nn.Identity()
@@ -200,7 +219,7 @@ def quantize_model(
                 with block_in(model.model.layers[i], dtype, back=model.dtype):
                     if scheme.kv_cache != "none":
                         _kv_scales(tensors, i, capture_block(model, i, X, ()), scheme)
-                    X = run_block(model, i, X)
+                    X = run_block(model, i, X, out=X)
     for name, qw in quantized.items():
         _account(report, tensors, qw, name, qw.shape[0] * qw.shape[1])
     del X_ref
@@ -222,9 +241,12 @@ def quantize_model(
     return report
 
 
-def _quantize_linear(W: torch.Tensor, H: torch.Tensor | None, scheme: QuantScheme, name: str):
-    """(packed weight, output error proxy) for one linear."""
+def _quantize_linear(W: torch.Tensor, H: torch.Tensor | None, scheme: QuantScheme, name: str,
+                     D: torch.Tensor | None = None):
+    """(packed weight, output error proxy) for one linear; ``D``: GPTQ aims at the unquantized output."""
     if scheme.method == "gptq":  # integer or FP8 grid
+        if D is not None:
+            W = fp_target(W, H, D, scheme.damp, name=name)
         result = gptq_quantize_ex(W, H, scheme, name=name)
         return result.weight, result.error
     if scheme.format == "fp8":

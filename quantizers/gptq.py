@@ -22,6 +22,14 @@ whole (dead-zeroed) W before the sweep. With ``act_order`` the columns are visit
 ``diag(H)`` and groups are *static*: every group's parameters are taken from the original column order
 before the sweep, so the stored layout keeps ``g(k) = k // G`` and needs no ``g_idx``.
 
+With an unquantized target (:func:`fp_target`, ``qinfer quantize --fp-target``; "asymmetric calibration"
+as in GPTAQ / GPTQv2, Li et al., 2025) the layer is fitted to what the *unquantized* model computes rather
+than to its own unquantized output: with ``X`` the inputs the quantized model feeds this layer and ``X~``
+the inputs the unquantized model feeds it, the objective is ``||X~ W^T - X W_hat^T||^2``. Its least-squares
+minimiser over unconstrained weights is ``W* = W X~^T X H^-1 = W + W D H^-1`` with ``D = (X~ - X)^T X``,
+and the objective splits into a constant plus ``tr((W* - W_hat) H (W* - W_hat)^T)``, so running the usual
+sweep on ``W*`` instead of ``W`` minimises it (``H^-1`` damped as in step 2).
+
 The same sweep quantizes onto the FP8 (E4M3) grid (:func:`gptq_fp8_ex`): the per-channel (or per-tensor)
 scale is fixed from W before the sweep, each column is cast to E4M3, and its rounding error is pushed onto
 the later columns exactly as for integers.
@@ -74,6 +82,26 @@ def _inverse_hessian_factor(H: torch.Tensor, damp: float) -> tuple[torch.Tensor,
         f"Hessian is not positive definite even with damping {tries[-1]:g} x mean(diag H); "
         "it is not a valid X^T X (check the calibration activations)"
     )
+
+
+def fp_target(W: torch.Tensor, H: torch.Tensor, D: torch.Tensor, damp: float, *, name: str = "weight") -> torch.Tensor:
+    """``W* = W + W D H^-1`` [N, K] in fp32: the weights whose outputs on the quantized model's inputs ``X``
+    (``H = X^T X``) best match ``W``'s outputs on the unquantized model's inputs ``X~`` (``D = (X~ - X)^T X``);
+    ``H`` damped as GPTQ damps it. Columns of dead inputs come out zero, as GPTQ would make them."""
+    K = W.shape[1]
+    if tuple(D.shape) != (K, K):
+        raise QinferError(f"{name}: input-shift matrix shape {list(D.shape)} does not match in_features K={K}")
+    check_finite(D, f"{name}: input-shift matrix")
+    dead = H.diagonal() == 0
+    W = W.detach().float()  # whole, dead columns included: an input the quantized model never fires may still
+    _, H = _dead_zeroed(W, H)  # fire in the unquantized one, and the live columns take over its part of the output
+    try:
+        U, _ = _inverse_hessian_factor(H, damp)  # H^-1 = U^T U
+    except QinferError as e:
+        raise QinferError(f"{name}: {e}") from None
+    target = W + ((W @ D.float()) @ U.T) @ U
+    target[:, dead] = 0.0
+    return target
 
 
 def _check_problem(W: torch.Tensor, H: torch.Tensor, blocksize: int, name: str) -> None:

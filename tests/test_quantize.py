@@ -195,9 +195,9 @@ def test_true_sequential_takes_hessians_after_earlier_groups(tiny, tmp_path, cal
     seen = {}
     quantize_linear = pipeline._quantize_linear
 
-    def spy(W, H, scheme, name):
+    def spy(W, H, scheme, name, D=None):
         seen[name] = H.clone()
-        return quantize_linear(W, H, scheme, name)
+        return quantize_linear(W, H, scheme, name, D)
 
     monkeypatch.setattr(pipeline, "_quantize_linear", spy)
     scheme = QuantScheme(method="gptq", bits=4, group_size=32)
@@ -218,6 +218,34 @@ def test_true_sequential_takes_hessians_after_earlier_groups(tiny, tmp_path, cal
     assert json.loads((tmp_path / "seq" / "quantize_report.json").read_text())["calibration"]["true_sequential"]
 
 
+def test_fp_target_aims_gptq_at_the_unquantized_model(tiny, tmp_path, calib_file, monkeypatch):
+    import qinfer.quantize as pipeline
+
+    tiny = with_salient_channels(tiny, tmp_path)
+    calib = CalibConfig(source=str(calib_file), samples=16, seq_len=64)
+    shifts = {}
+    quantize_linear = pipeline._quantize_linear
+
+    def spy(W, H, scheme, name, D=None):
+        shifts[name] = D
+        return quantize_linear(W, H, scheme, name, D)
+
+    monkeypatch.setattr(pipeline, "_quantize_linear", spy)
+    scheme = QuantScheme(method="gptq", bits=3, group_size=32)
+    quantize_model(tiny, tmp_path / "plain", scheme, calib)
+    assert all(D is None for D in shifts.values())
+    quantize_model(tiny, tmp_path / "aimed", scheme, replace(calib, fp_target=True))
+    # block 0's q/k/v read the embeddings, the same on both streams; its later linears read what its
+    # quantized linears before them computed (captured group by group), and later blocks see the drift
+    assert float(shifts["model.layers.0.self_attn.q_proj"].abs().max()) == 0.0
+    assert float(shifts["model.layers.0.mlp.down_proj"].abs().max()) > 0.0
+    assert all(float(D.abs().max()) > 0.0 for name, D in shifts.items() if name.startswith("model.layers.1."))
+    ids = calibration_batch(tiny, calib)[:4]
+    plain, aimed = logits_error(tiny, tmp_path / "plain", ids), logits_error(tiny, tmp_path / "aimed", ids)
+    assert aimed < plain, (aimed, plain)
+    assert json.loads((tmp_path / "aimed" / "quantize_report.json").read_text())["calibration"]["fp_target"]
+
+
 @pytest.mark.parametrize(
     "args,needle",
     [
@@ -233,6 +261,7 @@ def test_true_sequential_takes_hessians_after_earlier_groups(tiny, tmp_path, cal
         (["--e2e-steps", "-1"], "--e2e-steps >= 0"),
         (["--bits", "8", "--format", "fp8", "--mse-clip"], "clip search"),
         (["--method", "awq", "--true-sequential"], "drop it for --method awq"),
+        (["--method", "awq", "--fp-target"], "drop it for --method awq"),
     ],
 )
 def test_cli_bad_options(tiny, tmp_path, args, needle):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from qinfer.calib.capture import capture_block, embed_samples
+from qinfer.calib.capture import capture_block, embed_samples, run_block
 from qinfer.loader import load_model
 from tests.tiny_models import make_model
 
@@ -34,3 +34,54 @@ def test_partial_capture_matches_full_and_stops_early(tiny_model, group):
         torch.testing.assert_close(part.linears[name].abs_sum, full.linears[name].abs_sum)
         assert part.linears[name].n == full.linears[name].n == 10 * 16
     assert set(part.linears) == set(group)
+
+
+def test_reference_stream_gives_input_shifts_and_its_block_output(tiny_model):
+    model = tiny_model
+    groups = tuple(g.linears for g in model.config.arch.linear_groups)
+    X = embed_samples(model, torch.randint(0, 300, (10, 16)), torch.float32)
+    X_ref = X + 0.1 * torch.randn(X.shape, generator=torch.Generator().manual_seed(0))
+    both = capture_block(model, 1, X, groups, X_ref=X_ref)
+    alone, ref_alone = capture_block(model, 1, X, groups), capture_block(model, 1, X_ref, groups)
+    torch.testing.assert_close(both.k_absmax, alone.k_absmax)  # the ranges are the quantized stream's alone
+    # q/k/v read the input norm of the block input: D = (x_ref - x)^T x over every token
+    norm = model.model.layers[1].input_layernorm
+    with torch.no_grad():
+        x, x_ref = norm(X).reshape(-1, X.shape[-1]), norm(X_ref).reshape(-1, X.shape[-1])
+    torch.testing.assert_close(both.linears["self_attn.q_proj"].D, (x_ref - x).T @ x, rtol=1e-4, atol=1e-3)
+    for name, s in both.linears.items():
+        torch.testing.assert_close(s.H, alone.linears[name].H)
+        assert s.D.shape == s.H.shape and bool(torch.isfinite(s.D).all())
+        assert float(s.D.abs().sum()) > 0
+        assert ref_alone.linears[name].D is None
+    same = capture_block(model, 1, X, groups, X_ref=X.clone())
+    for s in same.linears.values():
+        assert float(s.D.abs().max()) == 0.0  # no shift between identical streams
+
+
+def test_reference_stream_runs_through_the_given_weights(tiny_model):
+    model = tiny_model
+    block = model.model.layers[1]
+    X = embed_samples(model, torch.randint(0, 300, (10, 16)), torch.float32)
+    own = block.self_attn.q_proj.weight.data
+    other = {"self_attn.q_proj": own * 1.5}  # the reference stream's q/k/v differ: the o_proj input shifts
+    both = capture_block(model, 1, X, (("self_attn.o_proj",),), X_ref=X.clone(), ref_weights=other)
+    assert block.self_attn.q_proj.weight.data_ptr() == own.data_ptr()  # the block's own weights are back
+    block.self_attn.q_proj.weight.data = other["self_attn.q_proj"]
+    try:
+        expected = run_block(model, 1, X)
+        o_in = capture_block(model, 1, X, (("self_attn.o_proj",),))  # H of the o_proj input on the ref stream
+    finally:
+        block.self_attn.q_proj.weight.data = own
+    X_in = X.clone()
+    torch.testing.assert_close(run_block(model, 1, X_in, out=X_in, weights=other), expected)  # in place, too
+    torch.testing.assert_close(X_in, expected)
+    assert block.self_attn.q_proj.weight.data_ptr() == own.data_ptr()
+    assert float(both.linears["self_attn.o_proj"].D.abs().max()) > 0
+    # D + H_q = sum x_ref x_q^T: its diagonal is not the reference stream's own Hessian, but its trace
+    # is bounded by Cauchy-Schwarz by the two streams' Hessians
+    s = both.linears["self_attn.o_proj"]
+    cross = float((s.D + s.H).trace())
+    assert abs(cross) <= (float(s.H.trace()) * float(o_in.linears["self_attn.o_proj"].H.trace())) ** 0.5 * 1.0001
+    part = capture_block(model, 1, X, (("self_attn.o_proj",),), partial=True, X_ref=X.clone(), ref_weights=other)
+    torch.testing.assert_close(part.linears["self_attn.o_proj"].D, s.D)
