@@ -15,9 +15,11 @@ quant rtn-w4g128-sym --method rtn --bits 4 --sym
 quant rtn-w4g128 --method rtn --bits 4
 quant awq-w4g128 --method awq --bits 4
 quant awq-w4g128-mse-e2e --method awq --bits 4 --mse-clip --e2e-steps 128
+quant awq-w4g128-fpt --method awq --bits 4 --fp-target
 quant gptq-w4g128 --method gptq --bits 4
 quant gptq-w4g128-mse --method gptq --bits 4 --mse-clip
 quant gptq-w4g128-e2e --method gptq --bits 4 --e2e-steps 128
+quant gptq-w4g128-fpt --method gptq --bits 4 --fp-target
 if [ $all = 1 ]; then
   quant awq-w4g128-tuned --method awq --bits 4 --tune-steps 50
   quant gptq-w4g128-tuned --method gptq --bits 4 --tune-steps 50

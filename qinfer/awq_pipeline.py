@@ -7,8 +7,13 @@ The block computes the same function in floating point afterwards; the pipeline 
 rescaled, clipped weights with round-to-nearest. Like AutoAWQ, q/k are not clipped (their errors are
 amplified through the softmax), and a linear-to-linear fold is skipped when the shapes differ (v_proj ->
 o_proj under grouped-query attention, where one v channel feeds several o_proj columns).
+
+With ``clip=False`` only the scales are applied (the block still computes the same function): the
+pipeline's ``--fp-target`` path then aims each group at the unquantized output on freshly captured
+statistics and clips it with :func:`clip_linear`, group by group.
 """
 
+import torch
 
 from qinfer.calib.capture import BlockStats
 from qinfer.format import QuantScheme
@@ -25,8 +30,10 @@ from qinfer.quantizers.awq import (
 NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")
 
 
-def apply_awq(model: Transformer, layer_idx: int, stats: BlockStats, scheme: QuantScheme) -> dict[str, float]:
-    """Rescale and clip block ``layer_idx``'s linears in place; returns the chosen ratio per group."""
+def apply_awq(
+    model: Transformer, layer_idx: int, stats: BlockStats, scheme: QuantScheme, clip: bool = True
+) -> dict[str, float]:
+    """Rescale and (with ``clip``) clip block ``layer_idx``'s linears in place; returns the chosen ratio per group."""
     arch = model.config.arch
     block = model.model.layers[layer_idx]
     ratios = {}
@@ -52,10 +59,15 @@ def apply_awq(model: Transformer, layer_idx: int, stats: BlockStats, scheme: Qua
             weights = [scale_linear_inputs(W, s) for W in weights]
             H = H / s[:, None] / s[None, :]  # the Gram matrix of the rescaled inputs X / s
         for name, module, W in zip(group.linears, linears, weights):
-            if name not in NO_CLIP:
-                W = apply_clip(W, awq_search_clip_gram(H, W, scheme))
+            if clip:
+                W = clip_linear(name, W, H, scheme)
             module.weight.data = W.to(module.weight.dtype)
     return ratios
+
+
+def clip_linear(name: str, W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """AWQ's clipping search for linear ``name`` (q/k are left alone), ``H`` its inputs' Gram matrix."""
+    return W if name in NO_CLIP else apply_clip(W, awq_search_clip_gram(H, W, scheme))
 
 
 def _foldable(prev, linears) -> bool:

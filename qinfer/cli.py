@@ -149,7 +149,7 @@ def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed):
               help="GPTQ: inside each block too, take each linear group's Hessian after the groups before it "
                    "(q/k/v, o, gate/up, down) are quantized (a partial block forward per group; slower).")
 @click.option("--fp-target", is_flag=True,
-              help="GPTQ: fit each linear to the unquantized model's output on the unquantized model's inputs "
+              help="GPTQ and AWQ: fit each linear to the unquantized model's output on the unquantized model's inputs "
                    "(asymmetric calibration, as GPTAQ), not to its own output on the quantized model's inputs; "
                    "runs an unquantized stream beside the quantized one and implies --true-sequential (slower, "
                    "one more [samples, seq-len, hidden] activation buffer).")

@@ -11,12 +11,14 @@ Blocks run in bf16 (the model's own compute dtype, and AMX-fast on CPU) where th
 matmuls, else in fp32 one block at a time (``calib.capture.compute_dtype``: AVX2-only CPUs); the
 activations are kept in the same dtype. Quantizers work on fp32 copies of each weight.
 
-With ``CalibConfig.fp_target`` (GPTQ) a second stream of activations runs beside the first through the
+With ``CalibConfig.fp_target`` (GPTQ or AWQ) a second stream of activations runs beside the first through the
 *unquantized* blocks, and each linear is fitted to the unquantized model's output on that stream's inputs
 (:func:`qinfer.quantizers.gptq.fp_target`) rather than to its own output on the quantized stream's, so
 the drift that earlier blocks left is corrected where it arises. It implies ``true_sequential``: a group's
 input is captured after the groups before it (already aimed at the unquantized output) are quantized, or
-the drift would be corrected twice.
+the drift would be corrected twice. AWQ searches and folds its scales first, on the whole block's statistics (the rescaled
+block computes the same function, so the unquantized stream runs through it), then each group in turn is
+aimed, clipped and rounded to nearest.
 
 With tuning (``TuneConfig.steps > 0``, see :mod:`qinfer.block_tune`) a second stream of activations runs
 beside the first through the *unquantized* blocks; once block i's linears are quantized, its scales and
@@ -37,7 +39,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from qinfer.awq_pipeline import apply_awq
+from qinfer.awq_pipeline import apply_awq, clip_linear
 from qinfer.block_tune import E2E_EVAL_SAMPLES, TuneConfig, tune_block, tune_end_to_end
 from qinfer.cache import atomic_dir
 from qinfer.calib.capture import block_in, capture_block, compute_dtype, embed_samples, run_block
@@ -82,7 +84,7 @@ class CalibConfig:
     seq_len: int = 512
     seed: int = 0
     true_sequential: bool = False  # GPTQ: capture each linear group's input after the groups before it are quantized
-    fp_target: bool = False  # GPTQ: fit each linear to the unquantized model's output (quantizers.gptq.fp_target);
+    fp_target: bool = False  # GPTQ/AWQ: fit each linear to the unquantized model's output (quantizers.gptq.fp_target);
     # implies true_sequential, so that each group's target accounts for the groups before it being quantized
 
     def __post_init__(self):
@@ -149,8 +151,8 @@ def quantize_model(
         raise QinferError(
             f"--true-sequential re-captures GPTQ's Hessians inside each block: drop it for --method {scheme.method}"
         )
-    if calib.fp_target and scheme.method != "gptq":
-        raise QinferError(f"--fp-target fits GPTQ's weights to the unquantized model: drop it for --method {scheme.method}")
+    if calib.fp_target and scheme.method not in ("gptq", "awq"):
+        raise QinferError(f"--fp-target aims GPTQ or AWQ at the unquantized model: drop it for --method {scheme.method}")
     start = time.perf_counter()
     model = load_model(folder, dtype=torch.bfloat16)
     needs_calib = scheme.method in ("gptq", "awq") or scheme.kv_cache != "none" or tune.active
@@ -174,22 +176,29 @@ def quantize_model(
                 ref_in, ref_weights = X_ref, {n: block.get_submodule(n).weight.data for g in groups for n in g}
             elif X_ref is not None:
                 X_ref = run_block(model, i, X_ref, out=X_ref)  # before anything in block i changes
-            if X is not None:
-                stats = capture_block(model, i, X, groups[:1] if sequential else groups, X_ref=ref_in,
-                                      ref_weights=ref_weights)  # later groups: below
+            awq_aimed = scheme.method == "awq" and calib.fp_target
+            if X is not None:  # AWQ's scale search needs every group's statistics at once
+                first = groups[:1] if sequential and not awq_aimed else groups
+                stats = capture_block(model, i, X, first, X_ref=None if awq_aimed else ref_in, ref_weights=ref_weights)
             if scheme.method == "awq":
-                apply_awq(model, i, stats, scheme)
+                apply_awq(model, i, stats, scheme, clip=not awq_aimed)
+                if awq_aimed:  # the rescaled block computes the same function: the reference runs through it
+                    ref_weights = {n: block.get_submodule(n).weight.data for g in groups for n in g}
             packed = {}
             for g, group in enumerate(groups):
-                if g and sequential:  # this group's input, from the block's quantized groups before it
+                if sequential and (g or awq_aimed):  # this group's input, after the block's groups before it
                     stats.linears.update(capture_block(model, i, X, (group,), partial=True, X_ref=ref_in,
                                                        ref_weights=ref_weights).linears)
                 for name in group:
                     module: QLinear = block.get_submodule(name)
                     prefix = f"model.layers.{i}.{name}"
                     H, D = (stats.linears[name].H, stats.linears[name].D) if stats is not None else (None, None)
-                    packed[name], report.layer_errors[prefix] = _quantize_linear(module.weight.data.float(), H, scheme,
-                                                                                 prefix, D)
+                    W = module.weight.data.float()
+                    if awq_aimed:  # aim, then clip on the aimed weights; round to nearest below
+                        W = clip_linear(name, fp_target(W, H, D, scheme.damp, name=prefix),
+                                        H / stats.linears[name].n, scheme)
+                        D = None
+                    packed[name], report.layer_errors[prefix] = _quantize_linear(W, H, scheme, prefix, D)
                     module.weight.data = packed[name].dequantize(dtype)  # later groups and blocks see it quantized
             if calib.fp_target:  # the unquantized stream moves on through the unquantized weights
                 X_ref = run_block(model, i, X_ref, out=X_ref, weights=ref_weights)

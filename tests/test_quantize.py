@@ -18,6 +18,7 @@ from qinfer.format import QuantScheme
 from qinfer.loader import load_model
 from qinfer.calib.capture import capture_block, embed_samples
 from qinfer.quantize import CalibConfig, calibration_batch, quantize_model
+from qinfer.quantizers.gptq import fp_target
 from qinfer.tokenizer import Tokenizer
 from tests.test_cli_errors import assert_one_line_error, run_qinfer
 from tests.tiny_models import TEXT, make_model
@@ -218,7 +219,8 @@ def test_true_sequential_takes_hessians_after_earlier_groups(tiny, tmp_path, cal
     assert json.loads((tmp_path / "seq" / "quantize_report.json").read_text())["calibration"]["true_sequential"]
 
 
-def test_fp_target_aims_gptq_at_the_unquantized_model(tiny, tmp_path, calib_file, monkeypatch):
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_fp_target_aims_at_the_unquantized_model(tiny, tmp_path, calib_file, monkeypatch, method):
     import qinfer.quantize as pipeline
 
     tiny = with_salient_channels(tiny, tmp_path)
@@ -227,13 +229,18 @@ def test_fp_target_aims_gptq_at_the_unquantized_model(tiny, tmp_path, calib_file
     quantize_linear = pipeline._quantize_linear
 
     def spy(W, H, scheme, name, D=None):
-        shifts[name] = D
+        if D is not None or name not in shifts:
+            shifts[name] = D
         return quantize_linear(W, H, scheme, name, D)
 
     monkeypatch.setattr(pipeline, "_quantize_linear", spy)
-    scheme = QuantScheme(method="gptq", bits=3, group_size=32)
+    scheme = QuantScheme(method=method, bits=3, group_size=32)
     quantize_model(tiny, tmp_path / "plain", scheme, calib)
     assert all(D is None for D in shifts.values())
+    shifts.clear()
+    if method == "awq":  # the pipeline aims and clips AWQ's weights itself: watch fp_target instead
+        monkeypatch.setattr(pipeline, "fp_target", lambda W, H, D, damp, name: shifts.__setitem__(name, D) or
+                            fp_target(W, H, D, damp, name=name))
     quantize_model(tiny, tmp_path / "aimed", scheme, replace(calib, fp_target=True))
     # block 0's q/k/v read the embeddings, the same on both streams; its later linears read what its
     # quantized linears before them computed (captured group by group), and later blocks see the drift
@@ -261,7 +268,7 @@ def test_fp_target_aims_gptq_at_the_unquantized_model(tiny, tmp_path, calib_file
         (["--e2e-steps", "-1"], "--e2e-steps >= 0"),
         (["--bits", "8", "--format", "fp8", "--mse-clip"], "clip search"),
         (["--method", "awq", "--true-sequential"], "drop it for --method awq"),
-        (["--method", "awq", "--fp-target"], "drop it for --method awq"),
+        (["--method", "rtn", "--fp-target"], "drop it for --method rtn"),
     ],
 )
 def test_cli_bad_options(tiny, tmp_path, args, needle):
