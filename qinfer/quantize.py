@@ -173,7 +173,7 @@ def quantize_model(
         with block_in(block, dtype, back=model.dtype):
             ref_in = ref_weights = None
             if calib.fp_target:  # every group's capture also runs the unquantized stream through these weights
-                ref_in, ref_weights = X_ref, {n: block.get_submodule(n).weight.data for g in groups for n in g}
+                ref_in, ref_weights = X_ref, _linear_weights(block, groups)
             elif X_ref is not None:
                 X_ref = run_block(model, i, X_ref, out=X_ref)  # before anything in block i changes
             awq_aimed = scheme.method == "awq" and calib.fp_target
@@ -183,7 +183,7 @@ def quantize_model(
             if scheme.method == "awq":
                 apply_awq(model, i, stats, scheme, clip=not awq_aimed)
                 if awq_aimed:  # the rescaled block computes the same function: the reference runs through it
-                    ref_weights = {n: block.get_submodule(n).weight.data for g in groups for n in g}
+                    ref_weights = _linear_weights(block, groups)
             packed = {}
             for g, group in enumerate(groups):
                 if sequential and (g or awq_aimed):  # this group's input, after the block's groups before it
@@ -248,6 +248,11 @@ def quantize_model(
     report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     (out / "quantize_report.json").write_text(json.dumps(_report_json(report, scheme, calib, tune), indent=2))
     return report
+
+
+def _linear_weights(block: torch.nn.Module, groups: tuple[tuple[str, ...], ...]) -> dict[str, torch.Tensor]:
+    """The block's linear weights as they are now (the tensors, not copies: quantizing replaces them)."""
+    return {name: block.get_submodule(name).weight.data for group in groups for name in group}
 
 
 def _quantize_linear(W: torch.Tensor, H: torch.Tensor | None, scheme: QuantScheme, name: str,
