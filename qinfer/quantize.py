@@ -194,11 +194,11 @@ def quantize_model(
                     prefix = f"model.layers.{i}.{name}"
                     H, D = (stats.linears[name].H, stats.linears[name].D) if stats is not None else (None, None)
                     W = module.weight.data.float()
-                    if awq_aimed:  # aim, then clip on the aimed weights; round to nearest below
-                        W = clip_linear(name, fp_target(W, H, D, scheme.damp, name=prefix),
-                                        H / stats.linears[name].n, scheme)
-                        D = None
-                    packed[name], report.layer_errors[prefix] = _quantize_linear(W, H, scheme, prefix, D)
+                    if D is not None:  # --fp-target: aim at the unquantized model's output
+                        W = fp_target(W, H, D, scheme.damp, name=prefix)
+                    if awq_aimed:  # apply_awq left the clipping to be searched on the aimed weights
+                        W = clip_linear(name, W, H / stats.linears[name].n, scheme)
+                    packed[name], report.layer_errors[prefix] = _quantize_linear(W, H, scheme, prefix)
                     module.weight.data = packed[name].dequantize(dtype)  # later groups and blocks see it quantized
             if calib.fp_target:  # the unquantized stream moves on through the unquantized weights
                 X_ref = run_block(model, i, X_ref, out=X_ref, weights=ref_weights)
@@ -255,12 +255,9 @@ def _linear_weights(block: torch.nn.Module, groups: tuple[tuple[str, ...], ...])
     return {name: block.get_submodule(name).weight.data for group in groups for name in group}
 
 
-def _quantize_linear(W: torch.Tensor, H: torch.Tensor | None, scheme: QuantScheme, name: str,
-                     D: torch.Tensor | None = None):
-    """(packed weight, output error proxy) for one linear; ``D``: GPTQ aims at the unquantized output."""
+def _quantize_linear(W: torch.Tensor, H: torch.Tensor | None, scheme: QuantScheme, name: str):
+    """(packed weight, output error proxy) for one linear."""
     if scheme.method == "gptq":  # integer or FP8 grid
-        if D is not None:
-            W = fp_target(W, H, D, scheme.damp, name=name)
         result = gptq_quantize_ex(W, H, scheme, name=name)
         return result.weight, result.error
     if scheme.format == "fp8":

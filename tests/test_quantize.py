@@ -196,9 +196,9 @@ def test_true_sequential_takes_hessians_after_earlier_groups(tiny, tmp_path, cal
     seen = {}
     quantize_linear = pipeline._quantize_linear
 
-    def spy(W, H, scheme, name, D=None):
+    def spy(W, H, scheme, name):
         seen[name] = H.clone()
-        return quantize_linear(W, H, scheme, name, D)
+        return quantize_linear(W, H, scheme, name)
 
     monkeypatch.setattr(pipeline, "_quantize_linear", spy)
     scheme = QuantScheme(method="gptq", bits=4, group_size=32)
@@ -225,28 +225,24 @@ def test_fp_target_aims_at_the_unquantized_model(tiny, tmp_path, calib_file, mon
 
     tiny = with_salient_channels(tiny, tmp_path)
     calib = CalibConfig(source=str(calib_file), samples=16, seq_len=64)
-    shifts = {}
-    quantize_linear = pipeline._quantize_linear
+    shifts = {}  # linear -> the input-shift matrix it was aimed with
 
-    def spy(W, H, scheme, name, D=None):
-        if D is not None or name not in shifts:
-            shifts[name] = D
-        return quantize_linear(W, H, scheme, name, D)
+    def spy(W, H, D, damp, name):
+        shifts[name] = D
+        return fp_target(W, H, D, damp, name=name)
 
-    monkeypatch.setattr(pipeline, "_quantize_linear", spy)
+    monkeypatch.setattr(pipeline, "fp_target", spy)
     scheme = QuantScheme(method=method, bits=3, group_size=32)
     quantize_model(tiny, tmp_path / "plain", scheme, calib)
-    assert all(D is None for D in shifts.values())
-    shifts.clear()
-    if method == "awq":  # the pipeline aims and clips AWQ's weights itself: watch fp_target instead
-        monkeypatch.setattr(pipeline, "fp_target", lambda W, H, D, damp, name: shifts.__setitem__(name, D) or
-                            fp_target(W, H, D, damp, name=name))
+    assert shifts == {}  # without --fp-target nothing is aimed
     quantize_model(tiny, tmp_path / "aimed", scheme, replace(calib, fp_target=True))
     # block 0's q/k/v read the embeddings, the same on both streams; its later linears read what its
     # quantized linears before them computed (captured group by group), and later blocks see the drift
     assert float(shifts["model.layers.0.self_attn.q_proj"].abs().max()) == 0.0
     assert float(shifts["model.layers.0.mlp.down_proj"].abs().max()) > 0.0
     assert all(float(D.abs().max()) > 0.0 for name, D in shifts.items() if name.startswith("model.layers.1."))
+    names = load_model(tiny, dtype=torch.float32).config.arch.linear_names
+    assert set(shifts) == {f"model.layers.{i}.{n}" for i in range(3) for n in names}  # every linear was aimed
     ids = calibration_batch(tiny, calib)[:4]
     plain, aimed = logits_error(tiny, tmp_path / "plain", ids), logits_error(tiny, tmp_path / "aimed", ids)
     assert aimed < plain, (aimed, plain)
