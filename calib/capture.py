@@ -94,7 +94,17 @@ def embed_samples(model: Transformer, samples: torch.Tensor, dtype: torch.dtype)
         return torch.cat([model.embed(s[None].to(model.device)) for s in samples]).to(dtype)
 
 
-BATCH = 8  # calibration samples per block forward
+BATCH_BYTES = 16 << 20  # bound on one batch's widest activation, e.g. the MLP's [B, L, F] intermediates
+
+
+def batch_size(model: Transformer, X: torch.Tensor) -> int:
+    """Samples per block forward for X [S, L, C]: as many as keep the widest per-batch activation within
+    ``BATCH_BYTES`` (8 for Gemma 3 270M's 512-token bf16 samples, 4 in fp32). glibc hands out blocks up to
+    32 MiB from memory it reuses but maps bigger ones fresh and page-faults them in on every batch; that
+    cost ~20% of an fp32 calibration's time with 32 MiB intermediates."""
+    c = model.config
+    width = max(c.intermediate_size, c.hidden_size, c.num_heads * c.head_dim)
+    return max(1, BATCH_BYTES // (X.shape[1] * width * X.element_size()))
 
 
 @torch.no_grad()
@@ -102,7 +112,7 @@ def run_block(
     model: Transformer,
     layer_idx: int,
     X: torch.Tensor,
-    batch: int = BATCH,
+    batch: int | None = None,
     cache=None,
     out: torch.Tensor | None = None,
     weights: dict[str, torch.Tensor] | None = None,
@@ -119,6 +129,7 @@ def run_block(
     pos = torch.arange(L, device=model.device)
     mask = model.masks(pos, L if cache is not None else 0)[model.config.sliding_window[layer_idx]]
     out = torch.empty_like(X) if out is None else out
+    batch = batch or batch_size(model, X)
     with _holding(block, weights or {}):
         for i in range(0, X.shape[0], batch):
             x = X[i : i + batch].to(model.device)
@@ -138,6 +149,25 @@ def _holding(block: torch.nn.Module, weights: dict[str, torch.Tensor]) -> Iterat
     finally:
         for name, w in own.items():
             block.get_submodule(name).weight.data = w
+
+
+_GRAM_STRIP = 256  # rows of H per product in _add_upper_gram
+
+
+def _add_upper_gram(H: torch.Tensor, x: torch.Tensor) -> None:
+    """``H += x^T x`` on and above the diagonal, strip by strip of ``_GRAM_STRIP`` rows (below it, only inside
+    the diagonal blocks): about half the multiply-adds of the full product, which is symmetric anyway. The
+    full ``H`` is ``H.triu() + H.triu(1).T`` (:func:`_symmetric`). x: [rows, K]; H: [K, K] fp32."""
+    for a in range(0, x.shape[1], _GRAM_STRIP):
+        b = a + _GRAM_STRIP
+        if x.dtype == H.dtype:
+            H[a:b, a:].addmm_(x[:, a:b].T, x[:, a:])
+        else:  # a bf16 product, summed in fp32
+            H[a:b, a:] += (x[:, a:b].T @ x[:, a:]).float()
+
+
+def _symmetric(H: torch.Tensor) -> torch.Tensor:
+    return H.triu() + H.triu(1).T
 
 
 class _EnoughSeen(Exception):
@@ -190,7 +220,7 @@ def capture_block(
                 if name == groups[-1][0]:
                     raise _EnoughSeen
                 return
-            s.H += (x.T @ x).float()
+            _add_upper_gram(s.H, x)
             s.abs_sum += x.abs().float().sum(0)
             s.n += x.shape[0]
             if X_ref is not None:
@@ -206,15 +236,16 @@ def capture_block(
         if last is None and X_ref is None:
             run_block(model, layer_idx, X, cache=cache)
         else:
-            for i in range(0, X.shape[0], BATCH):
+            batch = batch_size(model, X)
+            for i in range(0, X.shape[0], batch):
                 try:
-                    run_block(model, layer_idx, X[i : i + BATCH], cache=cache)
+                    run_block(model, layer_idx, X[i : i + batch], cache=cache)
                 except _EnoughSeen:
                     pass
                 if X_ref is not None:  # the K/V ranges stay the quantized stream's: what the cache will hold
                     on_ref = True
                     try:
-                        run_block(model, layer_idx, X_ref[i : i + BATCH], weights=ref_weights)
+                        run_block(model, layer_idx, X_ref[i : i + batch], weights=ref_weights)
                     except _EnoughSeen:
                         pass
                     finally:
@@ -222,5 +253,7 @@ def capture_block(
     finally:
         for h in handles:
             h.remove()
+    for s in stats.values():
+        s.H = _symmetric(s.H)
     shared = {name: stats[group[0]] for group in groups for name in group}
     return BlockStats(linears=shared, k_absmax=cache.k_absmax, v_absmax=cache.v_absmax)

@@ -18,6 +18,12 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    if q.shape[2] == 1 and bool(mask.all()):
+    T, S = q.shape[2], k.shape[2]
+    causal = False
+    if T == 1 and bool(mask.all()):
         mask = None  # a decode step that sees every cached key needs no mask; SDPA then skips it
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    elif T == S and bool(mask.equal(torch.ones_like(mask).tril())):
+        mask, causal = None, True  # a plain causal mask: SDPA skips the blocks above the diagonal (~15% in fp32)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )

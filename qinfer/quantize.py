@@ -179,7 +179,10 @@ def quantize_model(
             awq_aimed = scheme.method == "awq" and calib.fp_target
             if X is not None:  # AWQ's scale search needs every group's statistics at once
                 first = groups[:1] if sequential and not awq_aimed else groups
-                stats = capture_block(model, i, X, first, X_ref=None if awq_aimed else ref_in, ref_weights=ref_weights)
+                # All groups: stop at the last one's input (down_proj's), past the attention and its K/V ranges.
+                # One group (q/k/v): run the whole block, for the K/V ranges.
+                stats = capture_block(model, i, X, first, partial=len(first) > 1,
+                                      X_ref=None if awq_aimed else ref_in, ref_weights=ref_weights)
             if scheme.method == "awq":
                 apply_awq(model, i, stats, scheme, clip=not awq_aimed)
                 if awq_aimed:  # the rescaled block computes the same function: the reference runs through it

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from qinfer.calib import capture
 from qinfer.calib.capture import capture_block, embed_samples, run_block
 from qinfer.loader import load_model
 from tests.tiny_models import make_model
@@ -19,7 +20,7 @@ def tiny_model(request, tmp_path_factory):
 def test_partial_capture_matches_full_and_stops_early(tiny_model, group):
     model = tiny_model
     groups = tuple(g.linears for g in model.config.arch.linear_groups)
-    X = embed_samples(model, torch.randint(0, 300, (10, 16)), torch.float32)  # 10 samples: two batches of 8
+    X = embed_samples(model, torch.randint(0, 300, (10, 16)), torch.float32)
     full = capture_block(model, 1, X, groups)
     calls = []
     down = model.model.layers[1].mlp.down_proj
@@ -85,3 +86,34 @@ def test_reference_stream_runs_through_the_given_weights(tiny_model):
     assert abs(cross) <= (float(s.H.trace()) * float(o_in.linears["self_attn.o_proj"].H.trace())) ** 0.5 * 1.0001
     part = capture_block(model, 1, X, (("self_attn.o_proj",),), partial=True, X_ref=X.clone(), ref_weights=other)
     torch.testing.assert_close(part.linears["self_attn.o_proj"].D, s.D)
+
+
+def test_batching_does_not_change_the_statistics(tiny_model, monkeypatch):
+    """Batches of 3 samples (the last one short) give what one batch of all 10 does; H comes out symmetric."""
+    model = tiny_model
+    groups = tuple(g.linears for g in model.config.arch.linear_groups)
+    X = embed_samples(model, torch.randint(0, 300, (10, 16)), torch.float32)
+    one = capture_block(model, 1, X, groups, X_ref=X * 1.01)
+    out_one = run_block(model, 1, X)
+    c = model.config
+    width = max(c.intermediate_size, c.hidden_size, c.num_heads * c.head_dim)
+    monkeypatch.setattr(capture, "BATCH_BYTES", 3 * 16 * width * 4)
+    assert capture.batch_size(model, X) == 3
+    three = capture_block(model, 1, X, groups, X_ref=X * 1.01)
+    torch.testing.assert_close(run_block(model, 1, X), out_one)
+    for name, s in three.linears.items():
+        torch.testing.assert_close(s.H, one.linears[name].H, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(s.D, one.linears[name].D, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(s.H, s.H.T)
+        x = torch.randn(s.H.shape[0], 2, dtype=torch.float64)
+        assert float((x.T @ s.H.double() @ x).diagonal().min()) >= 0  # a Gram matrix: positive semi-definite
+        assert s.n == one.linears[name].n == 10 * 16
+    torch.testing.assert_close(three.k_absmax, one.k_absmax)
+
+
+def test_upper_gram_is_the_full_product():
+    x = torch.randn(50, 600, generator=torch.Generator().manual_seed(0))  # 600: three strips, the last short
+    H = torch.zeros(600, 600)
+    capture._add_upper_gram(H, x)
+    capture._add_upper_gram(H, 2 * x)
+    torch.testing.assert_close(capture._symmetric(H), 5 * x.T @ x, rtol=1e-5, atol=1e-3)
