@@ -117,3 +117,9 @@ def test_upper_gram_is_the_full_product():
     capture._add_upper_gram(H, x)
     capture._add_upper_gram(H, 2 * x)
     torch.testing.assert_close(capture._symmetric(H), 5 * x.T @ x, rtol=1e-5, atol=1e-3)
+    xb = x.bfloat16()  # bf16 activations (calibration on CPUs with fast bf16): bf16 products, fp32 sums
+    Hb = torch.zeros(600, 600)
+    capture._add_upper_gram(Hb, xb)
+    assert Hb.dtype == torch.float32
+    exact = xb.float().T @ xb.float()
+    torch.testing.assert_close(capture._symmetric(Hb), exact, rtol=1e-2, atol=0.1)
