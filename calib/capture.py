@@ -22,6 +22,7 @@ calibration there runs each block in fp32 (:func:`block_in`), one block at a tim
 """
 
 import contextlib
+import ctypes
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -149,6 +150,21 @@ def _holding(block: torch.nn.Module, weights: dict[str, torch.Tensor]) -> Iterat
     finally:
         for name, w in own.items():
             block.get_submodule(name).weight.data = w
+
+
+def reuse_freed_memory() -> bool:
+    """Ask glibc's malloc to keep freed memory for reuse: blocks up to 32 MiB come from its heap rather than
+    fresh mappings, and the heap is not trimmed back to the OS between batches. Calibration frees and
+    re-allocates the same activation sizes every batch; without this the pages are faulted in again each
+    time (default GPTQ on Gemma 3 270M in fp32: 6.8M minor faults, 23 s of system time; with it 0.2M, 2 s).
+    Process-wide; False (and nothing changed) where malloc is not glibc's."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    return bool(mallopt(M_TRIM_THRESHOLD, 1 << 30)) and bool(mallopt(M_MMAP_THRESHOLD, 32 << 20))
 
 
 _GRAM_STRIP = 256  # rows of H per product in _add_upper_gram

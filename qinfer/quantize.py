@@ -42,7 +42,14 @@ from tqdm import tqdm
 from qinfer.awq_pipeline import apply_awq, clip_linear
 from qinfer.block_tune import E2E_EVAL_SAMPLES, TuneConfig, tune_block, tune_end_to_end
 from qinfer.cache import atomic_dir
-from qinfer.calib.capture import block_in, capture_block, compute_dtype, embed_samples, run_block
+from qinfer.calib.capture import (
+    block_in,
+    capture_block,
+    compute_dtype,
+    embed_samples,
+    reuse_freed_memory,
+    run_block,
+)
 from qinfer.calib.sampling import sample_windows
 from qinfer.calib.sources import load_calibration_documents
 from qinfer.errors import QinferError
@@ -154,6 +161,7 @@ def quantize_model(
     if calib.fp_target and scheme.method not in ("gptq", "awq"):
         raise QinferError(f"--fp-target aims GPTQ or AWQ at the unquantized model: drop it for --method {scheme.method}")
     start = time.perf_counter()
+    reuse_freed_memory()
     model = load_model(folder, dtype=torch.bfloat16)
     needs_calib = scheme.method in ("gptq", "awq") or scheme.kv_cache != "none" or tune.active
     ids = calibration_batch(folder, calib) if needs_calib else None
