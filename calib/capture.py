@@ -23,7 +23,7 @@ calibration there runs each block in fp32 (:func:`block_in`), one block at a tim
 
 import contextlib
 import ctypes
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -182,6 +182,23 @@ def _add_upper_gram(H: torch.Tensor, x: torch.Tensor) -> None:
             H[a:b, a:] += (x[:, a:b].T @ x[:, a:]).float()
 
 
+def _new_stats(K: int, shifts: bool) -> LinearStats:
+    return LinearStats(H=torch.zeros(K, K), abs_sum=torch.zeros(K), D=torch.zeros(K, K) if shifts else None)
+
+
+def _add_input(s: LinearStats, x: torch.Tensor) -> None:
+    """Add one batch of a linear's inputs ``x`` [rows, K] (on the CPU) to its statistics (H upper triangle)."""
+    _add_upper_gram(s.H, x)
+    s.abs_sum += x.abs().float().sum(0)
+    s.n += x.shape[0]
+
+
+def _add_shift(s: LinearStats, x_ref: torch.Tensor, x: torch.Tensor) -> None:
+    """``D += (x_ref - x)^T x`` for one batch: the reference stream's inputs against the quantized one's."""
+    x = x.float()
+    s.D += (x_ref.float() - x).T @ x
+
+
 def _symmetric(H: torch.Tensor) -> torch.Tensor:
     return H.triu() + H.triu(1).T
 
@@ -213,14 +230,7 @@ def capture_block(
         raise ValueError(f"the reference stream's shape {list(X_ref.shape)} is not X's {list(X.shape)}")
     block = model.model.layers[layer_idx]
     modules: dict[str, QLinear] = {group[0]: block.get_submodule(group[0]) for group in groups}
-    stats = {
-        name: LinearStats(
-            H=torch.zeros(m.in_features, m.in_features),
-            abs_sum=torch.zeros(m.in_features),
-            D=None if X_ref is None else torch.zeros(m.in_features, m.in_features),
-        )
-        for name, m in modules.items()
-    }
+    stats = {name: _new_stats(m.in_features, X_ref is not None) for name, m in modules.items()}
 
     last = groups[-1][0] if partial and groups else None
     seen: dict[str, torch.Tensor] = {}  # this batch's inputs on the quantized stream, by group
@@ -231,14 +241,11 @@ def capture_block(
             x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).cpu()  # [rows, K]
             s = stats[name]
             if on_ref:
-                x_q = seen.pop(name).float()
-                s.D += (x.float() - x_q).T @ x_q
+                _add_shift(s, x, seen.pop(name))
                 if name == groups[-1][0]:
                     raise _EnoughSeen
                 return
-            _add_upper_gram(s.H, x)
-            s.abs_sum += x.abs().float().sum(0)
-            s.n += x.shape[0]
+            _add_input(s, x)
             if X_ref is not None:
                 seen[name] = x
             if name == last:
@@ -273,3 +280,92 @@ def capture_block(
         s.H = _symmetric(s.H)
     shared = {name: stats[group[0]] for group in groups for name in group}
     return BlockStats(linears=shared, k_absmax=cache.k_absmax, v_absmax=cache.v_absmax)
+
+
+KEEP_DTYPE = torch.bfloat16  # the kept o_proj / down_proj inputs of a staged pass (the model's own activation dtype)
+
+
+@torch.no_grad()
+def calibrate_in_stages(
+    model: Transformer,
+    layer_idx: int,
+    X: torch.Tensor,
+    quantize: Callable[[int, dict[str, LinearStats]], None],
+    X_ref: torch.Tensor | None = None,
+    ref_weights: dict[str, torch.Tensor] | None = None,
+) -> BlockStats:
+    """Calibrate block ``layer_idx`` one linear group at a time ("true sequential"), in one pass per stream.
+
+    The block runs in its stages (:class:`qinfer.model.Block`), each ending at a linear group's input, in
+    forward order (q/k/v, o, gate/up, down). After a stage has run on every sample, ``quantize(g, stats)``
+    is called with group ``g``'s statistics and replaces that group's weights, so the next stage computes
+    its inputs with the groups before it already quantized. Nothing is computed twice: the residual stream
+    is advanced in ``X`` itself and the o_proj and down_proj inputs, which a later stage consumes once the
+    group reading them is quantized, are kept in one [S, L, max width] buffer in ``KEEP_DTYPE``.
+    ``X`` (and ``X_ref``) end as the block's output, written in place.
+
+    With ``X_ref`` (the unquantized model's stream, with ``ref_weights`` its linears' unquantized weights)
+    each batch also runs there, stage by stage, and the groups' input shifts ``D`` are collected as in
+    :func:`capture_block`. The K/V ranges are the quantized stream's, with q/k/v already quantized: what
+    the cache will hold.
+    """
+    if X_ref is not None and X_ref.shape != X.shape:
+        raise ValueError(f"the reference stream's shape {list(X_ref.shape)} is not X's {list(X.shape)}")
+    block: Block = model.model.layers[layer_idx]
+    groups = tuple(g.linears for g in model.config.arch.linear_groups)
+    S, L, _ = X.shape
+    pos = torch.arange(L, device=model.device)
+    mask = model.masks(pos, 0)[model.config.sliding_window[layer_idx]]
+    heads_width = block.self_attn.o_proj.in_features
+    kept = torch.empty(S, L, max(heads_width, block.mlp.down_proj.in_features), dtype=KEEP_DTYPE, device=X.device)
+    cache = _StatsCache(model.config.num_kv_heads)
+    batch = batch_size(model, X)
+
+    def stage(g: int, x: torch.Tensor, rows: slice | None, kv=None) -> torch.Tensor:
+        """Group g's input for the batch x (the residual stream at the block's stage g). ``rows`` (the
+        quantized stream): advance ``X`` and ``kept`` lazily; None (the reference): advance ``X_ref`` now."""
+        cos, sin = model.rope(layer_idx, pos, x.dtype)
+        if g == 0:
+            return block.attention_input(x)
+        if g == 1:
+            heads = block.self_attn.heads(block.attention_input(x), cos, sin, mask, kv, pos)
+            if rows is not None:
+                kept[rows, :, :heads_width] = heads
+            return heads
+        if g == 2:
+            if rows is not None:  # o_proj is quantized now
+                x = block.after_attention(x, kept[rows, :, :heads_width].to(x.dtype))
+                X[rows] = x
+            return block.mlp_input(x)
+        hidden = block.mlp.hidden(block.mlp_input(x))
+        if rows is not None:
+            kept[rows, :, : hidden.shape[-1]] = hidden
+        return hidden
+
+    all_stats: dict[str, LinearStats] = {}
+    for g, group in enumerate(groups):
+        s = _new_stats(block.get_submodule(group[0]).in_features, X_ref is not None)
+        for i in range(0, S, batch):
+            rows = slice(i, i + batch)
+            x = stage(g, X[rows].to(model.device), rows, cache)
+            x = x.reshape(-1, x.shape[-1]).cpu()
+            _add_input(s, x)
+            if X_ref is not None:
+                with _holding(block, ref_weights or {}):
+                    x_ref = X_ref[rows].to(model.device)
+                    inp = stage(g, x_ref, None)
+                    if g == 1:
+                        X_ref[rows] = block.after_attention(x_ref, inp)
+                    elif g == 3:
+                        X_ref[rows] = block.after_mlp(x_ref, inp)
+                _add_shift(s, inp.reshape(-1, inp.shape[-1]).cpu(), x)
+        s.H = _symmetric(s.H)
+        stats = {name: s for name in group}
+        all_stats.update(stats)
+        quantize(g, stats)
+    down_width = block.mlp.down_proj.in_features
+    for i in range(0, S, batch):  # down_proj is quantized now: the block's output
+        rows = slice(i, i + batch)
+        x = X[rows].to(model.device)
+        X[rows] = block.after_mlp(x, kept[rows, :, :down_width].to(x.dtype))
+    return BlockStats(linears=all_stats, k_absmax=cache.k_absmax, v_absmax=cache.v_absmax)

@@ -108,6 +108,10 @@ class Attention(nn.Module):
             self.k_norm = _norm(config, D)
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None, input_pos):
+        return self.o_proj(self.heads(x, cos, sin, mask, cache, input_pos))
+
+    def heads(self, x, cos, sin, mask, cache: KVCache | None, input_pos):
+        """The attention's output before ``o_proj`` (its input): [B, T, heads * head_dim]."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
@@ -118,7 +122,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.layer_idx, input_pos, k, v)  # [B, Hkv, S, D]
         o = attention(q, k, v, mask, self.scale)  # [B, H, T, D]
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        return o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
 
 
 class MLP(nn.Module):
@@ -129,9 +133,13 @@ class MLP(nn.Module):
         self.act = config.arch.activation
 
     def forward(self, x):
+        return self.down_proj(self.hidden(x))
+
+    def hidden(self, x):
+        """``down_proj``'s input: act(gate_proj(x)) * up_proj(x)."""
         gate = self.gate_proj(x)
         gate = F.gelu(gate, approximate="tanh") if self.act == "gelu_tanh" else F.silu(gate)
-        return self.down_proj(gate * self.up_proj(x))
+        return gate * self.up_proj(x)
 
 
 class Block(nn.Module):
@@ -148,12 +156,27 @@ class Block(nn.Module):
         self.sandwich = arch.sandwich_norms
 
     def forward(self, x, cos, sin, mask, cache=None, input_pos=None):
-        h = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, input_pos)
-        if self.sandwich:
-            x = x + self.post_attention_layernorm(h)
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.after_attention(x, self.self_attn.heads(self.attention_input(x), cos, sin, mask, cache, input_pos))
+        return self.after_mlp(x, self.mlp.hidden(self.mlp_input(x)))
+
+    # The forward in stages, each ending at a linear group's input (calibration runs them one at a time):
+    # attention_input -> [q/k/v] -> self_attn.heads -> [o] -> after_attention -> mlp_input -> [gate/up]
+    # -> mlp.hidden -> [down] -> after_mlp.
+    def attention_input(self, x):
+        return self.input_layernorm(x)
+
+    def after_attention(self, x, heads):
+        """The residual stream after the attention, from its input ``x`` and ``o_proj``'s input ``heads``."""
+        h = self.self_attn.o_proj(heads)
+        return x + (self.post_attention_layernorm(h) if self.sandwich else h)
+
+    def mlp_input(self, x):
+        return self.pre_feedforward_layernorm(x) if self.sandwich else self.post_attention_layernorm(x)
+
+    def after_mlp(self, x, hidden):
+        """The block's output, from the residual stream ``x`` and ``down_proj``'s input ``hidden``."""
+        h = self.mlp.down_proj(hidden)
+        return x + (self.post_feedforward_layernorm(h) if self.sandwich else h)
 
 
 class Decoder(nn.Module):

@@ -3,8 +3,9 @@
 Sequential: block i is calibrated on the outputs of the already-quantized blocks 0..i-1, so each
 block's quantizer sees (and can compensate) the error that reaches it. With ``CalibConfig.true_sequential``
 (GPTQ) the same holds inside a block: each group of linears that share an input (q/k/v, o, gate/up, down)
-gets its Hessian from a forward through the groups before it already quantized, at the cost of a partial
-block forward per group.
+gets its Hessian from inputs computed with the groups before it already quantized. That runs the block in
+stages (:func:`qinfer.calib.capture.calibrate_in_stages`), one pass with the final weights; without it,
+the block runs twice: once with its unquantized weights to capture every group, once quantized for its output.
 
 Memory stays bounded by the bf16 model (memory-mapped) plus one block's activations [S, L, C].
 Blocks run in bf16 (the model's own compute dtype, and AMX-fast on CPU) where the device has fast bf16
@@ -44,6 +45,7 @@ from qinfer.block_tune import E2E_EVAL_SAMPLES, TuneConfig, tune_block, tune_end
 from qinfer.cache import atomic_dir
 from qinfer.calib.capture import (
     block_in,
+    calibrate_in_stages,
     capture_block,
     compute_dtype,
     embed_samples,
@@ -179,50 +181,49 @@ def quantize_model(
         block = model.model.layers[i]
         stats = None
         with block_in(block, dtype, back=model.dtype):
-            ref_in = ref_weights = None
-            if calib.fp_target:  # every group's capture also runs the unquantized stream through these weights
-                ref_in, ref_weights = X_ref, _linear_weights(block, groups)
-            elif X_ref is not None:
-                X_ref = run_block(model, i, X_ref, out=X_ref)  # before anything in block i changes
-            awq_aimed = scheme.method == "awq" and calib.fp_target
-            if X is not None:  # AWQ's scale search needs every group's statistics at once
-                first = groups[:1] if sequential and not awq_aimed else groups
-                # All groups: stop at the last one's input (down_proj's), past the attention and its K/V ranges.
-                # One group (q/k/v): run the whole block, for the K/V ranges.
-                stats = capture_block(model, i, X, first, partial=len(first) > 1,
-                                      X_ref=None if awq_aimed else ref_in, ref_weights=ref_weights)
-            if scheme.method == "awq":
-                apply_awq(model, i, stats, scheme, clip=not awq_aimed)
-                if awq_aimed:  # the rescaled block computes the same function: the reference runs through it
-                    ref_weights = _linear_weights(block, groups)
+            if X_ref is not None and not calib.fp_target:  # tuning's target, before anything in block i changes
+                X_ref = run_block(model, i, X_ref, out=X_ref)
             packed = {}
-            for g, group in enumerate(groups):
-                if sequential and (g or awq_aimed):  # this group's input, after the block's groups before it
-                    stats.linears.update(capture_block(model, i, X, (group,), partial=True, X_ref=ref_in,
-                                                       ref_weights=ref_weights).linears)
-                for name in group:
+            awq_aimed = scheme.method == "awq" and calib.fp_target
+
+            def quantize_group(g: int, linears: dict, i=i, block=block) -> None:
+                for name in groups[g]:
                     module: QLinear = block.get_submodule(name)
                     prefix = f"model.layers.{i}.{name}"
-                    H, D = (stats.linears[name].H, stats.linears[name].D) if stats is not None else (None, None)
+                    s = linears.get(name)
+                    H, D = (s.H, s.D) if s is not None else (None, None)
                     W = module.weight.data.float()
                     if D is not None:  # --fp-target: aim at the unquantized model's output
                         W = fp_target(W, H, D, scheme.damp, name=prefix)
                     if awq_aimed:  # apply_awq left the clipping to be searched on the aimed weights
-                        W = clip_linear(name, W, H / stats.linears[name].n, scheme)
+                        W = clip_linear(name, W, H / s.n, scheme)
                     packed[name], report.layer_errors[prefix] = _quantize_linear(W, H, scheme, prefix)
                     module.weight.data = packed[name].dequantize(dtype)  # later groups and blocks see it quantized
-            if calib.fp_target:  # the unquantized stream moves on through the unquantized weights
-                X_ref = run_block(model, i, X_ref, out=X_ref, weights=ref_weights)
+
+            X_in = X.clone() if sequential and tune.steps else X  # tuning needs the block's input
+            if sequential:  # one staged pass per stream: each group calibrated after the groups before it
+                if scheme.method == "awq":  # AWQ's scale search needs every group's statistics at once
+                    apply_awq(model, i, capture_block(model, i, X, groups, partial=True), scheme, clip=False)
+                ref_weights = _linear_weights(block, groups) if calib.fp_target else None  # unquantized (rescaled)
+                stats = calibrate_in_stages(model, i, X, quantize_group, X_ref if calib.fp_target else None,
+                                            ref_weights)
+            else:
+                # All groups at once: stop at the last one's input (down_proj's), past the attention and its K/V ranges.
+                stats = capture_block(model, i, X, groups, partial=True) if X is not None else None
+                if scheme.method == "awq":
+                    apply_awq(model, i, stats, scheme, clip=True)
+                for g in range(len(groups)):
+                    quantize_group(g, stats.linears if stats is not None else {})
             if tune.steps:
-                packed, result = tune_block(model, i, packed, X, X_ref, tune)
+                packed, result = tune_block(model, i, packed, X_in, X_ref, tune)
                 report.tune_losses[f"model.layers.{i}"] = (result.loss_before, result.loss_after)
                 if scheme.kv_cache != "none":  # the tuned q/k norms move the keys: measure the ranges again
-                    stats = capture_block(model, i, X, groups)
+                    stats = capture_block(model, i, X_in, groups)
             quantized.update({f"model.layers.{i}.{name}": qw for name, qw in packed.items()})
             if stats is not None:
                 _kv_scales(tensors, i, stats, scheme)
-            if X is not None:
-                X = run_block(model, i, X, out=X)
+            if X is not None and (not sequential or tune.steps):  # (a staged pass leaves X at the block's output)
+                X = run_block(model, i, X_in, out=X)
         _block_tensors(tensors, model, i)  # norms (maybe AWQ-rescaled) go back in the model dtype
         if not tune.e2e_steps:  # done with this block: release its weights (end-to-end tuning needs them all)
             model.model.layers[i] = torch.nn.Identity()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from qinfer.calib import capture
-from qinfer.calib.capture import capture_block, embed_samples, run_block
+from qinfer.calib.capture import calibrate_in_stages, capture_block, embed_samples, run_block
 from qinfer.loader import load_model
 from tests.tiny_models import make_model
 
@@ -131,3 +131,65 @@ def test_reuse_freed_memory_is_accepted_by_glibc():
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("malloc tuning applies to glibc only")
     assert capture.reuse_freed_memory() is True  # mallopt returned success for both settings
+
+
+@pytest.mark.parametrize("keep", [torch.float32, torch.bfloat16])
+def test_staged_pass_matches_a_capture_per_group(tiny_model, monkeypatch, keep):
+    """calibrate_in_stages gives each group the statistics a fresh capture would, taken after the groups
+    before it changed, with the reference stream's shifts; X and X_ref end as the blocks' outputs."""
+    model = tiny_model
+    monkeypatch.setattr(capture, "KEEP_DTYPE", keep)
+    c = model.config
+    width = max(c.intermediate_size, c.hidden_size, c.num_heads * c.head_dim)
+    monkeypatch.setattr(capture, "BATCH_BYTES", 3 * 16 * width * 4)  # batches of 3, the last one short
+    block = model.model.layers[1]
+    groups = tuple(g.linears for g in model.config.arch.linear_groups)
+    own = {name: block.get_submodule(name).weight.data for group in groups for name in group}
+    X0 = embed_samples(model, torch.randint(0, 300, (10, 16)), torch.float32)
+    X_ref0 = X0 + 0.1 * torch.randn(X0.shape, generator=torch.Generator().manual_seed(0))
+    X, X_ref = X0.clone(), X_ref0.clone()
+    seen, expected = [], {}
+
+    def quantize(g, stats):  # what the old per-group capture sees now, then "quantize" the group
+        seen.append(g)
+        expected[g] = capture_block(model, 1, X0, (groups[g],), partial=True, X_ref=X_ref0, ref_weights=own)
+        for name in groups[g]:
+            block.get_submodule(name).weight.data = own[name] * 0.9 + 0.01
+    try:
+        staged = calibrate_in_stages(model, 1, X, quantize, X_ref, own)
+        changed_out = run_block(model, 1, X0)
+        changed_kv = capture_block(model, 1, X0, ())
+    finally:
+        for name, w in own.items():
+            block.get_submodule(name).weight.data = w
+    assert seen == [0, 1, 2, 3]
+    for g, group in enumerate(groups):
+        want = expected[g].linears[group[0]]
+        # the first two groups' inputs come before anything kept (and maybe rounded to bf16) is read back
+        tol = 1e-5 if g < 2 or keep == torch.float32 else 1e-2
+        for name in group:
+            got = staged.linears[name]
+            assert got.n == want.n == 10 * 16
+            assert _rel(got.H, want.H) < tol and _rel(got.abs_sum, want.abs_sum) < tol
+            assert _rel(got.D, want.D) < 10 * tol  # a difference of nearby activations
+    assert _rel(X, changed_out) < (1e-5 if keep == torch.float32 else 1e-2)
+    torch.testing.assert_close(X_ref, run_block(model, 1, X_ref0))  # the reference ran on the own weights
+    torch.testing.assert_close(staged.k_absmax, changed_kv.k_absmax)  # with the quantized q/k/v
+
+
+def test_staged_pass_without_a_reference_is_the_block_forward(tiny_model):
+    model = tiny_model
+    groups = tuple(g.linears for g in model.config.arch.linear_groups)
+    X = embed_samples(model, torch.randint(0, 300, (10, 16)), torch.float32)
+    full = capture_block(model, 1, X, groups)
+    out = run_block(model, 1, X)
+    staged = calibrate_in_stages(model, 1, X, lambda g, stats: None)  # nothing changes: one plain forward
+    assert _rel(X, out) < 1e-2  # the kept inputs were rounded to bf16
+    for name, s in staged.linears.items():
+        assert _rel(s.H, full.linears[name].H) < 1e-2
+        assert s.D is None
+    torch.testing.assert_close(staged.k_absmax, full.k_absmax)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
