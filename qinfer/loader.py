@@ -2,11 +2,15 @@
 
 Safetensors files are memory-mapped and tensors are views into the map (copy-on-write), so loading a
 bf16 checkpoint as bf16 on CPU copies nothing; other dtypes or devices convert tensor by tensor.
+The pages of a mapped tensor stay resident once read; :func:`drop_pages` gives back those of tensors no
+longer needed (the quantize pipeline, after each block).
 """
 
 import json
 import mmap
 import struct
+import weakref
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -54,6 +58,8 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
                 f"{path} is truncated ({size} bytes, header declares {8 + n + max(ends)}): re-download or re-convert it"
             )
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else b""
+    if size:
+        _MAPPINGS.append((weakref.ref(buf), torch.frombuffer(buf, dtype=torch.uint8, count=1).data_ptr(), size))
     tensors = {}
     for name, info in header.items():
         if info["dtype"] not in _DTYPES:
@@ -64,6 +70,33 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         t = torch.frombuffer(buf, dtype=dtype, count=count, offset=8 + n + start) if count else torch.empty(0, dtype=dtype)
         tensors[name] = t.view(info["shape"])
     return tensors
+
+
+_MAPPINGS: list[tuple[weakref.ref, int, int]] = []  # (the map, its address, its size) per file read
+
+
+def drop_pages(tensors: Iterable[torch.Tensor]) -> int:
+    """Let the OS reclaim the resident pages of memory-mapped checkpoint tensors that are done with: the
+    whole pages inside each tensor's bytes are dropped from this process (``MADV_DONTNEED``). The maps are
+    private and never written, so a later read of those bytes faults the file's contents back in: nothing
+    is lost. Tensors not in a live map (copies, other devices) are skipped. Returns the bytes dropped."""
+    global _MAPPINGS
+    _MAPPINGS = [m for m in _MAPPINGS if m[0]() is not None]
+    page, dropped = mmap.PAGESIZE, 0
+    for t in tensors:
+        if t.device.type != "cpu" or not t.numel():
+            continue
+        start = t.data_ptr()
+        end = start + t.numel() * t.element_size()
+        for ref, base, size in _MAPPINGS:
+            buf = ref()
+            if buf is not None and base <= start and end <= base + size:
+                a, b = -(-(start - base) // page) * page, (end - base) // page * page
+                if b > a:
+                    buf.madvise(mmap.MADV_DONTNEED, a, b - a)
+                    dropped += b - a
+                break
+    return dropped
 
 
 def read_folder_tensors(folder: Path) -> dict[str, torch.Tensor]:

@@ -57,7 +57,7 @@ from qinfer.calib.sources import load_calibration_documents
 from qinfer.errors import QinferError
 from qinfer.format import QuantScheme
 from qinfer.interop.folders import SIDE_FILES
-from qinfer.loader import load_model
+from qinfer.loader import drop_pages, load_model
 from qinfer.model import QLinear, Transformer
 from qinfer.quantizers.fp8 import fp8_kv_scale, fp8_quantize, int8_kv_scale
 from qinfer.quantizers.gptq import fp_target, gptq_quantize_ex
@@ -179,6 +179,7 @@ def quantize_model(
     sequential = calib.true_sequential or calib.fp_target
     for i in tqdm(range(model.config.num_layers), desc=f"quantizing ({label})", unit="block"):
         block = model.model.layers[i]
+        loaded = list(block.state_dict().values())  # views into the memory-mapped checkpoint (for a bf16 one)
         stats = None
         with block_in(block, dtype, back=model.dtype):
             if X_ref is not None and not calib.fp_target:  # tuning's target, before anything in block i changes
@@ -227,7 +228,8 @@ def quantize_model(
         _block_tensors(tensors, model, i)  # norms (maybe AWQ-rescaled) go back in the model dtype
         if not tune.e2e_steps:  # done with this block: release its weights (end-to-end tuning needs them all)
             model.model.layers[i] = torch.nn.Identity()
-        del block
+            drop_pages(loaded)  # nothing reads them again but the saved norms (faulted back in from the file)
+        del block, loaded
     if tune.e2e_steps:
         quantized, result = tune_end_to_end(model, quantized, ids, model.model.norm(X_ref), tune)
         report.e2e_kl = (result.loss_before, result.loss_after)
