@@ -3,7 +3,8 @@
 # tokens) unless a row says otherwise, perplexity and KL against the reference on held-out Persuasion
 # (2048 and 8192 tokens).
 # Usage: bash evals/benchmark_quantizers.sh [OUT] [--all]
-#   --all adds the slower tuning variants (block tuning, true-sequential and their combinations; hours on 2 cores).
+#   --all adds the slower tuning variants (block tuning, end-to-end combinations, GPTQ without sequential
+#   calibration; hours on 2 cores).
 set -euo pipefail
 out=qinfer-bench all=0
 for a in "$@"; do if [ "$a" = --all ]; then all=1; else out=$a; fi; done
@@ -25,8 +26,8 @@ if [ $all = 1 ]; then
   quant gptq-w4g128-tuned --method gptq --bits 4 --tune-steps 50
   quant gptq-w4g128-tuned-e2e --method gptq --bits 4 --tune-steps 50 --e2e-steps 128
   quant gptq-w4g128-mse-s256-e2e256 --method gptq --bits 4 --mse-clip --samples 256 --e2e-steps 256
-  quant gptq-w4g128-seq --method gptq --bits 4 --true-sequential
-  quant gptq-w4g128-seq-mse-e2e --method gptq --bits 4 --true-sequential --mse-clip --e2e-steps 128
+  quant gptq-w4g128-noseq --method gptq --bits 4 --no-true-sequential
+  quant gptq-w4g128-mse-e2e --method gptq --bits 4 --mse-clip --e2e-steps 128
 fi
 quant rtn-w3g128 --method rtn --bits 3
 quant gptq-w3g128 --method gptq --bits 3

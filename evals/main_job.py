@@ -56,7 +56,7 @@ def _matches(folder: Path, scheme: QuantScheme, calib: CalibConfig) -> bool:
     """True when ``folder`` is a finished quantization with this scheme and calibration, by this code."""
     try:
         report = json.loads((folder / "quantize_report.json").read_text())
-        same = report.get("calibration") == calib.__dict__ and report.get("code") == code_fingerprint()
+        same = report.get("calibration") == calib.resolved(scheme.method).__dict__ and report.get("code") == code_fingerprint()
         return QuantScheme.load(folder) == scheme and same
     except (OSError, ValueError, QinferError):
         return False

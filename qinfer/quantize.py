@@ -33,7 +33,7 @@ import json
 import resource
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -92,9 +92,14 @@ class CalibConfig:
     samples: int = 128
     seq_len: int = 512
     seed: int = 0
-    true_sequential: bool = False  # GPTQ: capture each linear group's input after the groups before it are quantized
+    # GPTQ: capture each linear group's input after the groups before it are quantized; None: on for GPTQ
+    true_sequential: bool | None = None
     fp_target: bool = False  # GPTQ/AWQ: fit each linear to the unquantized model's output (quantizers.gptq.fp_target);
     # implies true_sequential, so that each group's target accounts for the groups before it being quantized
+
+    def resolved(self, method: str) -> "CalibConfig":
+        """These settings with the method's defaults filled in (what quantize_report.json records)."""
+        return self if self.true_sequential is not None else replace(self, true_sequential=method == "gptq")
 
     def __post_init__(self):
         if self.samples < 1 or self.seq_len < 2:
@@ -156,6 +161,9 @@ def quantize_model(
         raise QinferError(f"{out} already exists: choose another -o or pass --force to replace it")
     if (folder / "quant_config.json").exists():
         raise QinferError(f"{folder} is already quantized: quantize the original model instead")
+    if calib.fp_target and calib.true_sequential is False:
+        raise QinferError("--fp-target calibrates each linear group after the ones before it: drop --no-true-sequential")
+    calib = calib.resolved(scheme.method)
     if calib.true_sequential and scheme.method != "gptq":
         raise QinferError(
             f"--true-sequential re-captures GPTQ's Hessians inside each block: drop it for --method {scheme.method}"

@@ -180,6 +180,7 @@ def test_cli_quantize_then_generate(tiny, tmp_path, calib_file):
     assert "bits per quantized weight" in proc.stdout
     scheme = QuantScheme.load(out)  # the defaults: GPTQ, act-order, asymmetric groups
     assert (scheme.method, scheme.act_order, scheme.symmetric) == ("gptq", True, False)
+    assert json.loads((out / "quantize_report.json").read_text())["calibration"]["true_sequential"]
     fp8 = run_qinfer("quantize", str(tiny), "-o", str(tmp_path / "fp8"), "--bits", "8", "--format", "fp8",
                      "--calib", str(calib_file), "--samples", "8", "--seq-len", "32")
     assert fp8.returncode == 0, fp8.stderr  # FP8 needs no --sym
@@ -202,9 +203,9 @@ def test_true_sequential_takes_hessians_after_earlier_groups(tiny, tmp_path, cal
 
     monkeypatch.setattr(pipeline, "_quantize_linear", spy)
     scheme = QuantScheme(method="gptq", bits=4, group_size=32)
-    quantize_model(tiny, tmp_path / "plain", scheme, calib)
+    quantize_model(tiny, tmp_path / "plain", scheme, replace(calib, true_sequential=False))
     plain = dict(seen)
-    quantize_model(tiny, tmp_path / "seq", scheme, replace(calib, true_sequential=True))
+    quantize_model(tiny, tmp_path / "seq", scheme, calib)  # GPTQ's default
     # Block 0's inputs are the same embeddings either way: its first group sees the same Hessian, while
     # the later groups see inputs that went through the block's quantized q/k/v (and o, gate/up) first.
     first, later = "model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"
@@ -217,6 +218,7 @@ def test_true_sequential_takes_hessians_after_earlier_groups(tiny, tmp_path, cal
     assert float((H - seen[later]).norm() / H.norm()) < 0.02
     assert float((H - plain[later]).norm() / H.norm()) > 2 * float((H - seen[later]).norm() / H.norm())
     assert json.loads((tmp_path / "seq" / "quantize_report.json").read_text())["calibration"]["true_sequential"]
+    assert not json.loads((tmp_path / "plain" / "quantize_report.json").read_text())["calibration"]["true_sequential"]
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
@@ -265,6 +267,7 @@ def test_fp_target_aims_at_the_unquantized_model(tiny, tmp_path, calib_file, mon
         (["--bits", "8", "--format", "fp8", "--mse-clip"], "clip search"),
         (["--method", "awq", "--true-sequential"], "drop it for --method awq"),
         (["--method", "rtn", "--fp-target"], "drop it for --method rtn"),
+        (["--fp-target", "--no-true-sequential"], "drop --no-true-sequential"),
     ],
 )
 def test_cli_bad_options(tiny, tmp_path, args, needle):
