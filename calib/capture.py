@@ -167,6 +167,18 @@ def reuse_freed_memory() -> bool:
     return bool(mallopt(M_TRIM_THRESHOLD, 1 << 30)) and bool(mallopt(M_MMAP_THRESHOLD, 32 << 20))
 
 
+def return_freed_memory() -> bool:
+    """Give the free memory inside malloc's heaps back to the OS (glibc's ``malloc_trim``): with freed blocks
+    kept for reuse (:func:`reuse_freed_memory`), the holes that allocations of a finished block leave would
+    otherwise stay resident. Cheap once per block. False (and nothing done) where malloc is not glibc's."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
 _GRAM_STRIP = 256  # rows of H per product in _add_upper_gram
 
 

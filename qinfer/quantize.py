@@ -49,6 +49,7 @@ from qinfer.calib.capture import (
     capture_block,
     compute_dtype,
     embed_samples,
+    return_freed_memory,
     reuse_freed_memory,
     run_block,
 )
@@ -237,6 +238,7 @@ def quantize_model(
         if not tune.e2e_steps:  # done with this block: release its weights (end-to-end tuning needs them all)
             model.model.layers[i] = torch.nn.Identity()
             drop_pages(loaded)  # nothing reads them again but the saved norms (faulted back in from the file)
+        return_freed_memory()
         del block, loaded
     if tune.e2e_steps:
         quantized, result = tune_end_to_end(model, quantized, ids, model.model.norm(X_ref), tune)

@@ -1,5 +1,7 @@
 """Block capture: a partial capture records exactly what a full one does for its groups, and stops early."""
 
+import os
+
 import pytest
 import torch
 
@@ -131,6 +133,24 @@ def test_reuse_freed_memory_is_accepted_by_glibc():
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("malloc tuning applies to glibc only")
     assert capture.reuse_freed_memory() is True  # mallopt returned success for both settings
+
+
+def test_return_freed_memory_gives_back_the_heaps_holes():
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("malloc_trim is glibc's")
+
+    def rss_mib() -> float:
+        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    capture.reuse_freed_memory()  # freed blocks stay with malloc: the holes below stay resident
+    blocks = [torch.ones(1 << 18) for _ in range(400)]  # 1 MiB each, from the heap
+    blocks = blocks[1::2]  # free every other one: 200 MiB of holes no trim of the heap's top reaches
+    before = rss_mib()
+    assert capture.return_freed_memory() is True
+    assert before - rss_mib() > 100
+    assert all(float(b[-1]) == 1.0 for b in blocks)  # the live ones are untouched
 
 
 @pytest.mark.parametrize("keep", [torch.float32, torch.bfloat16])
