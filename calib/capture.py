@@ -158,10 +158,8 @@ def reuse_freed_memory() -> bool:
     re-allocates the same activation sizes every batch; without this the pages are faulted in again each
     time (default GPTQ on Gemma 3 270M in fp32: 6.8M minor faults, 23 s of system time; with it 0.2M, 2 s).
     Process-wide; False (and nothing changed) where malloc is not glibc's."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = _glibc("mallopt")
+    if mallopt is None:
         return False
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
     return bool(mallopt(M_TRIM_THRESHOLD, 1 << 30)) and bool(mallopt(M_MMAP_THRESHOLD, 32 << 20))
@@ -171,12 +169,19 @@ def return_freed_memory() -> bool:
     """Give the free memory inside malloc's heaps back to the OS (glibc's ``malloc_trim``): with freed blocks
     kept for reuse (:func:`reuse_freed_memory`), the holes that allocations of a finished block leave would
     otherwise stay resident. Cheap once per block. False (and nothing done) where malloc is not glibc's."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
+    malloc_trim = _glibc("malloc_trim")
+    if malloc_trim is None:
         return False
+    malloc_trim(0)
     return True
+
+
+def _glibc(function: str):
+    """glibc's ``function`` through ctypes, or None where the C library is not glibc."""
+    try:
+        return getattr(ctypes.CDLL("libc.so.6"), function)
+    except (OSError, AttributeError):
+        return None
 
 
 _GRAM_STRIP = 256  # rows of H per product in _add_upper_gram
@@ -336,10 +341,10 @@ def calibrate_in_stages(
     def stage(g: int, x: torch.Tensor, rows: slice | None, kv=None) -> torch.Tensor:
         """Group g's input for the batch x (the residual stream at the block's stage g). ``rows`` (the
         quantized stream): advance ``X`` and ``kept`` lazily; None (the reference): advance ``X_ref`` now."""
-        cos, sin = model.rope(layer_idx, pos, x.dtype)
         if g == 0:
             return block.attention_input(x)
         if g == 1:
+            cos, sin = model.rope(layer_idx, pos, x.dtype)
             heads = block.self_attn.heads(block.attention_input(x), cos, sin, mask, kv, pos)
             if rows is not None:
                 kept[rows, :, :heads_width] = heads
