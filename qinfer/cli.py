@@ -146,9 +146,10 @@ def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed):
               help="Integer formats: each group's range is the shrink of its min/max (100 steps down to 0.2x) "
                    "with the least |w - q(w)|^2.4, instead of the min/max itself.")
 @click.option("--true-sequential/--no-true-sequential", default=None,
-              help="GPTQ (default on): inside each block too, take each linear group's Hessian after the groups "
-                   "before it (q/k/v, o, gate/up, down) are quantized, running the block in stages. Off: one "
-                   "capture of every group on the unquantized block, then a second forward for its output (slower).")
+              help="GPTQ (default on) and AWQ (default off): inside each block too, calibrate each linear group "
+                   "(GPTQ's Hessian; AWQ's scale and clip search) after the groups before it (q/k/v, o, gate/up, "
+                   "down) are quantized, running the block in stages. Off: one capture of every group on the "
+                   "unquantized block, then a second forward for its output.")
 @click.option("--fp-target", is_flag=True,
               help="GPTQ and AWQ: fit each linear to the unquantized model's output on the unquantized model's inputs "
                    "(asymmetric calibration, as GPTAQ), not to its own output on the quantized model's inputs; "

@@ -17,9 +17,13 @@ With ``CalibConfig.fp_target`` (GPTQ or AWQ) a second stream of activations runs
 (:func:`qinfer.quantizers.gptq.fp_target`) rather than to its own output on the quantized stream's, so
 the drift that earlier blocks left is corrected where it arises. It implies ``true_sequential``: a group's
 input is captured after the groups before it (already aimed at the unquantized output) are quantized, or
-the drift would be corrected twice. AWQ searches and folds its scales first, on the whole block's statistics (the rescaled
-block computes the same function, so the unquantized stream runs through it), then each group in turn is
-aimed, clipped and rounded to nearest.
+the drift would be corrected twice.
+
+AWQ is not sequential by default (like AutoAWQ): it searches and folds the scales of all groups on the
+unquantized block's statistics, clips, and rounds to nearest. Sequential (``--true-sequential``, implied by
+``--fp-target``), each group's scales and clipping are searched in the staged pass on its own inputs, with
+the groups before it quantized, and on the weights it will be rounded from (aimed ones with ``--fp-target``;
+see :func:`qinfer.awq_pipeline.scale_group`).
 
 With tuning (``TuneConfig.steps > 0``, see :mod:`qinfer.block_tune`) a second stream of activations runs
 beside the first through the *unquantized* blocks; once block i's linears are quantized, its scales and
@@ -40,7 +44,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from qinfer.awq_pipeline import apply_awq, clip_linear
+from qinfer.awq_pipeline import apply_awq, scale_group
 from qinfer.block_tune import E2E_EVAL_SAMPLES, TuneConfig, tune_block, tune_end_to_end
 from qinfer.cache import atomic_dir
 from qinfer.calib.capture import (
@@ -93,7 +97,7 @@ class CalibConfig:
     samples: int = 128
     seq_len: int = 512
     seed: int = 0
-    # GPTQ: capture each linear group's input after the groups before it are quantized; None: on for GPTQ
+    # GPTQ/AWQ: capture each linear group's input after the groups before it are quantized; None: on for GPTQ
     true_sequential: bool | None = None
     fp_target: bool = False  # GPTQ/AWQ: fit each linear to the unquantized model's output (quantizers.gptq.fp_target);
     # implies true_sequential, so that each group's target accounts for the groups before it being quantized
@@ -165,9 +169,9 @@ def quantize_model(
     if calib.fp_target and calib.true_sequential is False:
         raise QinferError("--fp-target calibrates each linear group after the ones before it: drop --no-true-sequential")
     calib = calib.resolved(scheme.method)
-    if calib.true_sequential and scheme.method != "gptq":
+    if calib.true_sequential and scheme.method not in ("gptq", "awq"):
         raise QinferError(
-            f"--true-sequential re-captures GPTQ's Hessians inside each block: drop it for --method {scheme.method}"
+            f"--true-sequential calibrates GPTQ or AWQ group by group inside each block: drop it for --method {scheme.method}"
         )
     if calib.fp_target and scheme.method not in ("gptq", "awq"):
         raise QinferError(f"--fp-target aims GPTQ or AWQ at the unquantized model: drop it for --method {scheme.method}")
@@ -183,7 +187,8 @@ def quantize_model(
     quantized = {}  # "model.layers.{i}.{linear}" -> packed weight
     tensors: dict[str, torch.Tensor] = {}
     report = QuantizeReport(out, _folder_bytes(folder), 0, 0, 0, 0.0, 0, compute_dtype=str(dtype).removeprefix("torch."))
-    groups = tuple(g.linears for g in model.config.arch.linear_groups)
+    arch = model.config.arch
+    groups = tuple(g.linears for g in arch.linear_groups)
     label = scheme.method + (" + tuning" if tune.active else "")
     sequential = calib.true_sequential or calib.fp_target
     for i in tqdm(range(model.config.num_layers), desc=f"quantizing ({label})", unit="block"):
@@ -194,34 +199,37 @@ def quantize_model(
             if X_ref is not None and not calib.fp_target:  # tuning's target, before anything in block i changes
                 X_ref = run_block(model, i, X_ref, out=X_ref)
             packed = {}
-            awq_aimed = scheme.method == "awq" and calib.fp_target
+            ref_weights = _linear_weights(block, groups) if calib.fp_target else None  # unquantized
 
             def quantize_group(g: int, linears: dict, i=i, block=block) -> None:
-                for name in groups[g]:
-                    module: QLinear = block.get_submodule(name)
+                names = groups[g]
+                s = linears.get(names[0])  # the group's linears read one input: one set of statistics
+                weights = {name: block.get_submodule(name).weight.data.float() for name in names}
+                if s is not None and s.D is not None:  # --fp-target: aim at the unquantized model's output
+                    weights = {name: fp_target(W, s.H, s.D, scheme.damp, name=f"model.layers.{i}.{name}")
+                               for name, W in weights.items()}
+                H, pending = None if s is None else s.H, None
+                if scheme.method == "awq" and sequential:  # scales searched on these inputs and weights
+                    scaled = scale_group(block, arch.linear_groups[g], weights, s, scheme, arch.norm_offset, packed,
+                                         ref_weights)
+                    weights, H, pending = scaled.weights, scaled.gram, scaled.pending
+                for name, W in weights.items():
                     prefix = f"model.layers.{i}.{name}"
-                    s = linears.get(name)
-                    H, D = (s.H, s.D) if s is not None else (None, None)
-                    W = module.weight.data.float()
-                    if D is not None:  # --fp-target: aim at the unquantized model's output
-                        W = fp_target(W, H, D, scheme.damp, name=prefix)
-                    if awq_aimed:  # apply_awq left the clipping to be searched on the aimed weights
-                        W = clip_linear(name, W, H / s.n, scheme)
                     packed[name], report.layer_errors[prefix] = _quantize_linear(W, H, scheme, prefix)
-                    module.weight.data = packed[name].dequantize(dtype)  # later groups and blocks see it quantized
+                    weight = packed[name].dequantize(torch.float32)  # later groups and blocks see it quantized
+                    block.get_submodule(name).weight.data = (weight if pending is None else weight / pending).to(dtype)
 
             X_in = X.clone() if sequential and tune.steps else X  # tuning needs the block's input
             if sequential:  # one staged pass per stream: each group calibrated after the groups before it
-                if scheme.method == "awq":  # AWQ's scale search needs every group's statistics at once
-                    apply_awq(model, i, capture_block(model, i, X, groups, partial=True), scheme, clip=False)
-                ref_weights = _linear_weights(block, groups) if calib.fp_target else None  # unquantized (rescaled)
                 stats = calibrate_in_stages(model, i, X, quantize_group, X_ref if calib.fp_target else None,
                                             ref_weights)
+                for name, qw in packed.items():  # AWQ may have rescaled a packed producer: what is saved
+                    block.get_submodule(name).weight.data = qw.dequantize(dtype)
             else:
                 # All groups at once: stop at the last one's input (down_proj's), past the attention and its K/V ranges.
                 stats = capture_block(model, i, X, groups, partial=True) if X is not None else None
                 if scheme.method == "awq":
-                    apply_awq(model, i, stats, scheme, clip=True)
+                    apply_awq(model, i, stats, scheme)
                 for g in range(len(groups)):
                     quantize_group(g, stats.linears if stats is not None else {})
             if tune.steps:

@@ -34,13 +34,14 @@ AutoAWQ: it trims whichever side of the group reaches past ``max_val``, and the 
 the trimmed range.
 
 The search results (scales, ratio, error curve, clip values) are data. Applying them is separate:
-:func:`fold_scales_into_norm` / :func:`fold_scales_into_linear` divide the producer of ``X`` by ``s``,
-:func:`scale_linear_inputs` multiplies each consumer's columns by ``s``, and :func:`apply_clip` clamps
+:func:`fold_scales_into_norm` / :func:`fold_scales_into_linear` divide the producer of ``X`` by ``s``
+(:func:`fold_scales_into_quantized` when that producer is already quantized), :func:`scale_linear_inputs` multiplies each consumer's columns by ``s``, and :func:`apply_clip` clamps
 before the final quantization. Which norm or linear feeds which is the architecture table's business.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -48,9 +49,10 @@ from dataclasses import dataclass
 import torch
 
 from qinfer.errors import QinferError
-from qinfer.format import QuantScheme, check_int_shape, dequantize_codes
+from qinfer.format import QuantizedWeight, QuantScheme, check_int_shape, dequantize_codes
 from qinfer.quantizers.rtn import FP16_MAX, check_finite, quantize_codes, rtn_params
 
+FP16_MIN_NORMAL = 2.0**-14
 MIN_SCALE = 1e-4  # floor for x_mean^ratio: dead channels (x_mean = 0) must not produce a zero or infinite 1/s
 _CHUNK = 1 << 24  # elements of one [groups, tokens, rows] error block in the clip search (64 MiB in fp32)
 
@@ -355,6 +357,18 @@ def fold_scales_into_linear(
     new_weight = (weight.float() / s[:, None]).to(weight.dtype)
     new_bias = None if bias is None else (bias.float() / s).to(bias.dtype)
     return new_weight, new_bias
+
+
+def fold_scales_into_quantized(qw: QuantizedWeight, s: torch.Tensor) -> QuantizedWeight | None:
+    """Divide the outputs of an already-quantized linear ``[K, K_in]`` by ``s [K]``: row ``k``'s float16 group
+    scales are divided by ``s_k`` (codes and zero points, which are in code units, stay). Exact up to the
+    float16 rounding of the new scales; None when a new scale would leave float16's normal range, where that
+    rounding is no longer relative (the caller then leaves this input unscaled)."""
+    s = _check_scales(s, qw.shape[0], "fold_scales_into_quantized")
+    scale = qw.scale.float() / s[:, None]
+    if bool((scale.abs() > FP16_MAX).any()) or bool(((scale != 0) & (scale.abs() < FP16_MIN_NORMAL)).any()):
+        return None
+    return dataclasses.replace(qw, scale=scale.half())
 
 
 def scale_linear_inputs(weight: torch.Tensor, s: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from qinfer.block_tune import TuneConfig
 from qinfer.errors import QinferError
 from qinfer.format import QuantScheme
 from qinfer.loader import load_model
-from qinfer.calib.capture import capture_block, embed_samples
+from qinfer.calib.capture import calibrate_in_stages, capture_block, embed_samples, run_block
 from qinfer.quantize import CalibConfig, calibration_batch, quantize_model
 from qinfer.quantizers.gptq import fp_target
 from qinfer.tokenizer import Tokenizer
@@ -221,6 +221,50 @@ def test_true_sequential_takes_hessians_after_earlier_groups(tiny, tmp_path, cal
     assert not json.loads((tmp_path / "plain" / "quantize_report.json").read_text())["calibration"]["true_sequential"]
 
 
+@pytest.mark.parametrize("fp_target", [False, True])
+def test_sequential_awq_pass_computes_what_is_written(tiny, tmp_path, calib_file, monkeypatch, fp_target):
+    """Sequential AWQ folds each group's scales during the staged pass: into a norm, which the unquantized
+    stream reads too (its weights are rescaled to match), or into the already-packed up_proj (the pass then
+    computes down_proj as Q(W s) / s on up_proj's kept outputs). Each block's change to the residual stream in
+    the pass must be what the written checkpoint computes, and the unquantized stream must stay the
+    unquantized model's."""
+    import qinfer.awq_pipeline as awq_pipeline
+    import qinfer.quantize as pipeline
+
+    tiny = with_salient_channels(tiny, tmp_path)
+    passes, folds = {}, []
+
+    def staged(model, i, X, quantize, X_ref=None, ref_weights=None):
+        inputs = (X.clone(), None if X_ref is None else X_ref.clone())
+        stats = calibrate_in_stages(model, i, X, quantize, X_ref, ref_weights)
+        passes[i] = (*inputs, X.clone(), None if X_ref is None else X_ref.clone())
+        return stats
+
+    def fold(qw, s):
+        folds.append(awq_pipeline.fold_scales_into_quantized.__wrapped__(qw, s))
+        return folds[-1]
+
+    fold.__wrapped__ = awq_pipeline.fold_scales_into_quantized
+    monkeypatch.setattr(pipeline, "calibrate_in_stages", staged)
+    monkeypatch.setattr(awq_pipeline, "fold_scales_into_quantized", fold)
+    calib = CalibConfig(str(calib_file), 8, 32, true_sequential=True, fp_target=fp_target)
+    out = tmp_path / "awq"
+    quantize_model(tiny, out, QuantScheme(method="awq", bits=4, group_size=32), calib)
+    assert len(folds) == 3 and all(f is not None for f in folds)  # every block's down_proj went into its up_proj
+    written, unquantized = load_model(out, dtype=torch.float32), load_model(tiny, dtype=torch.float32)
+    for i, (x, x_ref, y, y_ref) in passes.items():
+        tol = 1e-2  # the pass keeps o_proj's and down_proj's inputs in bf16 (and runs in it where that is fast)
+        x, y = x.float(), y.float()
+        delta = run_block(written, i, x) - x
+        assert float(((y - x) - delta).norm() / delta.norm()) < tol, i
+        if fp_target:
+            x_ref, y_ref = x_ref.float(), y_ref.float()
+            delta = run_block(unquantized, i, x_ref) - x_ref
+            assert float(((y_ref - x_ref) - delta).norm() / delta.norm()) < tol, i
+    norm = "model.layers.0.input_layernorm.weight"
+    assert not torch.allclose(load_file(out / "model.safetensors")[norm].float(), load_file(tiny / "model.safetensors")[norm])
+
+
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_fp_target_aims_at_the_unquantized_model(tiny, tmp_path, calib_file, monkeypatch, method):
     import qinfer.quantize as pipeline
@@ -265,7 +309,7 @@ def test_fp_target_aims_at_the_unquantized_model(tiny, tmp_path, calib_file, mon
         (["--bits", "8", "--format", "fp8", "--e2e-steps", "5"], "FP8 weights have none"),
         (["--e2e-steps", "-1"], "--e2e-steps >= 0"),
         (["--bits", "8", "--format", "fp8", "--mse-clip"], "clip search"),
-        (["--method", "awq", "--true-sequential"], "drop it for --method awq"),
+        (["--method", "rtn", "--true-sequential"], "drop it for --method rtn"),
         (["--method", "rtn", "--fp-target"], "drop it for --method rtn"),
         (["--fp-target", "--no-true-sequential"], "drop --no-true-sequential"),
     ],

@@ -15,6 +15,7 @@ from qinfer.quantizers.awq import (
     fake_quantize,
     fold_scales_into_linear,
     fold_scales_into_norm,
+    fold_scales_into_quantized,
     scale_linear_inputs,
 )
 from qinfer.quantizers.rtn import rtn_quantize
@@ -253,6 +254,23 @@ def test_folding_into_a_preceding_linear_keeps_the_function():
     # dtype is kept
     W1h, none = fold_scales_into_linear(W1.half(), s)
     assert W1h.dtype == torch.float16 and none is None
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_folding_into_a_quantized_linear_scales_its_rows(symmetric):
+    # up_proj already quantized when down_proj's scales are searched: 1/s goes into its group scales' rows
+    g = torch.Generator().manual_seed(4)
+    qw = rtn_quantize(torch.randn(K, 64, generator=g) * 0.05, QuantScheme(bits=4, group_size=32, symmetric=symmetric))
+    s = torch.exp(torch.randn(K, generator=g))
+    folded = fold_scales_into_quantized(qw, s)
+    assert torch.equal(folded.qweight, qw.qweight) and (folded.zero is None) == symmetric
+    before, after = qw.dequantize(torch.float32), folded.dequantize(torch.float32)
+    torch.testing.assert_close(after, before / s[:, None], rtol=2.0**-11, atol=0.0)  # float16 rounding of the scales
+    # a scale pushed out of float16's normal range cannot be folded
+    assert fold_scales_into_quantized(qw, torch.full((K,), 1e-7)) is None
+    assert fold_scales_into_quantized(qw, torch.full((K,), 1e7)) is None
+    with pytest.raises(QinferError, match="shape"):
+        fold_scales_into_quantized(qw, torch.ones(K + 1))
 
 
 def test_search_then_fold_reproduces_the_searched_error():
