@@ -116,14 +116,12 @@ def run_block(
     batch: int | None = None,
     cache=None,
     out: torch.Tensor | None = None,
-    weights: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The block's output for every sample: X [S, L, C] -> [S, L, C], computed in X's dtype (the block's
     weights must be in that dtype too: calibration runs one block in fp32 inside a bf16 model).
 
     ``out=X`` writes the output over the input, batch by batch (a sample's output depends on that sample
-    alone), so the pipeline holds one [S, L, C] buffer per stream rather than two. With ``weights``
-    (linear name -> weight), those linears hold those weights for the forward and their own after.
+    alone), so the pipeline holds one [S, L, C] buffer per stream rather than two.
     """
     block: Block = model.model.layers[layer_idx]
     L = X.shape[1]
@@ -131,11 +129,10 @@ def run_block(
     mask = model.masks(pos, L if cache is not None else 0)[model.config.sliding_window[layer_idx]]
     out = torch.empty_like(X) if out is None else out
     batch = batch or batch_size(model, X)
-    with _holding(block, weights or {}):
-        for i in range(0, X.shape[0], batch):
-            x = X[i : i + batch].to(model.device)
-            cos, sin = model.rope(layer_idx, pos, x.dtype)
-            out[i : i + batch] = block(x, cos, sin, mask, cache, pos)
+    for i in range(0, X.shape[0], batch):
+        x = X[i : i + batch].to(model.device)
+        cos, sin = model.rope(layer_idx, pos, x.dtype)
+        out[i : i + batch] = block(x, cos, sin, mask, cache, pos)
     return out
 
 
@@ -231,40 +228,21 @@ def capture_block(
     X: torch.Tensor,
     groups: tuple[tuple[str, ...], ...],
     partial: bool = False,
-    X_ref: torch.Tensor | None = None,
-    ref_weights: dict[str, torch.Tensor] | None = None,
 ) -> BlockStats:
     """Run block ``layer_idx`` on X [S, L, C] and collect statistics for its linears.
 
     ``groups`` lists linears that read the same input; each group is hooked once and its members share
     one ``LinearStats``. With ``partial``, the block's forward stops once the last group (in forward order)
     has seen its input; the K/V ranges are then those of whatever attention ran (zero if none did).
-    With ``X_ref`` (the shape of X) each batch also runs on the reference stream, as far as the last group
-    in ``groups``, with the linears named in ``ref_weights`` holding those weights instead of their own (the
-    unquantized ones, once some are quantized): the linears' input shifts ``D`` are collected.
     """
-    if X_ref is not None and X_ref.shape != X.shape:
-        raise ValueError(f"the reference stream's shape {list(X_ref.shape)} is not X's {list(X.shape)}")
     block = model.model.layers[layer_idx]
     modules: dict[str, QLinear] = {group[0]: block.get_submodule(group[0]) for group in groups}
-    stats = {name: _new_stats(m.in_features, X_ref is not None) for name, m in modules.items()}
-
+    stats = {name: _new_stats(m.in_features, False) for name, m in modules.items()}
     last = groups[-1][0] if partial and groups else None
-    seen: dict[str, torch.Tensor] = {}  # this batch's inputs on the quantized stream, by group
-    on_ref = False
 
     def hook(name):
         def fn(module, inputs):
-            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).cpu()  # [rows, K]
-            s = stats[name]
-            if on_ref:
-                _add_shift(s, x, seen.pop(name))
-                if name == groups[-1][0]:
-                    raise _EnoughSeen
-                return
-            _add_input(s, x)
-            if X_ref is not None:
-                seen[name] = x
+            _add_input(stats[name], inputs[0].detach().reshape(-1, inputs[0].shape[-1]).cpu())  # [rows, K]
             if name == last:
                 raise _EnoughSeen
 
@@ -273,7 +251,7 @@ def capture_block(
     handles = [m.register_forward_pre_hook(hook(name)) for name, m in modules.items()]
     cache = _StatsCache(model.config.num_kv_heads)
     try:
-        if last is None and X_ref is None:
+        if last is None:
             run_block(model, layer_idx, X, cache=cache)
         else:
             batch = batch_size(model, X)
@@ -282,14 +260,6 @@ def capture_block(
                     run_block(model, layer_idx, X[i : i + batch], cache=cache)
                 except _EnoughSeen:
                     pass
-                if X_ref is not None:  # the K/V ranges stay the quantized stream's: what the cache will hold
-                    on_ref = True
-                    try:
-                        run_block(model, layer_idx, X_ref[i : i + batch], weights=ref_weights)
-                    except _EnoughSeen:
-                        pass
-                    finally:
-                        on_ref = False
     finally:
         for h in handles:
             h.remove()
@@ -322,8 +292,8 @@ def calibrate_in_stages(
     ``X`` (and ``X_ref``) end as the block's output, written in place.
 
     With ``X_ref`` (the unquantized model's stream, with ``ref_weights`` its linears' unquantized weights)
-    each batch also runs there, stage by stage, and the groups' input shifts ``D`` are collected as in
-    :func:`capture_block`. The K/V ranges are the quantized stream's, with q/k/v already quantized: what
+    each batch also runs there, stage by stage, and each group's input shift ``D = sum (x_ref - x)^T x`` is
+    collected beside its ``H``. The K/V ranges are the quantized stream's, with q/k/v already quantized: what
     the cache will hold.
     """
     if X_ref is not None and X_ref.shape != X.shape:
