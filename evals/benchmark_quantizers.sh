@@ -21,8 +21,10 @@ quant gptq-w4g128 --method gptq --bits 4
 quant gptq-w4g128-mse --method gptq --bits 4 --mse-clip
 quant gptq-w4g128-e2e --method gptq --bits 4 --e2e-steps 128
 quant gptq-w4g128-fpt --method gptq --bits 4 --fp-target
+quant gptq-w4g128-fpt-mse --method gptq --bits 4 --fp-target --mse-clip
 if [ $all = 1 ]; then
   quant awq-w4g128-tuned --method awq --bits 4 --tune-steps 50
+  quant awq-w4g128-seq --method awq --bits 4 --true-sequential
   quant gptq-w4g128-tuned --method gptq --bits 4 --tune-steps 50
   quant gptq-w4g128-tuned-e2e --method gptq --bits 4 --tune-steps 50 --e2e-steps 128
   quant gptq-w4g128-mse-s256-e2e256 --method gptq --bits 4 --mse-clip --samples 256 --e2e-steps 256
