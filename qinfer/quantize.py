@@ -2,8 +2,8 @@
 
 Sequential: block i is calibrated on the outputs of the already-quantized blocks 0..i-1, so each
 block's quantizer sees (and can compensate) the error that reaches it. With ``CalibConfig.true_sequential``
-(GPTQ) the same holds inside a block: each group of linears that share an input (q/k/v, o, gate/up, down)
-gets its Hessian from inputs computed with the groups before it already quantized. That runs the block in
+(GPTQ's default; AWQ's on request) the same holds inside a block: each group of linears that share an input
+(q/k/v, o, gate/up, down) is calibrated on inputs computed with the groups before it already quantized. That runs the block in
 stages (:func:`qinfer.calib.capture.calibrate_in_stages`), one pass with the final weights; without it,
 the block runs twice: once with its unquantized weights to capture every group, once quantized for its output.
 
