@@ -3,8 +3,8 @@
 Sequential: block i is calibrated on the outputs of the already-quantized blocks 0..i-1, so each
 block's quantizer sees (and can compensate) the error that reaches it. With ``CalibConfig.true_sequential``
 (GPTQ's default; AWQ's on request) the same holds inside a block: each group of linears that share an input
-(q/k/v, o, gate/up, down) is calibrated on inputs computed with the groups before it already quantized. That runs the block in
-stages (:func:`qinfer.calib.capture.calibrate_in_stages`), one pass with the final weights; without it,
+(q/k/v, o, gate/up, down) is calibrated on inputs computed with the groups before it already quantized.
+That runs the block in stages (:func:`qinfer.calib.capture.calibrate_in_stages`), one pass with the final weights; without it,
 the block runs twice: once with its unquantized weights to capture every group, once quantized for its output.
 
 Memory stays bounded by the bf16 model (memory-mapped) plus one block's activations [S, L, C].
@@ -63,7 +63,7 @@ from qinfer.errors import QinferError
 from qinfer.format import QuantScheme
 from qinfer.interop.folders import SIDE_FILES
 from qinfer.loader import drop_pages, load_model
-from qinfer.model import QLinear, Transformer
+from qinfer.model import Transformer
 from qinfer.quantizers.fp8 import fp8_kv_scale, fp8_quantize, int8_kv_scale
 from qinfer.quantizers.gptq import fp_target, gptq_quantize_ex
 from qinfer.quantizers.rtn import rtn_quantize
@@ -223,8 +223,8 @@ def quantize_model(
             if sequential:  # one staged pass per stream: each group calibrated after the groups before it
                 stats = calibrate_in_stages(model, i, X, quantize_group, X_ref if calib.fp_target else None,
                                             ref_weights)
-                for name, qw in packed.items():  # AWQ may have rescaled a packed producer: what is saved
-                    block.get_submodule(name).weight.data = qw.dequantize(dtype)
+                for name, qw in packed.items() if scheme.method == "awq" else ():  # a rescaled packed producer
+                    block.get_submodule(name).weight.data = qw.dequantize(dtype)  # holds what is saved
             else:
                 # All groups at once: stop at the last one's input (down_proj's), past the attention and its K/V ranges.
                 stats = capture_block(model, i, X, groups, partial=True) if X is not None else None

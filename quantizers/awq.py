@@ -35,7 +35,8 @@ the trimmed range.
 
 The search results (scales, ratio, error curve, clip values) are data. Applying them is separate:
 :func:`fold_scales_into_norm` / :func:`fold_scales_into_linear` divide the producer of ``X`` by ``s``
-(:func:`fold_scales_into_quantized` when that producer is already quantized), :func:`scale_linear_inputs` multiplies each consumer's columns by ``s``, and :func:`apply_clip` clamps
+(:func:`fold_scales_into_quantized` when that producer is already quantized), :func:`scale_linear_inputs`
+multiplies each consumer's columns by ``s``, and :func:`apply_clip` clamps
 before the final quantization. Which norm or linear feeds which is the architecture table's business.
 """
 
