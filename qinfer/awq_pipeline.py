@@ -133,4 +133,4 @@ def _fold_into_norm(norm: torch.nn.Module, s: torch.Tensor, offset: float) -> No
 
 def clip_linear(name: str, W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     """AWQ's clipping search for linear ``name`` (q/k are left alone), ``H`` its inputs' Gram matrix."""
-    return W if name in NO_CLIP else apply_clip(W, awq_search_clip_gram(H, W, scheme))
+    return W if name in NO_CLIP else apply_clip(W, *awq_search_clip_gram(H, W, scheme))

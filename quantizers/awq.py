@@ -25,18 +25,21 @@ Scale search (:func:`awq_search_scales`), in float32:
   error ``inf`` (only possible for extreme activation spreads; ``ratio = 0`` is always storable).
 
 Clip search (:func:`awq_search_clip`), applied to the already scaled weights ``W s`` with inputs ``X / s``:
-for every group, shrink its absmax by ``1 - i / n_grid`` for ``i = 0 .. max_shrink * n_grid`` (``1.0`` down
-to ``1 - max_shrink`` inclusive; AutoAWQ stops one step short of the last), clamp the group to
-``[-max_val, max_val]``, quantize, and keep the ``max_val`` whose group output error
-``mean_t (X_g (W_g - Q_g)^T)^2`` on a token subsample is smallest. Shrink 1.0 is a no-op clamp, so no group's
-error exceeds its unclipped error. The clamp is symmetric about 0 for asymmetric schemes too, as in
-AutoAWQ: it trims whichever side of the group reaches past ``max_val``, and the asymmetric grid then spans
-the trimmed range.
+every group's range is narrowed before rounding, trading a clamped outlier for a finer grid, and each group
+keeps the narrowing whose group output error ``mean_t (X_g (W_g - Q_g)^T)^2`` is smallest (on a token
+subsample, or on all tokens through the Gram matrix in :func:`awq_search_clip_gram`). Symmetric schemes use
+AutoAWQ's grid: clamp the group to ``[-m, m]`` with ``m = absmax * (1 - i / n)`` for ``i = 0 .. max_shrink * n``
+(``1.0`` down to ``1 - max_shrink`` inclusive; AutoAWQ stops one step short of the last). Asymmetric schemes
+narrow each end on its own: ``[lo (1 - i / n), hi (1 - j / n)]`` over the same steps for ``i`` and ``j``
+(``lo = min(W_g, 0)``, ``hi = max(W_g, 0)``), since their grid spans ``[lo, hi]`` and a symmetric clamp can
+only trim whichever side reaches past it (AutoAWQ's choice for both kinds of grid). Step 0 (both ends) is a
+no-op clamp, so no group's error exceeds its unclipped error. The result is the clamp range ``(lo, hi)``
+per group; rounding the clamped group to nearest gives the grid that spans it.
 
 The search results (scales, ratio, error curve, clip values) are data. Applying them is separate:
 :func:`fold_scales_into_norm` / :func:`fold_scales_into_linear` divide the producer of ``X`` by ``s``
 (:func:`fold_scales_into_quantized` when that producer is already quantized), :func:`scale_linear_inputs`
-multiplies each consumer's columns by ``s``, and :func:`apply_clip` clamps
+multiplies each consumer's columns by ``s``, and :func:`apply_clip` clamps to the chosen range
 before the final quantization. Which norm or linear feeds which is the architecture table's business.
 """
 
@@ -237,20 +240,24 @@ def _groups_of(W: torch.Tensor, group_size: int) -> tuple[int, int]:
     return G, K // G
 
 
-def apply_clip(W: torch.Tensor, max_val: torch.Tensor) -> torch.Tensor:
-    """Clamp each group of ``W [N, K]`` to ``[-max_val, max_val]``, ``max_val [N, K/G]``; keeps W's dtype."""
-    if W.dim() != 2 or max_val.dim() != 2 or max_val.shape[0] != W.shape[0] or W.shape[1] % max_val.shape[1]:
-        raise QinferError(
-            f"apply_clip: max_val {list(max_val.shape)} does not give whole groups of W {list(W.shape)}; "
-            "pass the [N, K/G] result of awq_search_clip for this weight"
-        )
-    check_finite(max_val, "apply_clip: max_val")
-    if bool((max_val < 0).any()):
-        raise QinferError("apply_clip: max_val has negative entries; it is a per-group magnitude")
+def apply_clip(W: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """Clamp each group of ``W [N, K]`` to ``[lo, hi]``, both ``[N, K/G]`` with ``lo <= 0 <= hi``; keeps W's dtype."""
+    for name, t in (("lo", lo), ("hi", hi)):
+        if W.dim() != 2 or t.dim() != 2 or t.shape[0] != W.shape[0] or not t.shape[1] or W.shape[1] % t.shape[1]:
+            raise QinferError(
+                f"apply_clip: {name} {list(t.shape)} does not give whole groups of W {list(W.shape)}; "
+                "pass the [N, K/G] range awq_search_clip returned for this weight"
+            )
+        check_finite(t, f"apply_clip: {name}")
+    if lo.shape != hi.shape:
+        raise QinferError(f"apply_clip: lo {list(lo.shape)} and hi {list(hi.shape)} differ in shape")
+    if bool((lo > 0).any()) or bool((hi < 0).any()):
+        raise QinferError("apply_clip: the range must contain 0 (lo <= 0 <= hi); pass awq_search_clip's result")
     N, K = W.shape
-    G = K // max_val.shape[1]
-    m = max_val.float().unsqueeze(-1)
-    return W.float().reshape(N, K // G, G).clamp(-m, m).reshape(N, K).to(W.dtype)
+    G = K // lo.shape[1]
+    shape = (N, K // G, 1)
+    clamped = torch.minimum(W.float().reshape(N, K // G, G), hi.float().reshape(shape))
+    return torch.maximum(clamped, lo.float().reshape(shape)).reshape(N, K).to(W.dtype)
 
 
 def awq_search_clip(
@@ -260,8 +267,8 @@ def awq_search_clip(
     n_grid: int = 20,
     max_shrink: float = 0.5,
     n_tokens: int = 512,
-) -> torch.Tensor:
-    """Per-group clip values ``max_val`` float32 ``[N, K/G]`` for ``W [N, K]`` reading ``X [T, K]``.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group clamp range ``(lo, hi)``, float32 ``[N, K/G]`` each, for ``W [N, K]`` reading ``X [T, K]``.
 
     Every ``ceil(T / n_tokens)``-th token is used (at most ~``n_tokens``). See the module docstring.
     """
@@ -289,7 +296,7 @@ def awq_search_clip(
 
 def awq_search_clip_gram(
     gram: torch.Tensor, W: torch.Tensor, scheme: QuantScheme, n_grid: int = 20, max_shrink: float = 0.5
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`awq_search_clip` on all calibration tokens via ``gram = X^T X [K, K]``: a group's output error is
     ``D_g H_gg D_g^T`` with ``H_gg`` the group's diagonal block, ``N K G`` work per grid step."""
     _check_int_scheme(scheme)
@@ -307,20 +314,27 @@ def awq_search_clip_gram(
     return _search_clip(W, scheme, n_grid, max_shrink, group_error)
 
 
-def _search_clip(W, scheme, n_grid, max_shrink, group_error) -> torch.Tensor:
+def _search_clip(W, scheme, n_grid, max_shrink, group_error) -> tuple[torch.Tensor, torch.Tensor]:
     N, K = W.shape
     G, n_groups = _groups_of(W, scheme.group_size)
     Wf = W.float()
-    absmax = Wf.abs().reshape(N, n_groups, G).amax(dim=-1)  # [N, groups]
-    best = absmax.clone()
-    best_err = torch.full_like(absmax, math.inf)
-    for i in range(int(round(max_shrink * n_grid)) + 1):
-        max_val = absmax * (1.0 - i / n_grid)
-        err = group_error((Wf - fake_quantize(apply_clip(Wf, max_val), scheme)).reshape(N, n_groups, G))
+    g = Wf.reshape(N, n_groups, G)
+    if scheme.symmetric:
+        hi0 = g.abs().amax(dim=-1)  # [N, groups]
+        lo0 = -hi0
+    else:
+        lo0, hi0 = g.amin(dim=-1).clamp(max=0.0), g.amax(dim=-1).clamp(min=0.0)
+    steps = [1.0 - i / n_grid for i in range(int(round(max_shrink * n_grid)) + 1)]
+    pairs = [(p, p) for p in steps] if scheme.symmetric else [(p, q) for p in steps for q in steps]
+    best_lo, best_hi = lo0.clone(), hi0.clone()
+    best_err = torch.full_like(hi0, math.inf)
+    for p, q in pairs:
+        lo, hi = lo0 * p, hi0 * q
+        err = group_error((Wf - fake_quantize(apply_clip(Wf, lo, hi), scheme)).reshape(N, n_groups, G))
         better = err < best_err
         best_err = torch.where(better, err, best_err)
-        best = torch.where(better, max_val, best)
-    return best
+        best_lo, best_hi = torch.where(better, lo, best_lo), torch.where(better, hi, best_hi)
+    return best_lo, best_hi
 
 
 # ---------------------------------------------------------------------------------------------- folding
