@@ -133,8 +133,10 @@ class QuantScheme:
                 "'fp8' (round to nearest) or 'gptq' (error feedback), format 'int' with rtn, gptq or awq"
             )
         if self.format == "fp8":
-            _choice("bits", self.bits, (8,))
-            _choice("lm_head_bits", self.lm_head_bits, (8,))
+            for field in ("bits", "lm_head_bits"):
+                if not (type(getattr(self, field)) is int and getattr(self, field) == 8):
+                    raise QinferError(f"QuantScheme.{field}: fp8 (E4M3) weights are 8 bits; got {getattr(self, field)!r} "
+                                      "(use --bits 8 with --format fp8, or --format int for 2, 3 or 4 bits)")
             if self.group_size != -1:
                 raise QinferError("QuantScheme: fp8 has no groups; set group_size=-1 and choose fp8_granularity")
             if not self.symmetric:
