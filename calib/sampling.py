@@ -52,7 +52,8 @@ def sample_windows(
             break
     if len(ids) < seq_len:
         raise QinferError(
-            f"the calibration text is too short: {len(ids)} tokens from {len(documents)} document{'s' * (len(documents) != 1)}, "
+            f"the calibration text is too short: {len(ids)} tokens from {len(documents)} "
+            f"document{'s' * (len(documents) != 1)}, "
             f"fewer than one calibration window ({seq_len} tokens); use a larger source or a smaller --seq-len"
         )
     stream = torch.tensor(ids, dtype=torch.long)

@@ -84,10 +84,11 @@ FP8_GRANULARITIES = ("channel", "tensor")
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
 
-def _choice(field: str, value, allowed: tuple) -> None:
+def _choice(field: str, value, allowed: tuple, fix: str = "") -> None:
     # `type(...) is` rather than isinstance/==: True == 1 and "4" != 4 would otherwise slip through JSON.
     if not any(type(value) is type(a) and value == a for a in allowed):
-        raise QinferError(f"QuantScheme.{field} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+        expected = repr(allowed[0]) if len(allowed) == 1 else f"one of {', '.join(map(repr, allowed))}"
+        raise QinferError(f"QuantScheme.{field} must be {expected}; got {value!r}{fix}")
 
 
 @dataclass(frozen=True)
@@ -133,10 +134,9 @@ class QuantScheme:
                 "'fp8' (round to nearest) or 'gptq' (error feedback), format 'int' with rtn, gptq or awq"
             )
         if self.format == "fp8":
-            for field in ("bits", "lm_head_bits"):
-                if not (type(getattr(self, field)) is int and getattr(self, field) == 8):
-                    raise QinferError(f"QuantScheme.{field}: fp8 (E4M3) weights are 8 bits; got {getattr(self, field)!r} "
-                                      "(use --bits 8 with --format fp8, or --format int for 2, 3 or 4 bits)")
+            fix = " (fp8 E4M3 weights are 8 bits: use --bits 8 with --format fp8, or --format int for 2, 3 or 4 bits)"
+            _choice("bits", self.bits, (8,), fix)
+            _choice("lm_head_bits", self.lm_head_bits, (8,), fix)
             if self.group_size != -1:
                 raise QinferError("QuantScheme: fp8 has no groups; set group_size=-1 and choose fp8_granularity")
             if not self.symmetric:

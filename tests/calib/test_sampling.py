@@ -49,8 +49,11 @@ def test_text_exactly_one_window_long():
 
 
 def test_too_short_raises_a_clear_error():
-    with pytest.raises(QinferError, match=r"too short: 7 tokens from 2 documents, fewer than one calibration window \(8 tokens\)"):
+    expected = r"too short: 7 tokens from 2 documents, fewer than one calibration window \(8 tokens\)"
+    with pytest.raises(QinferError, match=expected):
         sample_windows(["abc", "defg"], char_ids, n_samples=1, seq_len=8)
+    with pytest.raises(QinferError, match="3 tokens from 1 document, "):
+        sample_windows(["abc"], char_ids, n_samples=1, seq_len=8)
     with pytest.raises(QinferError, match="0 tokens from 0 documents"):
         sample_windows([], char_ids, n_samples=1, seq_len=8)
 
