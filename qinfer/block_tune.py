@@ -14,7 +14,18 @@ OmniQuant's learnable clipping and EfficientQAT's block-wise stage, restricted t
 stored format already has: the output is a checkpoint in the same layout as without tuning.
 
 The block runs in float32 while tuning (bf16 gradients are too coarse for ``d``); the tuned scales are
-rounded to float16 for storage and the whole-batch loss is reported before and after.
+rounded to float16 for storage and the whole-batch loss is reported before and after. Where the tuned block's
+whole-batch loss ends above the quantizer's own (the steps see a few samples each), the tuning is undone.
+
+With ``TuneConfig.rounding`` (``--tune-rounding``) the block stage also learns which way each weight
+rounds, as AutoRound (Cheng et al., 2023, "Optimize Weight Rounding via Signed Gradient Descent") does:
+every weight's level becomes ``clamp(round(w / scale + v), lo, hi)`` with a learned ``v`` in ``[-0.5, 0.5]``
+(starting at 0, so at the quantizer's own codes), the rounding passed straight through in the backward
+pass. ``w / scale`` is kept as the quantizer's level plus its rounding residual (:func:`rounding_residual`,
+taken when the linear was quantized), so the weights nearest a rounding boundary flip first. ``v`` moves by
+signed gradient steps of ``1 / steps`` decaying linearly to 0 (AutoRound's rule), so it can travel 0.5 in
+all: at most one level up or down from the nearest one. The codes change; the zero points and the layout
+do not.
 
 The end-to-end stage (:func:`tune_end_to_end`) runs once every block is quantized. It tunes the same
 parameters (every group's log-scale and every norm weight, the final norm included) of all blocks at once,
@@ -35,7 +46,7 @@ from torch.func import functional_call
 from tqdm import tqdm
 
 from qinfer.errors import QinferError
-from qinfer.format import QuantizedWeight, dequantize_codes
+from qinfer.format import QuantizedWeight, dequantize_codes, pack
 from qinfer.model import Transformer
 from qinfer.quantizers.rtn import FP16_MAX
 
@@ -47,6 +58,7 @@ class TuneConfig:
     batch: int = 4  # calibration samples per block step
     e2e_steps: int = 0  # end-to-end Adam steps of one calibration sample each; 0 = none
     seed: int = 0
+    rounding: bool = False  # the block stage also learns each weight's rounding (AutoRound's signed descent)
 
     def __post_init__(self):
         if self.steps < 0 or self.e2e_steps < 0 or self.batch < 1 or not self.lr > 0:
@@ -54,6 +66,8 @@ class TuneConfig:
                 "tuning needs --tune-steps >= 0, --e2e-steps >= 0, a batch >= 1 and a positive rate "
                 f"(got {self.steps}, {self.e2e_steps}, {self.batch}, {self.lr})"
             )
+        if self.rounding and not self.steps:
+            raise QinferError("--tune-rounding learns the rounding in the block tuning stage: add --tune-steps N (e.g. 200)")
 
     @property
     def active(self) -> bool:
@@ -64,6 +78,7 @@ class TuneConfig:
 class TuneResult:
     loss_before: float  # block stage: mean squared output error over every calibration sample;
     loss_after: float  # end-to-end stage: mean per-token KL over the first E2E_EVAL_SAMPLES samples
+    discarded: bool = False  # block stage: tuning raised the error, so the quantizer's weights were kept
 
 
 E2E_EVAL_SAMPLES = 8  # the end-to-end KL is reported on this many calibration samples (a full pass is slow)
@@ -76,11 +91,13 @@ def tune_block(
     X: torch.Tensor,
     Y: torch.Tensor,
     config: TuneConfig,
+    residuals: dict[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, QuantizedWeight], TuneResult]:
     """Tune block ``layer_idx`` so that it maps X [S, L, C] closer to Y [S, L, C].
 
     ``weights`` maps the block's linear names to their quantized weights; the returned dict has the same
-    codes and zeros with tuned scales. The block's norm weights are updated in place, and its linears are
+    codes and zeros with tuned scales (and, with ``config.rounding``, tuned codes: ``residuals`` then maps each
+    name to its :func:`rounding_residual`). The block's norm weights are updated in place, and its linears are
     left holding the tuned weights dequantized in the block's dtype. Integer formats only.
     """
     block = model.model.layers[layer_idx]
@@ -92,10 +109,16 @@ def tune_block(
     levels = {n: _levels(w) for n, w in weights.items()}
     logs = {n: torch.zeros(w.scale.shape, requires_grad=True) for n, w in weights.items()}
     norms = {n: p.detach().float().clone().requires_grad_(True) for n, p in block.named_parameters() if _is_norm(n)}
+    untuned = {n: p.detach().clone() for n, p in norms.items()}
+    if config.rounding:
+        if residuals is None or set(residuals) != set(weights):
+            raise ValueError("tune_block: config.rounding needs a rounding residual for every weight")
+        rounds = {n: _Rounding(w, residuals[n]) for n, w in weights.items()}
 
     def dense() -> dict[str, torch.Tensor]:
         return {
-            f"{n}.weight": dequantize_codes(levels[n], w.scale.float() * torch.exp(logs[n]), 0, w.group_size)
+            f"{n}.weight": dequantize_codes(rounds[n].levels() if config.rounding else levels[n],
+                                            w.scale.float() * torch.exp(logs[n]), 0, w.group_size)
             for n, w in weights.items()
         }
 
@@ -112,21 +135,32 @@ def tune_block(
         before = full_loss()
         opt = torch.optim.Adam([*logs.values(), *norms.values()], lr=config.lr)
         gen = torch.Generator().manual_seed(config.seed + layer_idx)
-        for _ in range(config.steps):
+        for step in range(config.steps):
             opt.zero_grad()
             loss(torch.randint(0, S, (min(config.batch, S),), generator=gen)).backward()
             opt.step()
+            if config.rounding:  # AutoRound's signed step, 1 / steps decaying linearly to 0
+                rate = (1 - step / config.steps) / config.steps
+                for r in rounds.values():
+                    r.step(rate)
         tuned = {n: replace(w, scale=_fp16(w.scale.float() * torch.exp(logs[n].detach()))) for n, w in weights.items()}
+        if config.rounding:
+            tuned = {n: rounds[n].apply(w) for n, w in tuned.items()}
         with torch.no_grad():
             for n, p in norms.items():
                 block.get_parameter(n).data = p.detach()
             for n, w in tuned.items():
                 block.get_submodule(n).weight.data = w.dequantize(torch.float32)
             after = full_loss()
+            discarded = after > before  # noisy minibatch steps can end worse: keep the quantizer's own
+            if discarded:
+                tuned, norms, after = weights, untuned, before
+                for n, w in weights.items():
+                    block.get_submodule(n).weight.data = w.dequantize(torch.float32)
     finally:
         block.to(dtype)
     _keep_norms(block, norms, dtype)
-    return tuned, TuneResult(before, after)
+    return tuned, TuneResult(before, after, discarded)
 
 
 def tune_end_to_end(
@@ -222,6 +256,45 @@ def _keep_norms(root: torch.nn.Module, norms: dict[str, torch.Tensor], dtype: to
     for n, p in norms.items():
         norm = root.get_submodule(n.rsplit(".", 1)[0])
         norm.weight.data = p.detach().to(norm.weight_dtype(dtype, torch.float32))
+
+
+def rounding_residual(W: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """Where ``W`` [N, K] sat between the levels ``w`` rounded it to, in grid steps: ``W / scale - (q - zero)``,
+    clamped to just inside ``(-0.5, 0.5)`` (GPTQ's codes need not be W's nearest levels, weights past the grid
+    were clipped) so that rounding level + residual gives back ``q``. Take it when ``w`` is formed: it stays
+    valid when the group scales are rescaled later (AWQ's folding)."""
+    return (W.float() / _expand(w.scale.float(), w) - _levels(w)).clamp(-0.49, 0.49)
+
+
+class _Rounding:
+    """One weight's learned rounding: levels ``clamp(round(level + residual + v), lo, hi)``, ``v`` in [-0.5, 0.5]."""
+
+    def __init__(self, w: QuantizedWeight, residual: torch.Tensor):
+        zero = 1 << (w.bits - 1) if w.zero is None else w.zero
+        self.zero = _expand(zero.float(), w) if isinstance(zero, torch.Tensor) else torch.tensor(float(zero))
+        self.lo, self.hi = -self.zero, (1 << w.bits) - 1 - self.zero
+        self.start = _levels(w) + residual  # W / scale, in grid steps
+        self.v = torch.zeros(w.shape, requires_grad=True)
+
+    def levels(self) -> torch.Tensor:
+        x = self.start + self.v
+        return torch.clamp(x + (torch.round(x) - x).detach(), self.lo, self.hi)  # straight-through rounding
+
+    @torch.no_grad()
+    def step(self, rate: float) -> None:
+        self.v -= rate * self.v.grad.sign()
+        self.v.clamp_(-0.5, 0.5)
+        self.v.grad = None
+
+    @torch.no_grad()
+    def apply(self, w: QuantizedWeight) -> QuantizedWeight:
+        """``w`` with the learned codes."""
+        return replace(w, qweight=pack((self.levels() + self.zero).round().to(torch.uint8), w.bits))
+
+
+def _expand(per_group: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """[N, K/G] -> [N, K]."""
+    return per_group.repeat_interleave(w.shape[1] if w.group_size == -1 else w.group_size, dim=-1)
 
 
 def _levels(w: QuantizedWeight) -> torch.Tensor:

@@ -136,6 +136,9 @@ def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed):
 @click.option("--tune-steps", type=int, default=0, show_default=True,
               help="After each block is quantized, tune its group scales and norms for N steps towards the "
                    "unquantized model's block output (integer formats; ~0.9 s per step for gemma3-270m on 2 CPU cores).")
+@click.option("--tune-rounding", is_flag=True,
+              help="With --tune-steps: also learn which way each weight rounds (one level up or down from the "
+                   "quantizer's), by signed gradient descent as in AutoRound.")
 @click.option("--e2e-steps", type=int, default=0, show_default=True,
               help="After all blocks, tune every group scale and norm for N steps (one calibration sample each) on the "
                    "KL divergence to the unquantized model's next-token distribution (integer formats; ~9 s per step "
@@ -157,7 +160,7 @@ def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed):
                    "one more [samples, seq-len, hidden] activation buffer).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache, calib, samples, seq_len, seed,
-             quantize_lm_head, lm_head_bits, tune_steps, e2e_steps, tune_lr, mse_clip, true_sequential, fp_target,
+             quantize_lm_head, lm_head_bits, tune_steps, tune_rounding, e2e_steps, tune_lr, mse_clip, true_sequential, fp_target,
              force):
     """Quantize MODEL into the qinfer format (safetensors + quant_config.json) at OUT."""
     from qinfer.block_tune import TuneConfig
@@ -178,7 +181,7 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
                          mse_clip=mse_clip)
     calib_config = CalibConfig(source=calib, samples=samples, seq_len=seq_len, seed=seed, true_sequential=true_sequential,
                                fp_target=fp_target)
-    tune = TuneConfig(steps=tune_steps, lr=tune_lr, e2e_steps=e2e_steps, seed=seed)
+    tune = TuneConfig(steps=tune_steps, lr=tune_lr, e2e_steps=e2e_steps, seed=seed, rounding=tune_rounding)
     try:
         report = quantize_model(resolve_model(model), out, scheme, calib_config, force=force, tune=tune)
     except KeyboardInterrupt:

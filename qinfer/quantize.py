@@ -45,7 +45,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from qinfer.awq_pipeline import apply_awq, scale_group
-from qinfer.block_tune import E2E_EVAL_SAMPLES, TuneConfig, tune_block, tune_end_to_end
+from qinfer.block_tune import E2E_EVAL_SAMPLES, TuneConfig, rounding_residual, tune_block, tune_end_to_end
 from qinfer.cache import atomic_dir
 from qinfer.calib.capture import (
     block_in,
@@ -122,6 +122,7 @@ class QuantizeReport:
     peak_rss_bytes: int
     layer_errors: dict[str, float] = field(default_factory=dict)
     tune_losses: dict[str, tuple[float, float]] = field(default_factory=dict)  # block -> (before, after)
+    tune_discarded: list[str] = field(default_factory=list)  # blocks whose tuning raised the error (undone)
     e2e_kl: tuple[float, float] | None = None  # end-to-end tuning: KL to the unquantized model (before, after)
     compute_dtype: str = "bfloat16"  # what the blocks ran in during calibration
 
@@ -140,6 +141,8 @@ class QuantizeReport:
         kept = sorted(after / before for before, after in self.tune_losses.values() if before > 0)
         if kept:
             text += f"\ntuning left {kept[len(kept) // 2]:.0%} of the block output error (median over blocks)"
+            if self.tune_discarded:
+                text += f"; undone in {len(self.tune_discarded)} where it raised it ({', '.join(self.tune_discarded)})"
         if self.e2e_kl is not None:
             text += (f"\nend-to-end tuning: KL to the unquantized model {self.e2e_kl[0]:.4f} -> {self.e2e_kl[1]:.4f} "
                      f"(first {E2E_EVAL_SAMPLES} calibration samples)")
@@ -198,7 +201,7 @@ def quantize_model(
         with block_in(block, dtype, back=model.dtype):
             if X_ref is not None and not calib.fp_target:  # tuning's target, before anything in block i changes
                 X_ref = run_block(model, i, X_ref, out=X_ref)
-            packed = {}
+            packed, residuals = {}, {}  # residuals: where each weight sat between its levels (--tune-rounding)
             ref_weights = _linear_weights(block, groups) if calib.fp_target else None  # unquantized
 
             def quantize_group(g: int, linears: dict, i=i, block=block) -> None:
@@ -216,6 +219,8 @@ def quantize_model(
                 for name, W in weights.items():
                     prefix = f"model.layers.{i}.{name}"
                     packed[name], report.layer_errors[prefix] = _quantize_linear(W, H, scheme, prefix)
+                    if tune.rounding:
+                        residuals[name] = rounding_residual(W, packed[name])
                     weight = packed[name].dequantize(torch.float32)  # later groups and blocks see it quantized
                     block.get_submodule(name).weight.data = (weight if pending is None else weight / pending).to(dtype)
 
@@ -233,8 +238,10 @@ def quantize_model(
                 for g in range(len(groups)):
                     quantize_group(g, stats.linears if stats is not None else {})
             if tune.steps:
-                packed, result = tune_block(model, i, packed, X_in, X_ref, tune)
+                packed, result = tune_block(model, i, packed, X_in, X_ref, tune, residuals)
                 report.tune_losses[f"model.layers.{i}"] = (result.loss_before, result.loss_after)
+                if result.discarded:
+                    report.tune_discarded.append(f"model.layers.{i}")
                 if scheme.kv_cache != "none":  # the tuned q/k norms move the keys: measure the ranges again
                     stats = capture_block(model, i, X_in, groups)
             quantized.update({f"model.layers.{i}.{name}": qw for name, qw in packed.items()})
@@ -356,6 +363,7 @@ def _report_json(report: QuantizeReport, scheme: QuantScheme, calib: CalibConfig
         "layer_errors": report.layer_errors,
         "tuning": tune.__dict__,
         "tune_losses": report.tune_losses,
+        "tune_discarded": report.tune_discarded,
         "e2e_kl": report.e2e_kl,
         "compute_dtype": report.compute_dtype,
         "code": code_fingerprint(),

@@ -10,7 +10,7 @@ from qinfer.quantizers.fp8 import int8_kv_scale
 from qinfer.quantizers.rtn import rtn_quantize
 from safetensors.torch import load_file
 
-from qinfer.block_tune import E2E_EVAL_SAMPLES, TuneConfig, tune_block, tune_end_to_end
+from qinfer.block_tune import E2E_EVAL_SAMPLES, TuneConfig, rounding_residual, tune_block, tune_end_to_end
 from qinfer.errors import QinferError
 from qinfer.format import QuantScheme
 from qinfer.loader import load_model
@@ -48,6 +48,58 @@ def test_tuning_lowers_block_error_and_keeps_codes(tiny):  # noqa: F811
     assert again == pytest.approx(result.loss_after, rel=0.1)
 
 
+def rtn_block(model, i, scheme):
+    """Block ``i``'s linears rounded to nearest in place: (packed weights, rounding residuals)."""
+    block, packed, residuals = model.model.layers[i], {}, {}
+    for name in model.config.arch.linear_names:
+        module = block.get_submodule(name)
+        W = module.weight.data.float()
+        packed[name] = rtn_quantize(W, scheme)
+        residuals[name] = rounding_residual(W, packed[name])
+        module.weight.data = packed[name].dequantize(module.weight.dtype)
+    return packed, residuals
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_rounding_residual_puts_the_weight_back_between_its_levels(tiny, symmetric):  # noqa: F811
+    model = load_model(tiny, dtype=torch.float32)
+    W = model.model.layers[0].get_submodule(model.config.arch.linear_names[0]).weight.data
+    w = rtn_quantize(W, QuantScheme(method="rtn", bits=3, group_size=32, symmetric=symmetric))
+    r = rounding_residual(W, w)
+    assert float(r.abs().max()) <= 0.49 + 1e-6
+    zero = 4 if symmetric else w.zero.float().repeat_interleave(32, -1)
+    levels = w.codes().float() - zero
+    scale = w.scale.float().repeat_interleave(32, -1)
+    # round to nearest: level + residual is W / scale, up to the clamp and float16 scale rounding
+    torch.testing.assert_close((levels + r) * scale, W, atol=float(scale.max()) * 1e-2, rtol=0)
+    assert torch.equal(torch.round(levels + r), levels)  # rounding it gives back the codes
+
+
+def test_learned_rounding_lowers_block_error_further_and_moves_codes_by_one(tiny):  # noqa: F811
+    torch.manual_seed(0)
+    scheme = QuantScheme(method="rtn", bits=3, group_size=32, symmetric=False)
+    losses, tuned = {}, {}
+    for rounding in (False, True):
+        model = load_model(tiny, dtype=torch.float32)
+        X = torch.randn(6, 24, model.config.hidden_size, generator=torch.Generator().manual_seed(1)) * 2
+        Y = run_block(model, 1, X)
+        packed, residuals = rtn_block(model, 1, scheme)
+        config = TuneConfig(steps=60, lr=5e-3, batch=2, rounding=rounding)
+        tuned[rounding], result = tune_block(model, 1, packed, X, Y, config, residuals if rounding else None)
+        losses[rounding] = result
+        for name, w in tuned[rounding].items():
+            assert torch.equal(model.model.layers[1].get_submodule(name).weight.data, w.dequantize(torch.float32))
+    assert losses[True].loss_before == pytest.approx(losses[False].loss_before)  # both start at the RTN codes
+    assert losses[True].loss_after < 0.9 * losses[False].loss_after, losses
+    moved = 0
+    for name, w in tuned[True].items():
+        step = w.codes().int() - packed[name].codes().int()
+        assert int(step.abs().max()) <= 1 and torch.equal(w.zero, packed[name].zero), name
+        assert int(w.codes().max()) <= 7
+        moved += int(step.count_nonzero())
+    assert moved > 0
+
+
 def test_zero_steps_change_nothing(tiny):  # noqa: F811
     model = load_model(tiny, dtype=torch.float32)
     block = model.model.layers[0]
@@ -56,6 +108,23 @@ def test_zero_steps_change_nothing(tiny):  # noqa: F811
     w = rtn_quantize(block.get_submodule(name).weight.data, QuantScheme(method="rtn", group_size=32))
     tuned, result = tune_block(model, 0, {name: w}, X, run_block(model, 0, X), TuneConfig(steps=0))
     assert torch.equal(tuned[name].scale, w.scale) and result.loss_after == pytest.approx(result.loss_before, rel=1e-6)
+
+
+@pytest.mark.parametrize("rounding", [False, True])
+def test_tuning_that_raises_the_error_is_undone(tiny, rounding):  # noqa: F811
+    model = load_model(tiny, dtype=torch.bfloat16)
+    block = model.model.layers[1]
+    X = (torch.randn(4, 16, model.config.hidden_size, generator=torch.Generator().manual_seed(2)) * 2).to(torch.bfloat16)
+    Y = run_block(model, 1, X)
+    packed, residuals = rtn_block(model, 1, QuantScheme(method="rtn", bits=3, group_size=32))
+    before = {n: p.detach().clone() for n, p in block.named_parameters()}
+    # a rate this large throws the scales and norms far off: the tuned block is worse than the quantizer's
+    tuned, result = tune_block(model, 1, packed, X, Y, TuneConfig(steps=5, lr=3.0, batch=2, rounding=rounding),
+                               residuals if rounding else None)
+    assert result.discarded and result.loss_after == result.loss_before
+    assert tuned is packed
+    for n, p in block.named_parameters():
+        assert p.dtype == before[n].dtype and torch.equal(p, before[n]), n
 
 
 def test_kv_scales_come_from_the_tuned_block(tiny, tmp_path, calib_file):  # noqa: F811
@@ -80,6 +149,8 @@ def test_bad_config_is_refused():
         TuneConfig(steps=3, lr=0.0)
     with pytest.raises(QinferError, match="e2e-steps >= 0"):
         TuneConfig(e2e_steps=-2)
+    with pytest.raises(QinferError, match="add --tune-steps"):
+        TuneConfig(rounding=True)
 
 
 def test_pipeline_tuning_brings_the_model_closer(tiny, tmp_path, calib_file):  # noqa: F811
@@ -96,6 +167,20 @@ def test_pipeline_tuning_brings_the_model_closer(tiny, tmp_path, calib_file):  #
     assert all(after < before for before, after in saved["tune_losses"].values())
     assert QuantScheme.load(tmp_path / "tuned") == scheme  # same stored format as without tuning
     assert "tuning left" in report.summary()
+
+
+def test_pipeline_learned_rounding_brings_the_model_closer_than_scales_alone(tiny, tmp_path, calib_file):  # noqa: F811
+    tiny = with_salient_channels(tiny, tmp_path)
+    calib = CalibConfig(source=str(calib_file), samples=16, seq_len=64)
+    ids = torch.tensor([Tokenizer.from_folder(tiny).encode(TEXT)[:64]])
+    scheme = QuantScheme(method="awq", bits=3, group_size=32)
+    quantize_model(tiny, tmp_path / "scales", scheme, calib, tune=TuneConfig(steps=30, lr=5e-3))
+    report = quantize_model(tiny, tmp_path / "rounded", scheme, calib, tune=TuneConfig(steps=30, lr=5e-3, rounding=True))
+    assert logits_error(tiny, tmp_path / "rounded", ids) < logits_error(tiny, tmp_path / "scales", ids)
+    assert all(after < before for before, after in report.tune_losses.values())
+    saved = json.loads((tmp_path / "rounded" / "quantize_report.json").read_text())
+    assert saved["tuning"]["rounding"] is True
+    assert QuantScheme.load(tmp_path / "rounded") == scheme
 
 
 def dense_copy(folder):

@@ -308,6 +308,8 @@ def test_fp_target_aims_at_the_unquantized_model(tiny, tmp_path, calib_file, mon
         (["--tune-steps", "-1"], "--tune-steps >= 0"),
         (["--bits", "8", "--format", "fp8", "--e2e-steps", "5"], "FP8 weights have none"),
         (["--e2e-steps", "-1"], "--e2e-steps >= 0"),
+        (["--tune-rounding"], "add --tune-steps"),
+        (["--tune-rounding", "--e2e-steps", "2"], "add --tune-steps"),
         (["--bits", "8", "--format", "fp8", "--mse-clip"], "clip search"),
         (["--method", "rtn", "--true-sequential"], "drop it for --method rtn"),
         (["--method", "rtn", "--fp-target"], "drop it for --method rtn"),
