@@ -3,7 +3,7 @@
 # tokens) unless a row says otherwise, perplexity and KL against the reference on held-out Persuasion
 # (2048 and 8192 tokens).
 # Usage: bash evals/benchmark_quantizers.sh [OUT] [--all]
-#   --all adds the slower tuning variants (block tuning, end-to-end combinations, GPTQ without sequential
+#   --all adds the slower tuning variants (block tuning, learned rounding, end-to-end combinations, GPTQ without sequential
 #   calibration; hours on 2 cores).
 set -euo pipefail
 out=qinfer-bench all=0
@@ -25,6 +25,7 @@ quant gptq-w4g128-fpt-mse --method gptq --bits 4 --fp-target --mse-clip
 if [ $all = 1 ]; then
   quant awq-w4g128-tuned --method awq --bits 4 --tune-steps 50
   quant awq-w4g128-seq --method awq --bits 4 --true-sequential
+  quant awq-w4g128-fpt-round --method awq --bits 4 --fp-target --tune-steps 100 --tune-rounding
   quant gptq-w4g128-tuned --method gptq --bits 4 --tune-steps 50
   quant gptq-w4g128-tuned-e2e --method gptq --bits 4 --tune-steps 50 --e2e-steps 128
   quant gptq-w4g128-mse-s256-e2e256 --method gptq --bits 4 --mse-clip --samples 256 --e2e-steps 256
