@@ -174,8 +174,9 @@ def test_pipeline_learned_rounding_brings_the_model_closer_than_scales_alone(tin
     calib = CalibConfig(source=str(calib_file), samples=16, seq_len=64)
     ids = torch.tensor([Tokenizer.from_folder(tiny).encode(TEXT)[:64]])
     scheme = QuantScheme(method="awq", bits=3, group_size=32)
-    quantize_model(tiny, tmp_path / "scales", scheme, calib, tune=TuneConfig(steps=30, lr=5e-3))
-    report = quantize_model(tiny, tmp_path / "rounded", scheme, calib, tune=TuneConfig(steps=30, lr=5e-3, rounding=True))
+    # 30 steps are too few to tell the two apart on these tiny models (1-2% either way); at 60 rounding is 17-23% closer
+    quantize_model(tiny, tmp_path / "scales", scheme, calib, tune=TuneConfig(steps=60, lr=5e-3))
+    report = quantize_model(tiny, tmp_path / "rounded", scheme, calib, tune=TuneConfig(steps=60, lr=5e-3, rounding=True))
     assert logits_error(tiny, tmp_path / "rounded", ids) < logits_error(tiny, tmp_path / "scales", ids)
     assert all(after < before for before, after in report.tune_losses.values())
     saved = json.loads((tmp_path / "rounded" / "quantize_report.json").read_text())
