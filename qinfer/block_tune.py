@@ -270,10 +270,10 @@ class _Rounding:
     """One weight's learned rounding: levels ``clamp(round(level + residual + v), lo, hi)``, ``v`` in [-0.5, 0.5]."""
 
     def __init__(self, w: QuantizedWeight, residual: torch.Tensor):
-        zero = 1 << (w.bits - 1) if w.zero is None else w.zero
-        self.zero = _expand(zero.float(), w) if isinstance(zero, torch.Tensor) else torch.tensor(float(zero))
+        levels = _levels(w)
+        self.zero = w.codes().float() - levels  # [N, K]
         self.lo, self.hi = -self.zero, (1 << w.bits) - 1 - self.zero
-        self.start = _levels(w) + residual  # W / scale, in grid steps
+        self.start = levels + residual  # W / scale, in grid steps
         self.v = torch.zeros(w.shape, requires_grad=True)
 
     def levels(self) -> torch.Tensor:
