@@ -113,7 +113,7 @@ def tune_block(
     if config.rounding:
         if residuals is None or set(residuals) != set(weights):
             raise ValueError("tune_block: config.rounding needs a rounding residual for every weight")
-        rounds = {n: _Rounding(w, residuals[n]) for n, w in weights.items()}
+        rounds = {n: _Rounding(w, levels[n], residuals[n]) for n, w in weights.items()}
 
     def dense() -> dict[str, torch.Tensor]:
         return {
@@ -267,10 +267,10 @@ def rounding_residual(W: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
 
 
 class _Rounding:
-    """One weight's learned rounding: levels ``clamp(round(level + residual + v), lo, hi)``, ``v`` in [-0.5, 0.5]."""
+    """One weight's learned rounding: levels ``clamp(round(level + residual + v), lo, hi)``, ``v`` in [-0.5, 0.5];
+    ``levels`` is :func:`_levels` of ``w``."""
 
-    def __init__(self, w: QuantizedWeight, residual: torch.Tensor):
-        levels = _levels(w)
+    def __init__(self, w: QuantizedWeight, levels: torch.Tensor, residual: torch.Tensor):
         self.zero = w.codes().float() - levels  # [N, K]
         self.lo, self.hi = -self.zero, (1 << w.bits) - 1 - self.zero
         self.start = levels + residual  # W / scale, in grid steps
