@@ -63,7 +63,7 @@ class TuneConfig:
     def __post_init__(self):
         if self.steps < 0 or self.e2e_steps < 0 or self.batch < 1 or not self.lr > 0:
             raise QinferError(
-                "tuning needs --tune-steps >= 0, --e2e-steps >= 0, a batch >= 1 and a positive rate "
+                "tuning needs --tune-steps >= 0, --e2e-steps >= 0, --tune-batch >= 1 and a positive --tune-lr "
                 f"(got {self.steps}, {self.e2e_steps}, {self.batch}, {self.lr})"
             )
         if self.rounding and not self.steps:

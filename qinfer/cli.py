@@ -143,6 +143,8 @@ def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed):
               help="After all blocks, tune every group scale and norm for N steps (one calibration sample each) on the "
                    "KL divergence to the unquantized model's next-token distribution (integer formats; ~9 s per step "
                    "for gemma3-270m on 2 CPU cores).")
+@click.option("--tune-batch", type=int, default=4, show_default=True,
+              help="Calibration samples per --tune-steps step (the step's time grows in proportion).")
 @click.option("--tune-lr", type=float, default=2e-3, show_default=True,
               help="Learning rate of --tune-steps and --e2e-steps.")
 @click.option("--mse-clip", is_flag=True,
@@ -160,8 +162,8 @@ def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed):
                    "one more [samples, seq-len, hidden] activation buffer).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache, calib, samples, seq_len, seed,
-             quantize_lm_head, lm_head_bits, tune_steps, tune_rounding, e2e_steps, tune_lr, mse_clip, true_sequential, fp_target,
-             force):
+             quantize_lm_head, lm_head_bits, tune_steps, tune_rounding, e2e_steps, tune_batch, tune_lr, mse_clip,
+             true_sequential, fp_target, force):
     """Quantize MODEL into the qinfer format (safetensors + quant_config.json) at OUT."""
     from qinfer.block_tune import TuneConfig
     from qinfer.format import QuantScheme
@@ -181,7 +183,8 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
                          mse_clip=mse_clip)
     calib_config = CalibConfig(source=calib, samples=samples, seq_len=seq_len, seed=seed, true_sequential=true_sequential,
                                fp_target=fp_target)
-    tune = TuneConfig(steps=tune_steps, lr=tune_lr, e2e_steps=e2e_steps, seed=seed, rounding=tune_rounding)
+    tune = TuneConfig(steps=tune_steps, lr=tune_lr, batch=tune_batch, e2e_steps=e2e_steps, seed=seed,
+                      rounding=tune_rounding)
     try:
         report = quantize_model(resolve_model(model), out, scheme, calib_config, force=force, tune=tune)
     except KeyboardInterrupt:

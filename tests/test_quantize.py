@@ -185,6 +185,12 @@ def test_cli_quantize_then_generate(tiny, tmp_path, calib_file):
                      "--calib", str(calib_file), "--samples", "8", "--seq-len", "32")
     assert fp8.returncode == 0, fp8.stderr  # FP8 needs no --sym
     assert (QuantScheme.load(tmp_path / "fp8").format, QuantScheme.load(tmp_path / "fp8").symmetric) == ("fp8", True)
+    tuned = run_qinfer("quantize", str(tiny), "-o", str(tmp_path / "tuned"), "--method", "rtn", "--group-size", "32",
+                       "--tune-steps", "2", "--tune-batch", "3", "--tune-rounding",
+                       "--calib", str(calib_file), "--samples", "8", "--seq-len", "32")
+    assert tuned.returncode == 0, tuned.stderr
+    saved = json.loads((tmp_path / "tuned" / "quantize_report.json").read_text())["tuning"]
+    assert (saved["steps"], saved["batch"], saved["rounding"]) == (2, 3, True)
     gen = run_qinfer("generate", str(out), "a single", "--max-tokens", "5")
     assert gen.returncode == 0, gen.stderr
     assert gen.stdout.startswith("a single")
@@ -306,6 +312,7 @@ def test_fp_target_aims_at_the_unquantized_model(tiny, tmp_path, calib_file, mon
         (["--seq-len", "100000", "--calib", "SHORT"], "too short"),
         (["--bits", "8", "--format", "fp8", "--tune-steps", "5"], "FP8 weights have none"),
         (["--tune-steps", "-1"], "--tune-steps >= 0"),
+        (["--tune-steps", "2", "--tune-batch", "0"], "--tune-batch >= 1"),
         (["--bits", "8", "--format", "fp8", "--e2e-steps", "5"], "FP8 weights have none"),
         (["--e2e-steps", "-1"], "--e2e-steps >= 0"),
         (["--tune-rounding"], "add --tune-steps"),
