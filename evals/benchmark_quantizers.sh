@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # The quantizer benchmark in the README: gemma3-270m at the quantize defaults (128 x 512 Austen calibration
 # tokens) unless a row says otherwise, perplexity and KL against the reference on held-out Persuasion
-# (2048 and 8192 tokens).
-# Usage: bash evals/benchmark_quantizers.sh [OUT] [--all]
+# (2048 and 8192 tokens; with --long also 32768).
+# Usage: bash evals/benchmark_quantizers.sh [OUT] [--all] [--long]
 #   --all adds the slower tuning variants (block tuning, learned rounding, end-to-end combinations, GPTQ without sequential
 #   calibration; hours on 2 cores).
+#   --long also scores every model on 32768 held-out tokens (slow: the reference and one model took 39 min on 2 AVX2
+#   cores).
 set -euo pipefail
-out=qinfer-bench all=0
-for a in "$@"; do if [ "$a" = --all ]; then all=1; else out=$a; fi; done
+out=qinfer-bench all=0 long=0
+for a in "$@"; do
+  case $a in --all) all=1 ;; --long) long=1 ;; *) out=$a ;; esac
+done
 q=$out/models
 mkdir -p "$q"
 models=()
@@ -40,3 +44,6 @@ for m in "${models[@]}"; do python -c "import json,sys; r=json.load(open(sys.arg
 # Scored twice: on the first 2048 held-out tokens, and on 8192 (four times the text, less noise).
 qinfer eval gemma3-270m "${models[@]}" --tasks none --no-speed --out "$out"
 qinfer eval gemma3-270m "${models[@]}" --tasks none --no-speed --max-tokens 8192 --out "$out/8192-tokens"
+if [ $long = 1 ]; then
+  qinfer eval gemma3-270m "${models[@]}" --tasks none --no-speed --max-tokens 32768 --out "$out/32768-tokens"
+fi
