@@ -41,7 +41,7 @@ quant gptq-w3g128 --method gptq --bits 3
 quant fp8-rtn --bits 8 --format fp8 --method rtn
 quant fp8 --bits 8 --format fp8
 for m in "${models[@]}"; do python -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[2], f\"{r['seconds']:.0f} s, peak RSS {r['peak_rss_bytes']/2**20:.0f} MiB\")" "$m/quantize_report.json" "$(basename "$m")"; done
-# Scored twice: on the first 2048 held-out tokens, and on 8192 (four times the text, less noise).
+# Scored on the first 2048 held-out tokens and on 8192 (four times the text, less noise); --long adds 32768.
 qinfer eval gemma3-270m "${models[@]}" --tasks none --no-speed --out "$out"
 qinfer eval gemma3-270m "${models[@]}" --tasks none --no-speed --max-tokens 8192 --out "$out/8192-tokens"
 if [ $long = 1 ]; then
