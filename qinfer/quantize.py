@@ -101,6 +101,8 @@ class CalibConfig:
     true_sequential: bool | None = None
     fp_target: bool = False  # GPTQ/AWQ: fit each linear to the unquantized model's output (quantizers.gptq.fp_target);
     # implies true_sequential, so that each group's target accounts for the groups before it being quantized
+    fp_target_damp: float = 0.3  # ridge of that fit, x mean(diag H): the aim is a regression on the quantized
+    # stream's inputs, and weakly excited directions of them otherwise take large, held-out-noisy weights
 
     def resolved(self, method: str) -> "CalibConfig":
         """These settings with the method's defaults filled in (what quantize_report.json records)."""
@@ -109,6 +111,8 @@ class CalibConfig:
     def __post_init__(self):
         if self.samples < 1 or self.seq_len < 2:
             raise QinferError(f"--samples must be >= 1 and --seq-len >= 2 (got {self.samples}, {self.seq_len})")
+        if not self.fp_target_damp > 0:
+            raise QinferError(f"--fp-target-damp must be > 0 (got {self.fp_target_damp}); the default is 0.3")
 
 
 @dataclass
@@ -209,7 +213,7 @@ def quantize_model(
                 s = linears.get(names[0])  # the group's linears read one input: one set of statistics
                 weights = {name: block.get_submodule(name).weight.data.float() for name in names}
                 if s is not None and s.D is not None:  # --fp-target: aim at the unquantized model's output
-                    weights = {name: fp_target(W, s.H, s.D, scheme.damp, name=f"model.layers.{i}.{name}")
+                    weights = {name: fp_target(W, s.H, s.D, calib.fp_target_damp, name=f"model.layers.{i}.{name}")
                                for name, W in weights.items()}
                 H, pending = None if s is None else s.H, None
                 if scheme.method == "awq" and sequential:  # scales searched on these inputs and weights

@@ -87,7 +87,9 @@ def _inverse_hessian_factor(H: torch.Tensor, damp: float) -> tuple[torch.Tensor,
 def fp_target(W: torch.Tensor, H: torch.Tensor, D: torch.Tensor, damp: float, *, name: str = "weight") -> torch.Tensor:
     """``W* = W + W D H^-1`` [N, K] in fp32: the weights whose outputs on the quantized model's inputs ``X``
     (``H = X^T X``) best match ``W``'s outputs on the unquantized model's inputs ``X~`` (``D = (X~ - X)^T X``);
-    ``H`` damped as GPTQ damps it. Columns of dead inputs come out zero, as GPTQ would make them."""
+    ``H`` damped as GPTQ damps it, by ``damp * mean(diag H)``: a ridge on that regression, shrinking the
+    correction towards ``W`` where the quantized inputs barely vary. Columns of dead inputs come out zero, as
+    GPTQ would make them."""
     K = W.shape[1]
     if tuple(D.shape) != (K, K):
         raise QinferError(f"{name}: input-shift matrix shape {list(D.shape)} does not match in_features K={K}")

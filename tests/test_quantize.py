@@ -277,17 +277,19 @@ def test_fp_target_aims_at_the_unquantized_model(tiny, tmp_path, calib_file, mon
 
     tiny = with_salient_channels(tiny, tmp_path)
     calib = CalibConfig(source=str(calib_file), samples=16, seq_len=64)
-    shifts = {}  # linear -> the input-shift matrix it was aimed with
+    shifts, damps = {}, set()  # linear -> the input-shift matrix it was aimed with; the ridges used
 
     def spy(W, H, D, damp, name):
         shifts[name] = D
+        damps.add(damp)
         return fp_target(W, H, D, damp, name=name)
 
     monkeypatch.setattr(pipeline, "fp_target", spy)
     scheme = QuantScheme(method=method, bits=3, group_size=32)
     quantize_model(tiny, tmp_path / "plain", scheme, calib)
     assert shifts == {}  # without --fp-target nothing is aimed
-    quantize_model(tiny, tmp_path / "aimed", scheme, replace(calib, fp_target=True))
+    quantize_model(tiny, tmp_path / "aimed", scheme, replace(calib, fp_target=True, fp_target_damp=0.5))
+    assert damps == {0.5}  # --fp-target-damp, not GPTQ's own damping
     # block 0's q/k/v read the embeddings, the same on both streams; its later linears read what its
     # quantized linears before them computed (captured group by group), and later blocks see the drift
     assert float(shifts["model.layers.0.self_attn.q_proj"].abs().max()) == 0.0
@@ -298,7 +300,8 @@ def test_fp_target_aims_at_the_unquantized_model(tiny, tmp_path, calib_file, mon
     ids = calibration_batch(tiny, calib)[:4]
     plain, aimed = logits_error(tiny, tmp_path / "plain", ids), logits_error(tiny, tmp_path / "aimed", ids)
     assert aimed < plain, (aimed, plain)
-    assert json.loads((tmp_path / "aimed" / "quantize_report.json").read_text())["calibration"]["fp_target"]
+    recorded = json.loads((tmp_path / "aimed" / "quantize_report.json").read_text())["calibration"]
+    assert recorded["fp_target"] and recorded["fp_target_damp"] == 0.5
 
 
 @pytest.mark.parametrize(
@@ -321,6 +324,7 @@ def test_fp_target_aims_at_the_unquantized_model(tiny, tmp_path, calib_file, mon
         (["--method", "rtn", "--true-sequential"], "drop it for --method rtn"),
         (["--method", "rtn", "--fp-target"], "drop it for --method rtn"),
         (["--fp-target", "--no-true-sequential"], "drop --no-true-sequential"),
+        (["--fp-target", "--fp-target-damp", "0"], "--fp-target-damp must be > 0"),
     ],
 )
 def test_cli_bad_options(tiny, tmp_path, args, needle):

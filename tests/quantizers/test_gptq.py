@@ -226,6 +226,14 @@ def test_fp_target_is_the_least_squares_fit_to_the_unquantized_output():
     torch.testing.assert_close(fp_target(W, H, torch.zeros(K, K), damp=0.01), W)  # no drift, no change
 
 
+def test_fp_target_damping_shrinks_the_correction_towards_the_weights():
+    W, X, X_ref = _shifted_problem()
+    H, D = X.T @ X, (X_ref - X).T @ X
+    corrections = [float((fp_target(W, H, D, damp=d) - W).norm()) for d in (1e-4, 0.01, 0.3, 3.0)]
+    assert all(a > b for a, b in zip(corrections, corrections[1:])), corrections  # a ridge: W D (H + d I)^-1
+    assert corrections[-1] < 0.5 * corrections[0], corrections
+
+
 def test_gptq_on_the_fp_target_lands_closer_to_the_unquantized_output():
     W, X, X_ref = _shifted_problem()
     H, D = X.T @ X, (X_ref - X).T @ X
