@@ -161,9 +161,9 @@ def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed):
                    "(asymmetric calibration, as GPTAQ), not to its own output on the quantized model's inputs; "
                    "runs an unquantized stream beside the quantized one and implies --true-sequential (slower, "
                    "one more [samples, seq-len, hidden] activation buffer).")
-@click.option("--fp-target-damp", type=float, default=0.3, show_default=True,
+@click.option("--fp-target-damp", type=float, default=None,
               help="--fp-target: ridge of each linear's fit to the unquantized output, as a fraction of the mean "
-                   "of diag(X^T X) (GPTQ's own damping stays 0.01).")
+                   "of diag(X^T X) (default 0.3; GPTQ's own damping stays 0.01).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache, calib, samples, seq_len, seed,
              quantize_lm_head, lm_head_bits, tune_steps, tune_rounding, e2e_steps, tune_batch, tune_lr, mse_clip,
@@ -185,8 +185,11 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
     scheme = QuantScheme(method=method, bits=bits, group_size=group_size, symmetric=sym, act_order=act_order,
                          format=fmt, kv_cache=kv_cache, quantize_lm_head=quantize_lm_head, lm_head_bits=lm_head_bits,
                          mse_clip=mse_clip)
+    if fp_target_damp is not None and not fp_target:
+        raise QinferError("--fp-target-damp sets the ridge of --fp-target's fit: add --fp-target, or drop it")
     calib_config = CalibConfig(source=calib, samples=samples, seq_len=seq_len, seed=seed, true_sequential=true_sequential,
-                               fp_target=fp_target, fp_target_damp=fp_target_damp)
+                               fp_target=fp_target,
+                               fp_target_damp=CalibConfig.fp_target_damp if fp_target_damp is None else fp_target_damp)
     tune = TuneConfig(steps=tune_steps, lr=tune_lr, batch=tune_batch, e2e_steps=e2e_steps, seed=seed,
                       rounding=tune_rounding)
     try:

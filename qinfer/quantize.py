@@ -106,7 +106,9 @@ class CalibConfig:
 
     def resolved(self, method: str) -> "CalibConfig":
         """These settings with the method's defaults filled in (what quantize_report.json records)."""
-        return self if self.true_sequential is not None else replace(self, true_sequential=method == "gptq")
+        if self.true_sequential is not None:
+            return self
+        return replace(self, true_sequential=method == "gptq" or (method == "awq" and self.fp_target))
 
     def __post_init__(self):
         if self.samples < 1 or self.seq_len < 2:

@@ -301,7 +301,7 @@ def test_fp_target_aims_at_the_unquantized_model(tiny, tmp_path, calib_file, mon
     plain, aimed = logits_error(tiny, tmp_path / "plain", ids), logits_error(tiny, tmp_path / "aimed", ids)
     assert aimed < plain, (aimed, plain)
     recorded = json.loads((tmp_path / "aimed" / "quantize_report.json").read_text())["calibration"]
-    assert recorded["fp_target"] and recorded["fp_target_damp"] == 0.5
+    assert recorded["fp_target"] and recorded["fp_target_damp"] == 0.5 and recorded["true_sequential"]  # implied
 
 
 @pytest.mark.parametrize(
@@ -325,6 +325,7 @@ def test_fp_target_aims_at_the_unquantized_model(tiny, tmp_path, calib_file, mon
         (["--method", "rtn", "--fp-target"], "drop it for --method rtn"),
         (["--fp-target", "--no-true-sequential"], "drop --no-true-sequential"),
         (["--fp-target", "--fp-target-damp", "0"], "--fp-target-damp must be > 0"),
+        (["--fp-target-damp", "0.1"], "add --fp-target"),
     ],
 )
 def test_cli_bad_options(tiny, tmp_path, args, needle):
