@@ -199,7 +199,7 @@ def quantize_model(
     arch = model.config.arch
     groups = tuple(g.linears for g in arch.linear_groups)
     label = scheme.method + (" + tuning" if tune.active else "")
-    sequential = calib.true_sequential or calib.fp_target
+    sequential = calib.true_sequential  # (resolved: --fp-target implies it)
     for i in tqdm(range(model.config.num_layers), desc=f"quantizing ({label})", unit="block"):
         block = model.model.layers[i]
         loaded = list(block.state_dict().values())  # views into the memory-mapped checkpoint (for a bf16 one)
