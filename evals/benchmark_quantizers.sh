@@ -3,8 +3,8 @@
 # tokens) unless a row says otherwise, perplexity and KL against the reference on held-out Persuasion
 # (2048 and 8192 tokens; with --long also 32768).
 # Usage: bash evals/benchmark_quantizers.sh [OUT] [--all] [--long]
-#   --all adds the slower tuning variants (block tuning, learned rounding, end-to-end combinations, GPTQ without sequential
-#   calibration; hours on 2 cores).
+#   --all adds the slower tuning variants (block tuning, learned rounding, AWQ with end-to-end tuning, GPTQ without
+#   sequential calibration; hours on 2 cores).
 #   --long also scores every model on 32768 held-out tokens (slow: the reference and one model took 39 min on 2 AVX2
 #   cores).
 set -euo pipefail
@@ -19,7 +19,6 @@ quant() { name=$1; shift; models+=("$q/$name"); [ -f "$q/$name/quant_config.json
 quant rtn-w4g128-sym --method rtn --bits 4 --sym
 quant rtn-w4g128 --method rtn --bits 4
 quant awq-w4g128 --method awq --bits 4
-quant awq-w4g128-mse-e2e --method awq --bits 4 --mse-clip --e2e-steps 128
 quant awq-w4g128-fpt --method awq --bits 4 --fp-target
 quant gptq-w4g128 --method gptq --bits 4
 quant gptq-w4g128-mse --method gptq --bits 4 --mse-clip
@@ -27,6 +26,7 @@ quant gptq-w4g128-e2e --method gptq --bits 4 --e2e-steps 128
 quant gptq-w4g128-fpt --method gptq --bits 4 --fp-target
 quant gptq-w4g128-fpt-mse --method gptq --bits 4 --fp-target --mse-clip
 if [ $all = 1 ]; then
+  quant awq-w4g128-mse-e2e --method awq --bits 4 --mse-clip --e2e-steps 128
   quant awq-w4g128-tuned --method awq --bits 4 --tune-steps 50
   quant awq-w4g128-seq --method awq --bits 4 --true-sequential
   quant awq-w4g128-fpt-round --method awq --bits 4 --fp-target --tune-steps 200 --tune-rounding
