@@ -2,15 +2,17 @@
 # The quantizer benchmark in the README: gemma3-270m at the quantize defaults (128 x 512 Austen calibration
 # tokens) unless a row says otherwise, perplexity and KL against the reference on held-out Persuasion
 # (2048 and 8192 tokens; with --long also 32768).
-# Usage: bash evals/benchmark_quantizers.sh [OUT] [--all] [--long]
+# Usage: bash evals/benchmark_quantizers.sh [OUT] [--all] [--long] [--seeds]
 #   --all adds the slower tuning variants (block tuning, learned rounding, AWQ with end-to-end tuning, GPTQ without
 #   sequential calibration; hours on 2 cores).
 #   --long also scores every model on 32768 held-out tokens (slow: the reference and one model took 39 min on 2 AVX2
 #   cores).
+#   --seeds adds the two rows the goals rest on (GPTQ --fp-target --mse-clip, AWQ --fp-target) on two more
+#   calibration draws (--seed 1 and 2; ~15 min on 2 AVX-512 cores), to show how far the draw moves them.
 set -euo pipefail
-out=qinfer-bench all=0 long=0
+out=qinfer-bench all=0 long=0 seeds=0
 for a in "$@"; do
-  case $a in --all) all=1 ;; --long) long=1 ;; *) out=$a ;; esac
+  case $a in --all) all=1 ;; --long) long=1 ;; --seeds) seeds=1 ;; *) out=$a ;; esac
 done
 q=$out/models
 mkdir -p "$q"
@@ -35,6 +37,12 @@ if [ $all = 1 ]; then
   quant gptq-w4g128-mse-s256-e2e256 --method gptq --bits 4 --mse-clip --samples 256 --e2e-steps 256
   quant gptq-w4g128-noseq --method gptq --bits 4 --no-true-sequential
   quant gptq-w4g128-mse-e2e --method gptq --bits 4 --mse-clip --e2e-steps 128
+fi
+if [ $seeds = 1 ]; then
+  for seed in 1 2; do
+    quant gptq-w4g128-fpt-mse-seed$seed --method gptq --bits 4 --fp-target --mse-clip --seed $seed
+    quant awq-w4g128-fpt-seed$seed --method awq --bits 4 --fp-target --seed $seed
+  done
 fi
 quant rtn-w3g128 --method rtn --bits 3
 quant gptq-w3g128 --method gptq --bits 3
