@@ -17,6 +17,13 @@ The block runs in float32 while tuning (bf16 gradients are too coarse for ``d``)
 rounded to float16 for storage and the whole-batch loss is reported before and after. Where the tuned block's
 whole-batch loss ends above the quantizer's own (the steps see a few samples each), the tuning is undone.
 
+With ``TuneConfig.holdout`` (``--tune-holdout N``) the last N calibration samples are kept out of the steps:
+every ``steps / 10`` steps the block's loss on them is measured, and the parameters of the check with the
+lowest held-out loss are kept (the quantizer's own where no check beat it), so a stage that goes on fitting
+the training samples at the held-out ones' expense is cut back to its best check. The curve of checks is
+returned (``TuneResult.held_out``): its drop against the whole-batch loss's shows how much of the fit carries
+over to samples the steps did not see.
+
 With ``TuneConfig.rounding`` (``--tune-rounding``) the block stage also learns which way each weight
 rounds, as AutoRound (Cheng et al., 2023, "Optimize Weight Rounding via Signed Gradient Descent") does:
 every weight's level becomes ``clamp(round(w / scale + v), lo, hi)`` with a learned ``v`` in ``[-0.5, 0.5]``
@@ -59,15 +66,18 @@ class TuneConfig:
     e2e_steps: int = 0  # end-to-end Adam steps of one calibration sample each; 0 = none
     seed: int = 0
     rounding: bool = False  # the block stage also learns each weight's rounding (AutoRound's signed descent)
+    holdout: int = 0  # block stage: calibration samples kept out of the steps to pick the best check; 0 = none
 
     def __post_init__(self):
-        if self.steps < 0 or self.e2e_steps < 0 or self.batch < 1 or not self.lr > 0:
+        if self.steps < 0 or self.e2e_steps < 0 or self.batch < 1 or not self.lr > 0 or self.holdout < 0:
             raise QinferError(
-                "tuning needs --tune-steps >= 0, --e2e-steps >= 0, --tune-batch >= 1 and a positive --tune-lr "
-                f"(got {self.steps}, {self.e2e_steps}, {self.batch}, {self.lr})"
+                "tuning needs --tune-steps >= 0, --e2e-steps >= 0, --tune-batch >= 1, --tune-holdout >= 0 and a "
+                f"positive --tune-lr (got {self.steps}, {self.e2e_steps}, {self.batch}, {self.holdout}, {self.lr})"
             )
         if self.rounding and not self.steps:
             raise QinferError("--tune-rounding learns the rounding in the block tuning stage: add --tune-steps N (e.g. 200)")
+        if self.holdout and not self.steps:
+            raise QinferError("--tune-holdout picks the best step of the block tuning stage: add --tune-steps N (e.g. 200)")
 
     @property
     def active(self) -> bool:
@@ -79,6 +89,8 @@ class TuneResult:
     loss_before: float  # block stage: mean squared output error over every calibration sample;
     loss_after: float  # end-to-end stage: mean per-token KL over the first E2E_EVAL_SAMPLES samples
     discarded: bool = False  # block stage: tuning raised the error, so the quantizer's weights were kept
+    best_step: int | None = None  # block stage with a holdout: the step whose parameters were kept (0 = none)
+    held_out: tuple[tuple[int, float], ...] = ()  # block stage with a holdout: (step, held-out loss) at each check
 
 
 E2E_EVAL_SAMPLES = 8  # the end-to-end KL is reported on this many calibration samples (a full pass is slow)
@@ -110,6 +122,7 @@ def tune_block(
     logs = {n: torch.zeros(w.scale.shape, requires_grad=True) for n, w in weights.items()}
     norms = {n: p.detach().float().clone().requires_grad_(True) for n, p in block.named_parameters() if _is_norm(n)}
     untuned = {n: p.detach().clone() for n, p in norms.items()}
+    rounds = {}
     if config.rounding:
         if residuals is None or set(residuals) != set(weights):
             raise ValueError("tune_block: config.rounding needs a rounding residual for every weight")
@@ -127,22 +140,39 @@ def tune_block(
         return (out - Y[idx].float()).pow(2).mean()
 
     @torch.no_grad()
-    def full_loss() -> float:
-        return sum(float(loss(torch.arange(i, min(i + 8, S)))) * min(8, S - i) for i in range(0, S, 8)) / S
+    def mean_loss(idx: torch.Tensor) -> float:
+        return sum(float(loss(idx[i:i + 8])) * len(idx[i:i + 8]) for i in range(0, len(idx), 8)) / len(idx)
 
+    def state() -> list[torch.Tensor]:  # everything the steps move
+        return [*logs.values(), *norms.values(), *(r.v for r in rounds.values())]
+
+    held = min(config.holdout, S - 1)  # at least one sample left to step on
+    train, val = S - held, torch.arange(S - held, S)
     block.float()
     try:
-        before = full_loss()
+        before = mean_loss(torch.arange(S))
+        best_val, best_step, best = (mean_loss(val), 0, [t.detach().clone() for t in state()]) if held else (0.0, None, None)
+        checks = [(0, best_val)] if held else []
         opt = torch.optim.Adam([*logs.values(), *norms.values()], lr=config.lr)
         gen = torch.Generator().manual_seed(config.seed + layer_idx)
+        every = max(1, config.steps // 10)
         for step in range(config.steps):
             opt.zero_grad()
-            loss(torch.randint(0, S, (min(config.batch, S),), generator=gen)).backward()
+            loss(torch.randint(0, train, (min(config.batch, train),), generator=gen)).backward()
             opt.step()
             if config.rounding:  # AutoRound's signed step, 1 / steps decaying linearly to 0
                 rate = (1 - step / config.steps) / config.steps
                 for r in rounds.values():
                     r.step(rate)
+            if held and ((step + 1) % every == 0 or step + 1 == config.steps):
+                held_loss = mean_loss(val)
+                checks.append((step + 1, held_loss))
+                if held_loss < best_val:
+                    best_val, best_step, best = held_loss, step + 1, [t.detach().clone() for t in state()]
+        if held:  # back to the parameters of the best check
+            with torch.no_grad():
+                for t, b in zip(state(), best):
+                    t.copy_(b)
         tuned = {n: replace(w, scale=_fp16(w.scale.float() * torch.exp(logs[n].detach()))) for n, w in weights.items()}
         if config.rounding:
             tuned = {n: rounds[n].apply(w) for n, w in tuned.items()}
@@ -151,8 +181,9 @@ def tune_block(
                 block.get_parameter(n).data = p.detach()
             for n, w in tuned.items():
                 block.get_submodule(n).weight.data = w.dequantize(torch.float32)
-            after = full_loss()
-            discarded = after > before  # noisy minibatch steps can end worse: keep the quantizer's own
+            after = mean_loss(torch.arange(S))
+            # noisy minibatch steps can end worse: keep the quantizer's own (with a holdout: where no check beat it)
+            discarded = best_step == 0 if held else after > before
             if discarded:
                 tuned, norms, after = weights, untuned, before
                 for n, w in weights.items():
@@ -160,7 +191,7 @@ def tune_block(
     finally:
         block.to(dtype)
     _keep_norms(block, norms, dtype)
-    return tuned, TuneResult(before, after, discarded)
+    return tuned, TuneResult(before, after, discarded, best_step, tuple(checks))
 
 
 def tune_end_to_end(

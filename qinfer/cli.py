@@ -148,6 +148,9 @@ def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed):
               help="Calibration samples per --tune-steps step (the step's time grows in proportion).")
 @click.option("--tune-lr", type=float, default=2e-3, show_default=True,
               help="Learning rate of --tune-steps and --e2e-steps.")
+@click.option("--tune-holdout", type=int, default=0, show_default=True,
+              help="With --tune-steps: keep N calibration samples out of the steps and keep, per block, the "
+                   "parameters of the check (every steps/10) with the least output error on them.")
 @click.option("--mse-clip", is_flag=True,
               help="Integer formats: each group's range is the shrink of its min/max (100 steps down to 0.2x) "
                    "with the least |w - q(w)|^2.4, instead of the min/max itself.")
@@ -166,7 +169,7 @@ def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed):
                    "of diag(X^T X) (default 0.3; GPTQ's own damping stays 0.01).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache, calib, samples, seq_len, seed,
-             quantize_lm_head, lm_head_bits, tune_steps, tune_rounding, e2e_steps, tune_batch, tune_lr, mse_clip,
+             quantize_lm_head, lm_head_bits, tune_steps, tune_rounding, e2e_steps, tune_batch, tune_lr, tune_holdout, mse_clip,
              true_sequential, fp_target, fp_target_damp, force):
     """Quantize MODEL into the qinfer format (safetensors + quant_config.json) at OUT."""
     from qinfer.block_tune import TuneConfig
@@ -191,7 +194,7 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
                                fp_target=fp_target,
                                fp_target_damp=CalibConfig.fp_target_damp if fp_target_damp is None else fp_target_damp)
     tune = TuneConfig(steps=tune_steps, lr=tune_lr, batch=tune_batch, e2e_steps=e2e_steps, seed=seed,
-                      rounding=tune_rounding)
+                      rounding=tune_rounding, holdout=tune_holdout)
     try:
         report = quantize_model(resolve_model(model), out, scheme, calib_config, force=force, tune=tune)
     except KeyboardInterrupt:

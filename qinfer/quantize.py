@@ -129,6 +129,8 @@ class QuantizeReport:
     layer_errors: dict[str, float] = field(default_factory=dict)
     tune_losses: dict[str, tuple[float, float]] = field(default_factory=dict)  # block -> (before, after)
     tune_discarded: list[str] = field(default_factory=list)  # blocks whose tuning raised the error (undone)
+    tune_best_steps: dict[str, int] = field(default_factory=dict)  # --tune-holdout: block -> the step kept
+    tune_held_out: dict[str, list] = field(default_factory=dict)  # --tune-holdout: block -> [(step, loss)] checks
     e2e_kl: tuple[float, float] | None = None  # end-to-end tuning: KL to the unquantized model (before, after)
     compute_dtype: str = "bfloat16"  # what the blocks ran in during calibration
 
@@ -149,6 +151,9 @@ class QuantizeReport:
             text += f"\ntuning left {kept[len(kept) // 2]:.0%} of the block output error (median over blocks)"
             if self.tune_discarded:
                 text += f"; undone in {len(self.tune_discarded)} where it raised it ({', '.join(self.tune_discarded)})"
+            if self.tune_best_steps:
+                steps = sorted(self.tune_best_steps.values())
+                text += f"; held-out check kept step {steps[len(steps) // 2]} (median over blocks)"
         if self.e2e_kl is not None:
             text += (f"\nend-to-end tuning: KL to the unquantized model {self.e2e_kl[0]:.4f} -> {self.e2e_kl[1]:.4f} "
                      f"(first {E2E_EVAL_SAMPLES} calibration samples)")
@@ -171,6 +176,9 @@ def quantize_model(
     tune = tune or TuneConfig()
     if tune.active and scheme.format != "int":
         raise QinferError("--tune-steps/--e2e-steps tune integer group scales; FP8 weights have none (drop them)")
+    if tune.holdout and tune.holdout >= calib.samples:
+        raise QinferError(f"--tune-holdout {tune.holdout} leaves none of the {calib.samples} calibration samples to tune "
+                          "on: hold out fewer, or raise --samples")
     if out.exists() and not force:
         raise QinferError(f"{out} already exists: choose another -o or pass --force to replace it")
     if (folder / "quant_config.json").exists():
@@ -248,6 +256,9 @@ def quantize_model(
                 report.tune_losses[f"model.layers.{i}"] = (result.loss_before, result.loss_after)
                 if result.discarded:
                     report.tune_discarded.append(f"model.layers.{i}")
+                if result.best_step is not None:
+                    report.tune_best_steps[f"model.layers.{i}"] = result.best_step
+                    report.tune_held_out[f"model.layers.{i}"] = [list(c) for c in result.held_out]
                 if scheme.kv_cache != "none":  # the tuned q/k norms move the keys: measure the ranges again
                     stats = capture_block(model, i, X_in, groups)
             quantized.update({f"model.layers.{i}.{name}": qw for name, qw in packed.items()})
@@ -370,6 +381,8 @@ def _report_json(report: QuantizeReport, scheme: QuantScheme, calib: CalibConfig
         "tuning": tune.__dict__,
         "tune_losses": report.tune_losses,
         "tune_discarded": report.tune_discarded,
+        "tune_best_steps": report.tune_best_steps,
+        "tune_held_out": report.tune_held_out,
         "e2e_kl": report.e2e_kl,
         "compute_dtype": report.compute_dtype,
         "code": code_fingerprint(),

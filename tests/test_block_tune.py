@@ -110,8 +110,8 @@ def test_zero_steps_change_nothing(tiny):  # noqa: F811
     assert torch.equal(tuned[name].scale, w.scale) and result.loss_after == pytest.approx(result.loss_before, rel=1e-6)
 
 
-@pytest.mark.parametrize("rounding", [False, True])
-def test_tuning_that_raises_the_error_is_undone(tiny, rounding):  # noqa: F811
+@pytest.mark.parametrize("rounding,holdout", [(False, 0), (True, 0), (True, 2)])
+def test_tuning_that_raises_the_error_is_undone(tiny, rounding, holdout):  # noqa: F811
     model = load_model(tiny, dtype=torch.bfloat16)
     block = model.model.layers[1]
     X = (torch.randn(4, 16, model.config.hidden_size, generator=torch.Generator().manual_seed(2)) * 2).to(torch.bfloat16)
@@ -119,12 +119,48 @@ def test_tuning_that_raises_the_error_is_undone(tiny, rounding):  # noqa: F811
     packed, residuals = rtn_block(model, 1, QuantScheme(method="rtn", bits=3, group_size=32))
     before = {n: p.detach().clone() for n, p in block.named_parameters()}
     # a rate this large throws the scales and norms far off: the tuned block is worse than the quantizer's
-    tuned, result = tune_block(model, 1, packed, X, Y, TuneConfig(steps=5, lr=3.0, batch=2, rounding=rounding),
-                               residuals if rounding else None)
+    config = TuneConfig(steps=5, lr=3.0, batch=2, rounding=rounding, holdout=holdout)
+    tuned, result = tune_block(model, 1, packed, X, Y, config, residuals if rounding else None)
     assert result.discarded and result.loss_after == result.loss_before
+    assert result.best_step == (0 if holdout else None)
     assert tuned is packed
     for n, p in block.named_parameters():
         assert p.dtype == before[n].dtype and torch.equal(p, before[n]), n
+
+
+def test_holdout_keeps_the_check_with_the_least_held_out_error(tiny):  # noqa: F811
+    model = load_model(tiny, dtype=torch.float32)
+    X = torch.randn(12, 16, model.config.hidden_size, generator=torch.Generator().manual_seed(3)) * 2
+    Y = run_block(model, 1, X)
+    packed, residuals = rtn_block(model, 1, QuantScheme(method="rtn", bits=3, group_size=32))
+    tuned, result = tune_block(model, 1, packed, X, Y, TuneConfig(steps=30, lr=5e-3, batch=4, rounding=True, holdout=4),
+                               residuals)
+    steps = [step for step, _ in result.held_out]
+    assert steps == list(range(0, 31, 3))  # the quantizer's own, then every steps / 10
+    best_step, best_loss = min(result.held_out, key=lambda c: c[1])
+    assert result.best_step == best_step > 0 and not result.discarded
+    # the block holds the parameters of that check: its error on the held-out samples is the best one
+    held = float((run_block(model, 1, X[8:]) - Y[8:]).pow(2).mean())
+    assert held == pytest.approx(best_loss, rel=0.02)
+    assert held < 0.95 * result.held_out[0][1]
+
+
+def test_holdout_undoes_tuning_that_only_fits_the_training_samples(tiny):  # noqa: F811
+    """Held-out targets the quantized block already meets exactly: every step away from the quantizer's own
+    parameters raises the held-out error, though it lowers the training samples' error."""
+    results = {}
+    for holdout in (0, 2):
+        model = load_model(tiny, dtype=torch.float32)
+        X = torch.randn(6, 16, model.config.hidden_size, generator=torch.Generator().manual_seed(4)) * 2
+        Y = run_block(model, 1, X)
+        packed, residuals = rtn_block(model, 1, QuantScheme(method="rtn", bits=3, group_size=32))
+        Y[4:] = run_block(model, 1, X[4:])  # the quantized block's own output
+        config = TuneConfig(steps=20, lr=5e-3, batch=2, rounding=True, holdout=holdout)
+        tuned, results[holdout] = tune_block(model, 1, packed, X, Y, config, residuals)
+        assert (tuned is packed) == bool(holdout)
+    assert not results[0].discarded and results[0].loss_after < results[0].loss_before
+    assert results[2].discarded and results[2].best_step == 0 and len(results[2].held_out) == 11
+    assert all(loss > results[2].held_out[0][1] for _, loss in results[2].held_out[1:])
 
 
 def test_kv_scales_come_from_the_tuned_block(tiny, tmp_path, calib_file):  # noqa: F811
@@ -151,6 +187,10 @@ def test_bad_config_is_refused():
         TuneConfig(e2e_steps=-2)
     with pytest.raises(QinferError, match="add --tune-steps"):
         TuneConfig(rounding=True)
+    with pytest.raises(QinferError, match="tune-holdout picks .* add --tune-steps"):
+        TuneConfig(holdout=8)
+    with pytest.raises(QinferError, match="tune-holdout >= 0"):
+        TuneConfig(steps=3, holdout=-1)
 
 
 def test_pipeline_tuning_brings_the_model_closer(tiny, tmp_path, calib_file):  # noqa: F811

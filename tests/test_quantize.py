@@ -186,11 +186,16 @@ def test_cli_quantize_then_generate(tiny, tmp_path, calib_file):
     assert fp8.returncode == 0, fp8.stderr  # FP8 needs no --sym
     assert (QuantScheme.load(tmp_path / "fp8").format, QuantScheme.load(tmp_path / "fp8").symmetric) == ("fp8", True)
     tuned = run_qinfer("quantize", str(tiny), "-o", str(tmp_path / "tuned"), "--method", "rtn", "--group-size", "32",
-                       "--tune-steps", "2", "--tune-batch", "3", "--tune-rounding",
+                       "--tune-steps", "2", "--tune-batch", "3", "--tune-rounding", "--tune-holdout", "2",
                        "--calib", str(calib_file), "--samples", "8", "--seq-len", "32")
     assert tuned.returncode == 0, tuned.stderr
-    saved = json.loads((tmp_path / "tuned" / "quantize_report.json").read_text())["tuning"]
-    assert (saved["steps"], saved["batch"], saved["rounding"]) == (2, 3, True)
+    assert "held-out check kept step" in tuned.stdout
+    saved = json.loads((tmp_path / "tuned" / "quantize_report.json").read_text())
+    assert (saved["tuning"]["steps"], saved["tuning"]["batch"], saved["tuning"]["rounding"]) == (2, 3, True)
+    assert saved["tuning"]["holdout"] == 2
+    layers = load_model(tiny).config.num_layers
+    assert len(saved["tune_best_steps"]) == layers and set(saved["tune_best_steps"].values()) <= {0, 1, 2}
+    assert all([step for step, _ in checks] == [0, 1, 2] for checks in saved["tune_held_out"].values())
     gen = run_qinfer("generate", str(out), "a single", "--max-tokens", "5")
     assert gen.returncode == 0, gen.stderr
     assert gen.stdout.startswith("a single")
@@ -320,6 +325,8 @@ def test_fp_target_aims_at_the_unquantized_model(tiny, tmp_path, calib_file, mon
         (["--e2e-steps", "-1"], "--e2e-steps >= 0"),
         (["--tune-rounding"], "add --tune-steps"),
         (["--tune-rounding", "--e2e-steps", "2"], "add --tune-steps"),
+        (["--tune-holdout", "4"], "add --tune-steps"),
+        (["--tune-steps", "2", "--tune-holdout", "8", "--samples", "8"], "leaves none of the 8 calibration samples"),
         (["--bits", "8", "--format", "fp8", "--mse-clip"], "clip search"),
         (["--method", "rtn", "--true-sequential"], "drop it for --method rtn"),
         (["--method", "rtn", "--fp-target"], "drop it for --method rtn"),
