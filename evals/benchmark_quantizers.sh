@@ -32,6 +32,8 @@ if [ $all = 1 ]; then
   quant awq-w4g128-tuned --method awq --bits 4 --tune-steps 50
   quant awq-w4g128-seq --method awq --bits 4 --true-sequential
   quant awq-w4g128-fpt-round --method awq --bits 4 --fp-target --tune-steps 200 --tune-rounding
+  quant awq-w4g128-fpt-round-s512 --method awq --bits 4 --fp-target --samples 512 --tune-steps 200 --tune-rounding \
+    --tune-holdout 16
   quant gptq-w4g128-tuned --method gptq --bits 4 --tune-steps 50
   quant gptq-w4g128-tuned-e2e --method gptq --bits 4 --tune-steps 50 --e2e-steps 128
   quant gptq-w4g128-mse-s256-e2e256 --method gptq --bits 4 --mse-clip --samples 256 --e2e-steps 256
