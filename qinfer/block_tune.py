@@ -151,8 +151,10 @@ def tune_block(
     block.float()
     try:
         before = mean_loss(torch.arange(S))
-        best_val, best_step, best = (mean_loss(val), 0, [t.detach().clone() for t in state()]) if held else (0.0, None, None)
-        checks = [(0, best_val)] if held else []
+        best_val, best_step, best, checks = 0.0, None, None, []
+        if held:  # check 0: the quantizer's own parameters
+            best_val, best_step, best = mean_loss(val), 0, [t.detach().clone() for t in state()]
+            checks.append((0, best_val))
         opt = torch.optim.Adam([*logs.values(), *norms.values()], lr=config.lr)
         gen = torch.Generator().manual_seed(config.seed + layer_idx)
         every = max(1, config.steps // 10)

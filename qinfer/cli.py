@@ -169,8 +169,8 @@ def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed):
                    "of diag(X^T X) (default 0.3; GPTQ's own damping stays 0.01).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache, calib, samples, seq_len, seed,
-             quantize_lm_head, lm_head_bits, tune_steps, tune_rounding, e2e_steps, tune_batch, tune_lr, tune_holdout, mse_clip,
-             true_sequential, fp_target, fp_target_damp, force):
+             quantize_lm_head, lm_head_bits, tune_steps, tune_rounding, e2e_steps, tune_batch, tune_lr, tune_holdout,
+             mse_clip, true_sequential, fp_target, fp_target_damp, force):
     """Quantize MODEL into the qinfer format (safetensors + quant_config.json) at OUT."""
     from qinfer.block_tune import TuneConfig
     from qinfer.format import QuantScheme
