@@ -1,0 +1,66 @@
+"""Where a quantized model's block outputs differ from the reference's: per block, per sample, per token.
+
+Runs the reference and the quantized model side by side, block by block, on calibration windows drawn as
+``qinfer quantize`` draws them (same ``--calib`` source, ``--samples``, ``--seq-len`` and ``--seed``; ``--pick`` of them
+are scored: the first ones and the last 16, which ``--tune-holdout 16`` keeps out), and prints each block's
+mean squared output error, its largest per-sample errors and, after the last block, the tokens with the largest
+errors and the share of the error they hold::
+
+    python -m qinfer.evals.block_errors gemma3-270m OUT --samples 512 --seed 1 --blocks 10
+
+Diagnostic only: nothing is written.
+"""
+
+import click
+import torch
+
+from qinfer.calib.capture import embed_samples, run_block
+from qinfer.loader import load_model
+from qinfer.quantize import CalibConfig, calibration_batch
+from qinfer.sources import resolve_model
+from qinfer.tokenizer import Tokenizer
+
+HELD = 16  # the last samples are scored too: --tune-holdout's, the usual choice
+
+
+@click.command()
+@click.argument("model")
+@click.argument("quantized")
+@click.option("--calib", default="austen", show_default=True, help="The calibration source, as for qinfer quantize.")
+@click.option("--samples", type=int, default=128, show_default=True)
+@click.option("--seq-len", type=int, default=512, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--pick", type=int, default=64, show_default=True, help="Samples scored: the first PICK-16 and the last 16.")
+@click.option("--blocks", type=int, default=None, help="Blocks to run (default: all).")
+@click.option("--top", type=int, default=15, show_default=True, help="Tokens listed after the last block.")
+@torch.no_grad()
+def main(model, quantized, calib, samples, seq_len, seed, pick, blocks, top):
+    folder = resolve_model(model)
+    ids = calibration_batch(folder, CalibConfig(source=calib, samples=samples, seq_len=seq_len, seed=seed))
+    held = min(HELD, pick // 2)
+    rows = torch.cat([torch.arange(0, pick - held), torch.arange(samples - held, samples)]).unique()
+    ids = ids[rows]
+    ref, quant = load_model(folder), load_model(resolve_model(quantized))
+    tok = Tokenizer.from_folder(folder)
+    X_ref = embed_samples(ref, ids, torch.bfloat16)
+    X = X_ref.clone()
+    blocks = blocks or ref.config.num_layers
+    for i in range(blocks):
+        X_ref, X = run_block(ref, i, X_ref), run_block(quant, i, X)
+        err = (X.float() - X_ref.float()).pow(2).mean(-1)  # [samples, tokens]
+        worst = err.mean(1).argsort(descending=True)[:5]
+        print(f"block {i}: mean squared error {float(err.mean()):.3g} (token 0: {float(err[:, 0].mean()):.3g}); "
+              "largest samples " + ", ".join(f"#{int(rows[j])} {float(err[j].mean()):.3g}" for j in worst))
+    size = X_ref.float().pow(2).mean(-1)
+    body = err[:, 1:].flatten()
+    for f in body.argsort(descending=True)[:top]:
+        s, p = divmod(int(f), err.shape[1] - 1)
+        p += 1
+        print(f"  sample #{int(rows[s])} token {p}: error {float(err[s, p]):.3g}, reference mean square "
+              f"{float(size[s, p]):.3g}, text {tok.decode(ids[s, max(0, p - 6):p + 1].tolist())!r}")
+    share = float(body.sort(descending=True).values[: max(1, body.numel() // 1000)].sum() / body.sum())
+    print(f"the largest 0.1% of tokens (after token 0) hold {share:.0%} of block {blocks - 1}'s squared error")
+
+
+if __name__ == "__main__":
+    main()

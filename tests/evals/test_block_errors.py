@@ -1,0 +1,21 @@
+import re
+
+from click.testing import CliRunner
+
+from qinfer.evals.block_errors import main
+from qinfer.format import QuantScheme
+from qinfer.quantize import CalibConfig, quantize_model
+from tests.test_quantize import calib_file, tiny  # noqa: F401 (fixtures)
+
+
+def test_block_errors_reports_every_block_and_the_worst_tokens(tiny, tmp_path, calib_file):  # noqa: F811
+    quantize_model(tiny, tmp_path / "q", QuantScheme(method="rtn", bits=3, group_size=32), CalibConfig())
+    args = [str(tiny), str(tmp_path / "q"), "--calib", str(calib_file), "--samples", "8", "--seq-len", "32",
+            "--pick", "4", "--top", "3"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    errors = [float(m) for m in re.findall(r"^block \d+: mean squared error (\S+)", result.output, re.M)]
+    assert len(errors) == 3 and all(e > 0 for e in errors)  # the tiny models have 3 blocks; 3-bit RTN errs
+    assert len(re.findall(r"^  sample #[0-7] token \d+: error", result.output, re.M)) == 3
+    share = int(re.search(r"the largest 0.1% of tokens \(after token 0\) hold (\d+)%", result.output).group(1))
+    assert 0 < share <= 100
