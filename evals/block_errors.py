@@ -30,7 +30,8 @@ HELD = 16  # the last samples are scored too: --tune-holdout's, the usual choice
 @click.option("--samples", type=int, default=128, show_default=True)
 @click.option("--seq-len", type=int, default=512, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--pick", type=int, default=64, show_default=True, help="Samples scored: the first PICK-16 and the last 16.")
+@click.option("--pick", type=int, default=64, show_default=True,
+              help="Samples scored: the first PICK-16 and the last 16.")
 @click.option("--blocks", type=int, default=None, help="Blocks to run (default: all).")
 @click.option("--top", type=int, default=15, show_default=True, help="Tokens listed after the last block.")
 @torch.no_grad()
