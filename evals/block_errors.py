@@ -38,6 +38,7 @@ HELD = 16  # the last samples are scored too: --tune-holdout's, the usual choice
 def main(model, quantized, calib, samples, seq_len, seed, pick, blocks, top):
     folder = resolve_model(model)
     ids = calibration_batch(folder, CalibConfig(source=calib, samples=samples, seq_len=seq_len, seed=seed))
+    pick = min(pick, samples)
     held = min(HELD, pick // 2)
     rows = torch.cat([torch.arange(0, pick - held), torch.arange(samples - held, samples)]).unique()
     ids = ids[rows]
