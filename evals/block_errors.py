@@ -15,6 +15,7 @@ import click
 import torch
 
 from qinfer.calib.capture import embed_samples, run_block
+from qinfer.errors import QinferError
 from qinfer.loader import load_model
 from qinfer.quantize import CalibConfig, calibration_batch
 from qinfer.sources import resolve_model
@@ -34,15 +35,22 @@ HELD = 16  # the last samples are scored too: --tune-holdout's, the usual choice
               help="Samples scored: the first PICK-16 and the last 16.")
 @click.option("--blocks", type=int, default=None, help="Blocks to run (default: all).")
 @click.option("--top", type=int, default=15, show_default=True, help="Tokens listed after the last block.")
-@torch.no_grad()
 def main(model, quantized, calib, samples, seq_len, seed, pick, blocks, top):
-    folder = resolve_model(model)
+    try:
+        _report(model, quantized, calib, samples, seq_len, seed, pick, blocks, top)
+    except QinferError as e:  # a bad path or checkpoint: one line, as the qinfer commands give it
+        raise click.ClickException(str(e)) from None
+
+
+@torch.no_grad()
+def _report(model, quantized, calib, samples, seq_len, seed, pick, blocks, top):
+    folder, quantized = resolve_model(model), resolve_model(quantized)  # both paths checked before any work
     ids = calibration_batch(folder, CalibConfig(source=calib, samples=samples, seq_len=seq_len, seed=seed))
     pick = min(pick, samples)
     held = min(HELD, pick // 2)
     rows = torch.cat([torch.arange(0, pick - held), torch.arange(samples - held, samples)]).unique()
     ids = ids[rows]
-    ref, quant = load_model(folder), load_model(resolve_model(quantized))
+    ref, quant = load_model(folder), load_model(quantized)
     tok = Tokenizer.from_folder(folder)
     X_ref = embed_samples(ref, ids, torch.bfloat16)
     X = X_ref.clone()

@@ -19,3 +19,10 @@ def test_block_errors_reports_every_block_and_the_worst_tokens(tiny, tmp_path, c
     assert len(re.findall(r"^  sample #[0-7] token \d+: error", result.output, re.M)) == 3
     share = int(re.search(r"the largest 0.1% of tokens \(after token 0\) hold (\d+)%", result.output).group(1))
     assert 0 < share <= 100
+
+
+def test_block_errors_names_a_bad_model_folder_in_one_line(tiny, tmp_path):  # noqa: F811
+    result = CliRunner().invoke(main, [str(tiny), str(tmp_path / "missing")])
+    assert result.exit_code == 1 and result.exception is not None
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+    assert "missing" in result.output and result.output.startswith("Error: ")
