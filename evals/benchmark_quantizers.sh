@@ -9,7 +9,7 @@
 #   cores).
 #   --seeds adds the two rows the goals rest on (GPTQ --fp-target --mse-clip, AWQ --fp-target) on two more
 #   calibration draws (--seed 1 and 2; ~15 min on 2 AVX-512 cores), to show how far the draw moves them; with
-#   --all also AWQ --fp-target + learned rounding on 512 samples at --seed 1.
+#   --all also AWQ --fp-target + learned rounding on 512 samples at --seed 1 and 2.
 set -euo pipefail
 out=qinfer-bench all=0 long=0 seeds=0
 for a in "$@"; do
@@ -46,9 +46,11 @@ if [ $seeds = 1 ]; then
     quant gptq-w4g128-fpt-mse-seed$seed --method gptq --bits 4 --fp-target --mse-clip --seed $seed
     quant awq-w4g128-fpt-seed$seed --method awq --bits 4 --fp-target --seed $seed
   done
-  if [ $all = 1 ]; then  # learned rounding on 512 samples, the second draw (~70 min on 2 AVX-512 cores)
-    quant awq-w4g128-fpt-round-s512-seed1 --method awq --bits 4 --fp-target --samples 512 --tune-steps 200 \
-      --tune-rounding --tune-holdout 16 --seed 1
+  if [ $all = 1 ]; then  # learned rounding on 512 samples, two more draws (70-80 min each on 2 AVX-512 cores)
+    for seed in 1 2; do
+      quant awq-w4g128-fpt-round-s512-seed$seed --method awq --bits 4 --fp-target --samples 512 --tune-steps 200 \
+        --tune-rounding --tune-holdout 16 --seed $seed
+    done
   fi
 fi
 quant rtn-w3g128 --method rtn --bits 3
