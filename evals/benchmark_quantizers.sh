@@ -45,13 +45,11 @@ if [ $seeds = 1 ]; then
   for seed in 1 2; do
     quant gptq-w4g128-fpt-mse-seed$seed --method gptq --bits 4 --fp-target --mse-clip --seed $seed
     quant awq-w4g128-fpt-seed$seed --method awq --bits 4 --fp-target --seed $seed
-  done
-  if [ $all = 1 ]; then  # learned rounding on 512 samples, two more draws (70-80 min each on 2 AVX-512 cores)
-    for seed in 1 2; do
+    if [ $all = 1 ]; then  # learned rounding on 512 samples (70-80 min each on 2 AVX-512 cores)
       quant awq-w4g128-fpt-round-s512-seed$seed --method awq --bits 4 --fp-target --samples 512 --tune-steps 200 \
         --tune-rounding --tune-holdout 16 --seed $seed
-    done
-  fi
+    fi
+  done
 fi
 quant rtn-w3g128 --method rtn --bits 3
 quant gptq-w3g128 --method gptq --bits 3
