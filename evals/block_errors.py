@@ -63,12 +63,13 @@ def _report(model, quantized, calib, samples, seq_len, seed, pick, blocks, top):
               "largest samples " + ", ".join(f"#{int(rows[j])} {float(err[j].mean()):.3g}" for j in worst))
     size = X_ref.float().pow(2).mean(-1)
     body = err[:, 1:].flatten()
-    for f in body.argsort(descending=True)[:top]:
+    order = body.argsort(descending=True)  # one sort for the listing and the share
+    for f in order[:top]:
         s, p = divmod(int(f), err.shape[1] - 1)
         p += 1
         print(f"  sample #{int(rows[s])} token {p}: error {float(err[s, p]):.3g}, reference mean square "
               f"{float(size[s, p]):.3g}, text {tok.decode(ids[s, max(0, p - 6):p + 1].tolist())!r}")
-    share = float(body.sort(descending=True).values[: max(1, body.numel() // 1000)].sum() / body.sum())
+    share = float(body[order[: max(1, body.numel() // 1000)]].sum() / body.sum())
     print(f"the largest 0.1% of tokens (after token 0) hold {share:.0%} of block {blocks - 1}'s squared error")
 
 
