@@ -203,9 +203,10 @@ def check_int_shape(shape: tuple[int, ...], bits: int, group_size: int, name: st
         raise QinferError(f"{name}: expected a 2-D weight [N, K], got shape {tuple(shape)}")
     K = shape[1]
     if group_size != -1 and K % group_size:
+        fits = [g for g in GROUP_SIZES if g != -1 and K % g == 0]
         raise QinferError(
-            f"{name}: group_size {group_size} does not divide in_features K={K}; use a group size that divides K "
-            "or -1 (per channel)"
+            f"{name}: group_size {group_size} does not divide in_features K={K}; use a group size that divides K"
+            f"{f' (--group-size {max(fits)})' if fits else ''} or -1 (per channel)"
         )
     if K * bits % 8:
         raise QinferError(f"{name}: K={K} codes of {bits} bits do not fill whole bytes (need K*bits % 8 == 0)")

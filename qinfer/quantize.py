@@ -60,7 +60,7 @@ from qinfer.calib.capture import (
 from qinfer.calib.sampling import sample_windows
 from qinfer.calib.sources import load_calibration_documents
 from qinfer.errors import QinferError
-from qinfer.format import QuantScheme
+from qinfer.format import QuantScheme, check_int_shape
 from qinfer.interop.folders import SIDE_FILES
 from qinfer.loader import drop_pages, load_model
 from qinfer.model import Transformer
@@ -195,6 +195,7 @@ def quantize_model(
     start = time.perf_counter()
     reuse_freed_memory()
     model = load_model(folder, dtype=torch.bfloat16)
+    _check_shapes(model, scheme)  # before any calibration work
     needs_calib = scheme.method in ("gptq", "awq") or scheme.kv_cache != "none" or tune.active
     ids = calibration_batch(folder, calib) if needs_calib else None
     dtype = compute_dtype(model.device)  # the blocks run in this while they are calibrated
@@ -304,6 +305,20 @@ def quantize_model(
     report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     (out / "quantize_report.json").write_text(json.dumps(_report_json(report, scheme, calib, tune), indent=2))
     return report
+
+
+def _check_shapes(model: Transformer, scheme: QuantScheme) -> None:
+    """Raise a ``QinferError`` naming the first linear whose shape the integer layout cannot hold."""
+    if scheme.format != "int":
+        return  # FP8's per-channel or per-tensor scales fit any shape
+    for i, block in enumerate(model.model.layers):
+        for name in model.config.arch.linear_names:
+            W = block.get_submodule(name).weight
+            check_int_shape(tuple(W.shape), scheme.bits, scheme.group_size, f"model.layers.{i}.{name}")
+    if scheme.quantize_lm_head:
+        head = scheme.lm_head_scheme()
+        if head.format == "int":
+            check_int_shape(tuple(model.lm_head.weight.shape), head.bits, head.group_size, "lm_head")
 
 
 def _linear_weights(block: torch.nn.Module, groups: tuple[tuple[str, ...], ...]) -> dict[str, torch.Tensor]:

@@ -63,3 +63,14 @@ def test_no_network_while_pulling(tmp_path):
 @pytest.mark.parametrize("args", [["--max-tokens", "0"], ["--top-p", "1.5"], ["--temperature", "-1"]])
 def test_bad_sampling_options(args):
     assert_one_line_error(run_qinfer("generate", "gemma3-270m", "hi", *args))
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "rtn"])
+def test_group_size_that_does_not_divide_a_linear(tmp_path, method):
+    # the tiny llama's down_proj reads 96 channels: groups of 64 do not fit, groups of 32 do
+    make_model("llama", tmp_path / "src")
+    proc = run_qinfer("quantize", str(tmp_path / "src"), "-o", str(tmp_path / "out"), "--method", method,
+                      "--group-size", "64", "--samples", "8", "--seq-len", "32")
+    assert_one_line_error(proc, "model.layers.0.mlp.down_proj", "does not divide in_features K=96", "--group-size 32")
+    assert "quantizing" not in proc.stderr  # refused before any block is calibrated
+    assert not (tmp_path / "out").exists()

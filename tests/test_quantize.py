@@ -317,7 +317,7 @@ def test_fp_target_aims_at_the_unquantized_model(tiny, tmp_path, calib_file, mon
         (["--format", "fp8"], "bits"),
         (["--bits", "8", "--format", "fp8", "--method", "awq"], "AWQ produces integer weights"),
         (["--method", "rtn", "--act-order"], "act_order"),
-        (["--seq-len", "100000", "--calib", "SHORT"], "too short"),
+        (["--seq-len", "100000", "--calib", "SHORT", "--group-size", "32"], "too short"),
         (["--bits", "8", "--format", "fp8", "--tune-steps", "5"], "FP8 weights have none"),
         (["--tune-steps", "-1"], "--tune-steps >= 0"),
         (["--tune-steps", "2", "--tune-batch", "0"], "--tune-batch >= 1"),
