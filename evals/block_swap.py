@@ -14,6 +14,7 @@ interact. Diagnostic only: nothing is written, nothing cached.
 
 import click
 import torch
+from tqdm import tqdm
 
 from qinfer.errors import QinferError
 from qinfer.evals.accuracy import HELDOUT, load_text, text_tokens
@@ -53,11 +54,11 @@ def _report(model, quantized, text, max_tokens, window, stride):
     def score(label: str) -> None:
         m = text_metrics(base, {label: window_logits(quant, "bf16", tok.bos_id)}, tokens, window, stride,
                          progress=False)[label]
-        print(f"{label}: perplexity {m.ppl:.3f}, KL {m.kl:.4g}, top-1 agreement {m.top1_agreement:.1%}", flush=True)
+        tqdm.write(f"{label}: perplexity {m.ppl:.3f}, KL {m.kl:.4g}, top-1 agreement {m.top1_agreement:.1%}")
 
     score("as quantized")
     layers = quant.model.layers
-    for i in range(len(layers)):
+    for i in tqdm(range(len(layers)), desc="restoring blocks", unit="block"):
         own, layers[i] = layers[i], ref.model.layers[i]
         try:
             score(f"block {i} restored")
