@@ -164,7 +164,8 @@ def _resolve(specs) -> list[_Model]:
     out, seen = [], {}
     for spec in specs:
         folder = resolve_model(spec).resolve()
-        label = spec if spec in BUILTINS else folder.name
+        # the name the user gave, not the cache folder an imported GPTQ/compressed-tensors model is converted into
+        label = spec if spec in BUILTINS else Path(spec).name or folder.name
         seen[label] = seen.get(label, 0) + 1
         if seen[label] > 1:
             label = f"{label}#{seen[label]}"

@@ -22,7 +22,7 @@ def test_block_swap_finds_the_one_block_that_differs(tiny, tmp_path, calib_file)
     args = [str(tiny), str(out), "--text", str(calib_file), "--max-tokens", "96", "--window", "32", "--stride", "16"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
-    rows = {(m.group(2) or "none"): float(m.group(4)) for m in LINE.finditer(result.output)}
+    rows = {(m.group(2) or "none"): float(m.group(4)) for m in LINE.finditer(result.stdout)}  # (the bar: stderr)
     assert set(rows) == {"none", "0", "1", "2"}  # the tiny models have 3 blocks
     assert rows["none"] > 0 and rows["1"] == 0  # the same weights give the same logits
     assert rows["0"] == rows["none"] and rows["2"] == rows["none"]

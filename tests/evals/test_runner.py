@@ -172,3 +172,16 @@ def test_text_too_short_for_one_window_is_a_clear_error(env):
 def test_config_is_validated(change, message):
     with pytest.raises(QinferError, match=message):
         EvalConfig(**{"models": ("m",), **SMALL, **change})
+
+
+def test_an_imported_model_is_labelled_by_the_folder_given(env):
+    from qinfer.format import QuantScheme
+    from qinfer.interop.folders import export_folder
+    from qinfer.quantize import CalibConfig, quantize_model
+
+    quantize_model(env["model"], env["root"] / "q", QuantScheme(method="rtn", group_size=32), CalibConfig())
+    export_folder(env["root"] / "q", env["root"] / "q-ct", "compressed-tensors")
+    _, native, imported = run_eval(EvalConfig(
+        models=(env["model"], str(env["root"] / "q"), str(env["root"] / "q-ct") + "/"), text=env["text"], **SMALL))
+    assert (native.label, imported.label) == ("q", "q-ct")  # not the converted copy's cache folder
+    assert imported.text.kl == native.text.kl  # the same weights, read back exactly
