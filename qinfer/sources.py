@@ -32,7 +32,8 @@ def resolve_model(spec: str) -> Path:
             return _converted_gguf(path)
         raise QinferError(f"{path} is neither a model folder nor a .gguf file")
     if "/" in spec or spec.endswith(".gguf") or spec.startswith("."):
-        raise QinferError(f"{spec}: no such file or folder")
+        raise QinferError(f"{spec}: no such file or folder; give a model folder, a .gguf file or a built-in name "
+                          f"({', '.join(BUILTINS)})")
     raise QinferError(
         f"unknown model {spec!r}: not a built-in ({', '.join(BUILTINS)}), a model folder, or a .gguf file"
     )

@@ -25,7 +25,7 @@ def assert_one_line_error(proc, *needles):
 
 
 def test_missing_path():
-    assert_one_line_error(run_qinfer("generate", "./no/such/model", "hi"), "no such file or folder")
+    assert_one_line_error(run_qinfer("generate", "./no/such/model", "hi"), "no such file or folder", "gemma3-270m")
 
 
 def test_unknown_builtin():
