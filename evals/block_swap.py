@@ -19,7 +19,7 @@ from tqdm import tqdm
 from qinfer.errors import QinferError
 from qinfer.evals.accuracy import HELDOUT, load_text, text_tokens
 from qinfer.evals.divergence import text_metrics
-from qinfer.evals.forward import window_logits
+from qinfer.evals.forward import LogitsFn, window_logits
 from qinfer.loader import load_model
 from qinfer.sources import resolve_model
 from qinfer.tokenizer import Tokenizer
@@ -49,7 +49,7 @@ def _report(model, quantized, text, max_tokens, window, stride):
     ref, quant = load_model(folder), load_model(quantized)
     if len(ref.model.layers) != len(quant.model.layers):
         raise QinferError(f"{quantized} has {len(quant.model.layers)} blocks, {folder} {len(ref.model.layers)}")
-    base = window_logits(ref, "bf16", tok.bos_id)
+    base = _remembered(window_logits(ref, "bf16", tok.bos_id))  # one reference pass serves all 1 + blocks scores
 
     def score(label: str) -> None:
         m = text_metrics(base, {label: window_logits(quant, "bf16", tok.bos_id)}, tokens, window, stride,
@@ -64,6 +64,19 @@ def _report(model, quantized, text, max_tokens, window, stride):
             score(f"block {i} restored")
         finally:
             layers[i] = own
+
+
+def _remembered(logits: LogitsFn) -> LogitsFn:
+    """``logits``, computing each window once: the reference's logits of the text (bf16, [tokens, vocab]) are kept."""
+    seen = {}
+
+    def fn(ids: torch.Tensor, first: int) -> torch.Tensor:
+        key = (ids.numpy().tobytes(), first)
+        if key not in seen:
+            seen[key] = logits(ids, first)
+        return seen[key]
+
+    return fn
 
 
 if __name__ == "__main__":
