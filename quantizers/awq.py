@@ -111,6 +111,22 @@ def _check_inputs(X: torch.Tensor, weights: Sequence[torch.Tensor], scheme: Quan
         check_finite(W, f"{name}: weight")
 
 
+def _check_gram(gram: torch.Tensor, weights: Sequence[torch.Tensor], scheme: QuantScheme) -> None:
+    """The Gram-matrix searches' twin of :func:`_check_inputs`: ``gram [K, K]`` and weights ``[N, K]`` that fit
+    the scheme's integer layout."""
+    if gram.dim() != 2 or gram.shape[0] != gram.shape[1]:
+        raise QinferError(f"AWQ: the Gram matrix must be square [K, K], got shape {list(gram.shape)}")
+    check_finite(gram, "AWQ: Gram matrix")
+    K = gram.shape[0]
+    for i, W in enumerate(weights):
+        name = f"AWQ weights[{i}]"
+        check_int_shape(tuple(W.shape), scheme.bits, scheme.group_size, name)
+        if W.shape[1] != K:
+            raise QinferError(
+                f"{name}: in_features {W.shape[1]} != the Gram matrix's K={K}; pass the linears that read X"
+            )
+
+
 def _check_grid(n_grid: int) -> None:
     if type(n_grid) is not int or n_grid < 1:
         raise QinferError(f"AWQ: n_grid must be a positive int, got {n_grid!r}")
@@ -200,7 +216,7 @@ def awq_search_scales_gram(
     """
     _check_int_scheme(scheme)
     _check_grid(n_grid)
-    check_finite(gram, "AWQ: Gram matrix")
+    _check_gram(gram, weights, scheme)
     check_finite(x_mean, "AWQ: activation means")
     Ws = [w.float() for w in weights]
     H = gram.float()
@@ -303,7 +319,7 @@ def awq_search_clip_gram(
     _check_grid(n_grid)
     if not 0.0 <= max_shrink < 1.0:
         raise QinferError(f"AWQ clip: max_shrink must be in [0, 1), got {max_shrink!r}")
-    check_finite(gram, "AWQ: Gram matrix")
+    _check_gram(gram, [W], scheme)
     G, n_groups = _groups_of(W, scheme.group_size)
     idx = torch.arange(n_groups)
     blocks = gram.float().reshape(n_groups, G, n_groups, G)[idx, :, idx, :]  # [groups, G, G]

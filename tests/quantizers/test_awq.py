@@ -379,3 +379,17 @@ def test_gram_searches_choose_what_the_activation_searches_choose(bits, symmetri
     clip_gram = awq_search_clip_gram(Xs.T @ Xs, W, scheme)
     for by_x_end, by_gram_end in zip(clip_x, clip_gram):
         assert float((by_x_end == by_gram_end).float().mean()) > 0.95  # equal up to float ties
+
+
+def test_gram_searches_refuse_weights_the_layout_cannot_hold():
+    from qinfer.quantizers.awq import awq_search_clip_gram, awq_search_scales_gram
+
+    scheme = QuantScheme(method="awq", bits=4, group_size=64)
+    X = torch.randn(32, 96)
+    W = torch.randn(8, 96)  # 96 input channels: groups of 64 do not fit
+    with pytest.raises(QinferError, match=r"AWQ weights\[0\]: group_size 64 does not divide in_features K=96"):
+        awq_search_scales_gram(X.abs().mean(0), X.T @ X, [W], scheme)
+    with pytest.raises(QinferError, match=r"AWQ weights\[0\]: group_size 64 does not divide in_features K=96"):
+        awq_search_clip_gram(X.T @ X, W, scheme)
+    with pytest.raises(QinferError, match=r"in_features 128 != the Gram matrix's K=96"):
+        awq_search_scales_gram(X.abs().mean(0), X.T @ X, [torch.randn(8, 128)], scheme)
