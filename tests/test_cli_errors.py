@@ -74,3 +74,23 @@ def test_group_size_that_does_not_divide_a_linear(tmp_path, method):
     assert_one_line_error(proc, "model.layers.0.mlp.down_proj", "does not divide in_features K=96", "--group-size 32")
     assert "quantizing" not in proc.stderr  # refused before any block is calibrated
     assert not (tmp_path / "out").exists()
+
+
+def test_out_of_memory_is_one_line(tmp_path, monkeypatch):
+    # the allocator's own refusal, raised where quantization would run: one line naming it and what to lower
+    import torch
+    from click.testing import CliRunner
+
+    import qinfer.quantize
+    from qinfer.cli import cli
+
+    def allocate_too_much(*args, **kwargs):
+        return torch.empty(1 << 50, dtype=torch.uint8)  # 1 PiB
+
+    monkeypatch.setattr(qinfer.quantize, "quantize_model", allocate_too_much)
+    make_model("llama", tmp_path / "src")
+    result = CliRunner().invoke(cli, ["quantize", str(tmp_path / "src"), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 1, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)  # no traceback: a ClickException
+    assert "Error: out of memory (a request for 1048576.0 GiB)" in result.output
+    assert "fewer --samples or a shorter --seq-len" in result.output
