@@ -7,12 +7,36 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from qinfer.errors import QinferError
+
 
 def cache_dir() -> Path:
     root = os.environ.get("QINFER_CACHE") or Path.home() / ".cache" / "qinfer"
     path = Path(root).expanduser()
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def check_output(out: Path, force: bool, source: Path | None = None) -> None:
+    """Refuse an output folder before any work is done: one that exists (without ``force``); with ``force``,
+    anything but a model folder (config.json) or an empty one, so a mistyped ``-o`` never replaces a home folder
+    or a file; the ``source`` being read; a place no folder can be made in."""
+    out = Path(out)
+    if source is not None and out.resolve() == Path(source).resolve():
+        raise QinferError(f"-o {out} is the model being read: choose another -o")
+    if out.exists() or out.is_symlink():
+        if not force:
+            raise QinferError(f"{out} already exists: choose another -o or pass --force to replace it")
+        if not out.is_dir() or out.is_symlink():
+            raise QinferError(f"{out} is not a folder: --force replaces only a model folder; choose another -o")
+        if not (out / "config.json").exists() and any(out.iterdir()):
+            raise QinferError(f"{out} is a folder without a model in it (no config.json): --force replaces only a "
+                              "model folder; choose another -o")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        Path(tempfile.mkdtemp(prefix=f".{out.name}.probe-", dir=out.parent)).rmdir()
+    except OSError as e:
+        raise QinferError(f"cannot write {out}: {e.strerror or e}; choose an -o in a folder you can write to") from None
 
 
 @contextmanager
@@ -37,7 +61,10 @@ def atomic_dir(target: Path, force: bool = False):
             old = target.with_name(f".{target.name}.old-{os.getpid()}")
             target.rename(old)
             tmp.rename(target)
-            shutil.rmtree(old, ignore_errors=True)
+            if old.is_dir() and not old.is_symlink():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.unlink(missing_ok=True)
         else:
             tmp.rename(target)
     finally:

@@ -187,7 +187,7 @@ def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed):
 @click.option("--fp-target-damp", type=float, default=None,
               help="--fp-target: ridge of each linear's fit to the unquantized output, as a fraction of the mean "
                    "of diag(X^T X) (default 0.3; GPTQ's own damping stays 0.01).")
-@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--force", is_flag=True, help="Replace OUT if it is a model folder (one with config.json) or empty.")
 def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache, calib, samples, seq_len, seed,
              quantize_lm_head, lm_head_bits, tune_steps, tune_rounding, e2e_steps, tune_batch, tune_lr, tune_holdout,
              mse_clip, true_sequential, fp_target, fp_target_damp, force):
@@ -227,7 +227,7 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
 @click.option("-o", "--out", required=True, type=click.Path(), help="Output folder (written atomically).")
 @click.option("--format", "fmt", type=click.Choice(["gptq", "compressed-tensors"]), required=True,
               help="gptq: GPTQ v1 (GPTQModel, AutoGPTQ, vLLM). compressed-tensors: llm-compressor and vLLM.")
-@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--force", is_flag=True, help="Replace OUT if it is a model folder (one with config.json) or empty.")
 def export(model, out, fmt, force):
     """Write the qinfer-quantized MODEL as a GPTQ or compressed-tensors checkpoint at OUT."""
     from qinfer.interop.folders import export_folder

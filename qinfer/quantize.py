@@ -46,7 +46,7 @@ from tqdm import tqdm
 
 from qinfer.awq_pipeline import apply_awq, scale_group
 from qinfer.block_tune import E2E_EVAL_SAMPLES, TuneConfig, rounding_residual, tune_block, tune_end_to_end
-from qinfer.cache import atomic_dir
+from qinfer.cache import atomic_dir, check_output
 from qinfer.calib.capture import (
     KEEP_DTYPE,
     block_in,
@@ -180,8 +180,7 @@ def quantize_model(
     if tune.holdout and tune.holdout >= calib.samples:
         raise QinferError(f"--tune-holdout {tune.holdout} leaves none of the {calib.samples} calibration samples to tune "
                           "on: hold out fewer, or raise --samples")
-    if out.exists() and not force:
-        raise QinferError(f"{out} already exists: choose another -o or pass --force to replace it")
+    check_output(out, force, source=folder)
     if (folder / "quant_config.json").exists():
         raise QinferError(f"{folder} is already quantized: quantize the original model instead")
     if calib.fp_target and calib.true_sequential is False:

@@ -94,3 +94,20 @@ def test_out_of_memory_is_one_line(tmp_path, monkeypatch):
     assert result.exception is None or isinstance(result.exception, SystemExit)  # no traceback: a ClickException
     assert "Error: out of memory (a request for 1048576.0 GiB)" in result.output
     assert "fewer --samples or a shorter --seq-len" in result.output
+
+
+def test_force_replaces_only_a_model_folder(tmp_path):
+    make_model("llama", tmp_path / "src")
+    keep = tmp_path / "documents"
+    keep.mkdir()
+    (keep / "notes.txt").write_text("keep me")
+    base = ["quantize", str(tmp_path / "src"), "--method", "rtn", "--group-size", "32", "--force", "-o"]
+    assert_one_line_error(run_qinfer(*base, str(keep)), "without a model in it", "choose another -o")
+    assert_one_line_error(run_qinfer(*base, str(tmp_path / "src")), "is the model being read")
+    assert_one_line_error(run_qinfer(*base, str(keep / "notes.txt" / "out")), "cannot write")
+    assert (keep / "notes.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["documents", "src"]
+    assert run_qinfer(*base, str(tmp_path / "out")).returncode == 0
+    proc = run_qinfer("export", str(tmp_path / "out"), "--format", "gptq", "-o", str(keep), "--force")
+    assert_one_line_error(proc, "without a model in it")
+    assert run_qinfer(*base, str(tmp_path / "out")).returncode == 0  # a model folder is replaced

@@ -157,6 +157,10 @@ def test_existing_output_is_refused_without_force(tiny, tmp_path):
     with pytest.raises(QinferError, match="already exists"):
         quantize_model(tiny, out, QuantScheme(method="rtn", group_size=32), CALIB)
     assert (out / "keep.txt").read_text() == "user data"
+    with pytest.raises(QinferError, match="without a model in it"):  # --force replaces only a model folder
+        quantize_model(tiny, out, QuantScheme(method="rtn", group_size=32), CALIB, force=True)
+    assert (out / "keep.txt").read_text() == "user data"
+    (out / "config.json").write_text("{}")  # (a folder holding a model)
     quantize_model(tiny, out, QuantScheme(method="rtn", group_size=32), CALIB, force=True)
     assert (out / "quant_config.json").exists() and not (out / "keep.txt").exists()
 

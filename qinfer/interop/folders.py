@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from qinfer.cache import atomic_dir
+from qinfer.cache import atomic_dir, check_output
 from qinfer.errors import QinferError
 from qinfer.format import QUANT_CONFIG_FILE, QuantScheme, packed_weight
 from qinfer.interop import compressed_tensors as ct
@@ -69,8 +69,7 @@ def export_folder(src: Path, out: Path, fmt: str, force: bool = False) -> Conver
         raise QinferError(f"unknown export format {fmt!r}: choose one of {', '.join(EXPORT_FORMATS)}")
     if not (src / QUANT_CONFIG_FILE).exists():
         raise QinferError(f"{src} is not a qinfer-quantized folder (no {QUANT_CONFIG_FILE}): run qinfer quantize first")
-    if out.exists() and not force:
-        raise QinferError(f"{out} already exists: choose another -o or pass --force to replace it")
+    check_output(out, force, source=src)
     scheme = QuantScheme.load(src)
     config = _read_config(src)
     if fmt == "gptq" and scheme.format == "fp8":

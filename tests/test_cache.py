@@ -1,0 +1,58 @@
+"""Atomic output folders: a finished folder or none, and --force never replaces what is not a model."""
+
+import pytest
+
+from qinfer.cache import atomic_dir, check_output
+from qinfer.errors import QinferError
+
+
+def test_atomic_dir_replaces_only_when_complete(tmp_path):
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "config.json").write_text("old")
+    with pytest.raises(RuntimeError):
+        with atomic_dir(target, force=True) as tmp:
+            (tmp / "config.json").write_text("new")
+            raise RuntimeError("interrupted")
+    assert (target / "config.json").read_text() == "old"  # the old folder is untouched
+    with atomic_dir(target, force=True) as tmp:
+        (tmp / "config.json").write_text("new")
+    assert (target / "config.json").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp or old folder left behind
+
+
+def test_atomic_dir_replacing_a_file_leaves_nothing_behind(tmp_path):
+    target = tmp_path / "out"
+    target.write_text("a file")
+    with atomic_dir(target, force=True) as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert target.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_check_output(tmp_path):
+    check_output(tmp_path / "new" / "out", force=False)  # parents are made
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with pytest.raises(QinferError, match="already exists"):
+        check_output(model, force=False)
+    check_output(model, force=True)  # a model folder may be replaced
+    with pytest.raises(QinferError, match="is the model being read"):
+        check_output(model, force=True, source=model / ".")
+    other = tmp_path / "documents"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep me")
+    with pytest.raises(QinferError, match="without a model in it"):
+        check_output(other, force=True)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    check_output(empty, force=True)
+    afile = tmp_path / "file.txt"
+    afile.write_text("keep me")
+    with pytest.raises(QinferError, match="not a folder"):
+        check_output(afile, force=True)
+    with pytest.raises(QinferError, match="cannot write"):
+        check_output(afile / "out", force=False)  # a file where a folder would have to be
+    assert (other / "notes.txt").read_text() == "keep me" and afile.read_text() == "keep me"
+    assert not [p for p in tmp_path.rglob(".*probe*")]
