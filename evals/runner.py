@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from qinfer.cache import check_writable
 from qinfer.errors import QinferError
 from qinfer.evals import result_cache
 from qinfer.evals.accuracy import HELDOUT, load_text, task_accuracy, text_tokens
@@ -118,6 +119,8 @@ class _Model:
 
 def run_eval(config: EvalConfig) -> list[ModelResult]:
     """Measure every model of ``config``, write the outputs to ``config.out``, return one result per model."""
+    if config.out is not None:
+        check_writable(config.out, option="--out")  # before the measuring, not after it
     models = _resolve(config.models)
     baseline = _resolve([config.baseline_spec])[0]
     examples = {task: load_task(task, config.limit) for task in config.tasks}  # unknown task: fails here, early

@@ -32,11 +32,18 @@ def check_output(out: Path, force: bool, source: Path | None = None) -> None:
         if not (out / "config.json").exists() and any(out.iterdir()):
             raise QinferError(f"{out} is a folder without a model in it (no config.json): --force replaces only a "
                               "model folder; choose another -o")
+    check_writable(out.parent, what=f"{out}", option="-o")
+
+
+def check_writable(folder: Path, what: str | None = None, option: str = "-o") -> None:
+    """Make ``folder`` (and its parents) and check a file can be made in it, or refuse in one line."""
+    folder = Path(folder)
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        Path(tempfile.mkdtemp(prefix=f".{out.name}.probe-", dir=out.parent)).rmdir()
+        folder.mkdir(parents=True, exist_ok=True)
+        Path(tempfile.mkdtemp(prefix=".probe-", dir=folder)).rmdir()
     except OSError as e:
-        raise QinferError(f"cannot write {out}: {e.strerror or e}; choose an -o in a folder you can write to") from None
+        raise QinferError(f"cannot write {what or folder}: {e.strerror or e}; choose an {option} in a folder you can "
+                          "write to") from None
 
 
 @contextmanager

@@ -111,3 +111,10 @@ def test_force_replaces_only_a_model_folder(tmp_path):
     proc = run_qinfer("export", str(tmp_path / "out"), "--format", "gptq", "-o", str(keep), "--force")
     assert_one_line_error(proc, "without a model in it")
     assert run_qinfer(*base, str(tmp_path / "out")).returncode == 0  # a model folder is replaced
+
+
+def test_eval_out_that_cannot_be_written(tmp_path):
+    # refused before any model is resolved or measured (a file stands where the folder would go)
+    (tmp_path / "file").write_text("")
+    proc = run_qinfer("eval", "gemma3-270m", "--tasks", "none", "--no-speed", "--out", str(tmp_path / "file" / "x"))
+    assert_one_line_error(proc, "cannot write", "--out")
