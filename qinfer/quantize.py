@@ -48,7 +48,6 @@ from qinfer.awq_pipeline import apply_awq, scale_group
 from qinfer.block_tune import E2E_EVAL_SAMPLES, TuneConfig, rounding_residual, tune_block, tune_end_to_end
 from qinfer.cache import atomic_dir, check_output
 from qinfer.calib.capture import (
-    KEEP_DTYPE,
     block_in,
     calibrate_in_stages,
     capture_block,
@@ -61,10 +60,11 @@ from qinfer.calib.capture import (
 from qinfer.calib.sampling import sample_windows
 from qinfer.calib.sources import load_calibration_documents
 from qinfer.errors import QinferError
-from qinfer.format import QuantScheme, check_int_shape
+from qinfer.format import QuantScheme
 from qinfer.interop.folders import SIDE_FILES
 from qinfer.loader import drop_pages, load_model
 from qinfer.model import Transformer
+from qinfer.preflight import check_calibration_size, check_shapes
 from qinfer.quantizers.fp8 import fp8_kv_scale, fp8_quantize, int8_kv_scale
 from qinfer.quantizers.gptq import fp_target, gptq_quantize_ex
 from qinfer.quantizers.rtn import rtn_quantize
@@ -195,10 +195,10 @@ def quantize_model(
     start = time.perf_counter()
     reuse_freed_memory()
     model = load_model(folder, dtype=torch.bfloat16)
-    _check_shapes(model, scheme)  # before any calibration work
+    check_shapes(model, scheme)  # before any calibration work
     needs_calib = scheme.method in ("gptq", "awq") or scheme.kv_cache != "none" or tune.active
     if needs_calib:
-        _check_calibration_size(model, calib, tune)
+        check_calibration_size(model, calib, tune)
     ids = calibration_batch(folder, calib) if needs_calib else None
     dtype = compute_dtype(model.device)  # the blocks run in this while they are calibrated
     X = embed_samples(model, ids, dtype) if needs_calib else None
@@ -307,62 +307,6 @@ def quantize_model(
     report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     (out / "quantize_report.json").write_text(json.dumps(_report_json(report, scheme, calib, tune), indent=2))
     return report
-
-
-def _check_shapes(model: Transformer, scheme: QuantScheme) -> None:
-    """Raise a ``QinferError`` naming the first linear whose shape the integer layout cannot hold."""
-    if scheme.format != "int":
-        return  # FP8's per-channel or per-tensor scales fit any shape
-    for i, block in enumerate(model.model.layers):
-        for name in model.config.arch.linear_names:
-            W = block.get_submodule(name).weight
-            check_int_shape(tuple(W.shape), scheme.bits, scheme.group_size, f"model.layers.{i}.{name}")
-    if scheme.quantize_lm_head:
-        head = scheme.lm_head_scheme()
-        if head.format == "int":
-            check_int_shape(tuple(model.lm_head.weight.shape), head.bits, head.group_size, "lm_head")
-
-
-def available_memory() -> int | None:
-    """Bytes the kernel could hand out now without swapping (``MemAvailable``), or None where unknown."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def calibration_bytes(model: Transformer, calib: CalibConfig, tune: TuneConfig) -> int:
-    """A lower bound on what calibration holds at once: the model's weights; the [S, L, C] residual stream,
-    the unquantized model's beside it (--fp-target, tuning) and the block input kept for tuning; a staged pass's
-    kept o_proj / down_proj inputs; one [L, L] attention mask per sliding window. Hessians and one batch's
-    intermediates come on top."""
-    c = model.config
-    tokens = calib.samples * calib.seq_len
-    dtype = compute_dtype(model.device)
-    streams = 1 + (calib.fp_target or tune.active) + bool(tune.steps and calib.true_sequential)
-    kept = max(c.intermediate_size, c.num_heads * c.head_dim) * KEEP_DTYPE.itemsize if calib.true_sequential else 0
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    masks = len(set(c.sliding_window)) * calib.seq_len**2
-    return weights + tokens * (streams * c.hidden_size * dtype.itemsize + kept) + masks
-
-
-def _check_calibration_size(model: Transformer, calib: CalibConfig, tune: TuneConfig) -> None:
-    """Refuse calibration windows the model cannot read or the machine cannot hold, before any work."""
-    limit = model.config.max_position_embeddings
-    if calib.seq_len > limit:
-        raise QinferError(f"--seq-len {calib.seq_len} is longer than the model's context of {limit} tokens: "
-                          f"lower --seq-len (the default is {CalibConfig.seq_len})")
-    need, free = calibration_bytes(model, calib, tune), available_memory()
-    if free is not None and need > free:
-        gib = 1 << 30
-        raise QinferError(
-            f"calibration needs at least {need / gib:.1f} GiB for the model and its activations ({calib.samples} "
-            f"samples x {calib.seq_len} tokens) but {free / gib:.1f} GiB of memory is available: lower --samples "
-            "or --seq-len"
-        )
 
 
 def _linear_weights(block: torch.nn.Module, groups: tuple[tuple[str, ...], ...]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,73 @@
+"""Checks ``qinfer quantize`` runs on the loaded model before any calibration work, so that a run that cannot
+finish (a linear the integer layout cannot hold, windows past the model's context, activations that do not fit
+in memory) stops in seconds with one line instead of failing, or being killed, minutes in."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from qinfer.calib.capture import KEEP_DTYPE, compute_dtype
+from qinfer.errors import QinferError
+from qinfer.format import QuantScheme, check_int_shape
+from qinfer.model import Transformer
+
+if TYPE_CHECKING:
+    from qinfer.block_tune import TuneConfig
+    from qinfer.quantize import CalibConfig
+
+
+def check_shapes(model: Transformer, scheme: QuantScheme) -> None:
+    """Raise a ``QinferError`` naming the first linear whose shape the integer layout cannot hold."""
+    if scheme.format != "int":
+        return  # FP8's per-channel or per-tensor scales fit any shape
+    for i, block in enumerate(model.model.layers):
+        for name in model.config.arch.linear_names:
+            W = block.get_submodule(name).weight
+            check_int_shape(tuple(W.shape), scheme.bits, scheme.group_size, f"model.layers.{i}.{name}")
+    if scheme.quantize_lm_head:
+        head = scheme.lm_head_scheme()
+        if head.format == "int":
+            check_int_shape(tuple(model.lm_head.weight.shape), head.bits, head.group_size, "lm_head")
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel could hand out now without swapping (``MemAvailable``), or None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def calibration_bytes(model: Transformer, calib: CalibConfig, tune: TuneConfig) -> int:
+    """A lower bound on what calibration holds at once: the model's weights; the [S, L, C] residual stream,
+    the unquantized model's beside it (--fp-target, tuning) and the block input kept for tuning; a staged pass's
+    kept o_proj / down_proj inputs; one [L, L] attention mask per sliding window. Hessians and one batch's
+    intermediates come on top."""
+    c = model.config
+    tokens = calib.samples * calib.seq_len
+    dtype = compute_dtype(model.device)
+    streams = 1 + (calib.fp_target or tune.active) + bool(tune.steps and calib.true_sequential)
+    kept = max(c.intermediate_size, c.num_heads * c.head_dim) * KEEP_DTYPE.itemsize if calib.true_sequential else 0
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    masks = len(set(c.sliding_window)) * calib.seq_len**2
+    return weights + tokens * (streams * c.hidden_size * dtype.itemsize + kept) + masks
+
+
+def check_calibration_size(model: Transformer, calib: CalibConfig, tune: TuneConfig) -> None:
+    """Refuse calibration windows the model cannot read or the machine cannot hold, before any work."""
+    limit = model.config.max_position_embeddings
+    if calib.seq_len > limit:
+        raise QinferError(f"--seq-len {calib.seq_len} is longer than the model's context of {limit} tokens: "
+                          "lower --seq-len")
+    need, free = calibration_bytes(model, calib, tune), available_memory()
+    if free is not None and need > free:
+        gib = 1 << 30
+        raise QinferError(
+            f"calibration needs at least {need / gib:.1f} GiB for the model and its activations ({calib.samples} "
+            f"samples x {calib.seq_len} tokens) but {free / gib:.1f} GiB of memory is available: lower --samples "
+            "or --seq-len"
+        )
