@@ -102,13 +102,9 @@ def _check_inputs(X: torch.Tensor, weights: Sequence[torch.Tensor], scheme: Quan
     if not weights:
         raise QinferError("AWQ: no weights given; pass the linears that read these inputs")
     check_finite(X, "AWQ: calibration inputs")
-    K = X.shape[1]
+    _check_weights(weights, X.shape[1], "the inputs'", scheme)
     for i, W in enumerate(weights):
-        name = f"AWQ weights[{i}]"
-        check_int_shape(tuple(W.shape), scheme.bits, scheme.group_size, name)
-        if W.shape[1] != K:
-            raise QinferError(f"{name}: in_features {W.shape[1]} != the inputs' K={K}; pass the linears that read X")
-        check_finite(W, f"{name}: weight")
+        check_finite(W, f"AWQ weights[{i}]: weight")
 
 
 def _check_gram(gram: torch.Tensor, weights: Sequence[torch.Tensor], scheme: QuantScheme) -> None:
@@ -117,14 +113,16 @@ def _check_gram(gram: torch.Tensor, weights: Sequence[torch.Tensor], scheme: Qua
     if gram.dim() != 2 or gram.shape[0] != gram.shape[1]:
         raise QinferError(f"AWQ: the Gram matrix must be square [K, K], got shape {list(gram.shape)}")
     check_finite(gram, "AWQ: Gram matrix")
-    K = gram.shape[0]
+    _check_weights(weights, gram.shape[0], "the Gram matrix's", scheme)
+
+
+def _check_weights(weights: Sequence[torch.Tensor], K: int, source: str, scheme: QuantScheme) -> None:
+    """Weights ``[N, K]`` that fit the scheme's integer layout and read the ``K`` channels of ``source``."""
     for i, W in enumerate(weights):
         name = f"AWQ weights[{i}]"
         check_int_shape(tuple(W.shape), scheme.bits, scheme.group_size, name)
         if W.shape[1] != K:
-            raise QinferError(
-                f"{name}: in_features {W.shape[1]} != the Gram matrix's K={K}; pass the linears that read X"
-            )
+            raise QinferError(f"{name}: in_features {W.shape[1]} != {source} K={K}; pass the linears that read X")
 
 
 def _check_grid(n_grid: int) -> None:
