@@ -32,7 +32,7 @@ def check_output(out: Path, force: bool, source: Path | None = None) -> None:
         if not (out / "config.json").exists() and any(out.iterdir()):
             raise QinferError(f"{out} is a folder without a model in it (no config.json): --force replaces only a "
                               "model folder; choose another -o")
-    check_writable(out.parent, what=f"{out}", option="-o")
+    check_writable(out.parent, what=str(out))
 
 
 def check_writable(folder: Path, what: str | None = None, option: str = "-o") -> None:
