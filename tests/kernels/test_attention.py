@@ -1,9 +1,14 @@
 """The attention entry point against its plain-torch definition, for every mask shape the model builds."""
 
+import importlib
+
 import pytest
 import torch
 
-from qinfer.kernels.attention import attention, attention_ref
+from qinfer.kernels.attention import _key_spans, attention, attention_ref
+
+# the module itself (qinfer.kernels re-exports its function under the same name)
+attention_module = importlib.import_module("qinfer.kernels.attention")
 
 
 def _qkv(T, S, heads=4, kv_heads=2, D=16, dtype=torch.float32):
@@ -46,3 +51,44 @@ def test_causal_fast_path_is_not_taken_for_other_square_masks():
     out = attention(q, k, v, mask, 0.25)
     torch.testing.assert_close(out, attention_ref(q, k, v, mask, 0.25), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(out, attention(q, k, v, _mask(8, 8), 0.25))
+
+
+@pytest.mark.parametrize(
+    "T, S, window",
+    [
+        (40, 40, 6),  # a prompt ten chunks long under a short window
+        (13, 40, 6),  # a later prefill chunk against cached keys, rows not a multiple of the chunk
+        (1, 40, 6),  # a decode step: only the window's keys are read
+        (40, 40, 9),  # window not a multiple of the chunk
+    ],
+)
+@pytest.mark.parametrize("kv_heads", [1, 4])
+def test_banded_masks_run_in_chunks_and_match_reference(monkeypatch, T, S, window, kv_heads):
+    monkeypatch.setattr(attention_module, "CHUNK", 4)
+    q, k, v = _qkv(T, S, kv_heads=kv_heads)
+    mask = _mask(T, S, window)
+    assert _key_spans(mask) is not None  # the chunked path is the one under test
+    torch.testing.assert_close(attention(q, k, v, mask, 0.25), attention_ref(q, k, v, mask, 0.25), rtol=1e-5, atol=1e-5)
+
+
+def test_banded_chunks_carry_gradients(monkeypatch):
+    # block tuning backpropagates through the attention
+    monkeypatch.setattr(attention_module, "CHUNK", 4)
+    q, k, v = (x.requires_grad_() for x in _qkv(24, 24, kv_heads=2))
+    mask = _mask(24, 24, 5)
+    grads = torch.autograd.grad(attention(q, k, v, mask, 0.25).square().sum(), (q, k, v))
+    ref = torch.autograd.grad(attention_ref(q, k, v, mask, 0.25).square().sum(), (q, k, v))
+    for g, r in zip(grads, ref):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4)
+
+
+def test_key_spans(monkeypatch):
+    monkeypatch.setattr(attention_module, "CHUNK", 4)
+    # each chunk of 4 rows sees the keys from its first row's window start to its last row
+    assert _key_spans(_mask(12, 12, 3)) == [(0, 4, 0, 4), (4, 8, 2, 8), (8, 12, 6, 12)]
+    assert _key_spans(_mask(1, 12, 3)) == [(0, 1, 9, 12)]
+    assert _key_spans(_mask(12, 12)) is None  # causal: chunking would not halve the products
+    assert _key_spans(_mask(12, 12, 8)) is None  # a window this wide neither
+    blind = _mask(12, 12, 3)
+    blind[4:8] = False  # rows that see no key are left to SDPA whole
+    assert _key_spans(blind) is None
