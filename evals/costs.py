@@ -6,9 +6,10 @@ Bytes read by one decode step at batch 1 and context ``S`` (positions already ca
   ``.tensors()``: codes, scales, zeros), plus its bias;
 - the lm_head's weight in full (for a tied model that is the embedding matrix, read by the matmul);
 - one embedding row, and every RMSNorm weight;
-- the KV cache: ``S`` positions of keys and values in every layer, at the cache's own bytes per position
-  (``KVCache.bytes_per_token``: bf16, or int8/fp8 codes) plus its per-head scales. Sliding-window layers
-  count all ``S`` positions too, because the engine reads the whole cache and masks.
+- the KV cache: the cached positions each layer reads, keys and values, at the cache's own bytes per
+  position (``KVCache.bytes_per_token``: bf16, or int8/fp8 codes) plus its per-head scales: all ``S`` in a
+  full-attention layer, the ``window - 1`` newest in a sliding-window layer (the step's own key and value
+  make its window; the model asks the cache for nothing older).
 
 FLOPs are model FLOPs, the useful work (the MFU convention): ``2 * in * out`` per linear per token, and
 attention ``4 * H * D`` per (query, visible key) pair, where a sliding-window layer sees at most
@@ -60,7 +61,10 @@ def kv_bytes(cache: KVCache, positions: int) -> int:
 
 def decode_bytes(model: Transformer, cache: KVCache, context: int) -> int:
     """Bytes one decode step reads at batch 1 with ``context`` positions cached."""
-    return _weights_bytes(model) + _embedding_row_bytes(model) + kv_bytes(cache, context)
+    windows = model.config.sliding_window
+    read = sum(context if w is None else min(context, w - 1) for w in windows)  # positions over all layers
+    kv = kv_bytes(cache, 0) + cache.bytes_per_token() * read // len(windows)
+    return _weights_bytes(model) + _embedding_row_bytes(model) + kv
 
 
 def prefill_bytes(model: Transformer, cache: KVCache, tokens: int) -> int:

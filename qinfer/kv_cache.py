@@ -1,7 +1,8 @@
 """A contiguous per-layer KV cache, optionally quantized: the interface the model writes through.
 
-``update`` stores the new keys/values at their positions and returns everything cached so far, in the
-compute dtype. With ``kv_dtype`` "int8" or "fp8" the cache quantizes on write and dequantizes on read,
+``update`` stores the new keys/values at their positions and returns the cached positions from ``start``
+(the first key any of the new queries may see: past a sliding window, the keys before it are never read
+nor dequantized) to the newest, in the compute dtype. With ``kv_dtype`` "int8" or "fp8" the cache quantizes on write and dequantizes on read,
 one scale per KV head and layer:
 
     int8: q = clamp(round(x / scale), -127, 127)          x ≈ q * scale
@@ -42,21 +43,23 @@ class KVCache:
         # per layer: (k_scale, v_scale), each [Hkv] fp32
         self.scales = {i: (k.float().to(device), v.float().to(device)) for i, (k, v) in (scales or {}).items()}
 
-    def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        # input_pos: [T]; k, v: [B, Hkv, T, D] -> cached [B, Hkv, end, D] in the compute dtype
+    def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0):
+        # input_pos: [T]; k, v: [B, Hkv, T, D] -> cached positions start:end, [B, Hkv, end - start, D], in the
+        # compute dtype
         end = int(input_pos[-1]) + 1
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions; position {end - 1} does not fit")
         if self.kv_dtype == "bf16":
             self.k[layer][:, :, input_pos] = k
             self.v[layer][:, :, input_pos] = v
-            return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+            return self.k[layer][:, :, start:end], self.v[layer][:, :, start:end]
         if layer not in self.scales:
             self.scales[layer] = tuple(self._initial_scale(x) for x in (k, v))
         k_scale, v_scale = self.scales[layer]
         self.k[layer][:, :, input_pos] = self._quantize(k, k_scale)
         self.v[layer][:, :, input_pos] = self._quantize(v, v_scale)
-        return self._dequantize(self.k[layer][:, :, :end], k_scale), self._dequantize(self.v[layer][:, :, :end], v_scale)
+        k, v = self.k[layer][:, :, start:end], self.v[layer][:, :, start:end]
+        return self._dequantize(k, k_scale), self._dequantize(v, v_scale)
 
     def bytes_per_token(self) -> int:
         """Bytes one cached position occupies across all layers (keys and values)."""

@@ -120,7 +120,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
-            k, v = cache.update(self.layer_idx, input_pos, k, v)  # [B, Hkv, S, D]
+            # keys before the first one any query may see (past a sliding window) are not read from the cache
+            start = int(mask.any(dim=0).int().argmax())
+            k, v = cache.update(self.layer_idx, input_pos, k, v, start)  # [B, Hkv, S - start, D]
+            mask = mask[:, start:]
         o = attention(q, k, v, mask, self.scale)  # [B, H, T, D]
         return o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
 

@@ -47,3 +47,36 @@ def test_quantized_cache_decoding_stays_close(tiny, kv_dtype):
         steps += [tiny(ids[:, t : t + 1], torch.tensor([t]), cache) for t in range(6, 12)]
     got = torch.cat(steps, dim=1)
     assert float((got - full).norm() / full.norm()) < 0.05
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8"])
+def test_update_returns_positions_from_start(tiny, kv_dtype):
+    cache = KVCache(tiny.config, 1, 16, torch.float32, kv_dtype=kv_dtype)
+    k, v = torch.randn(1, 2, 10, 16), torch.randn(1, 2, 10, 16)
+    k_all, v_all = cache.update(0, torch.arange(10), k, v)
+    k_new, v_new = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16)
+    k_tail, v_tail = cache.update(0, torch.tensor([10]), k_new, v_new, start=4)
+    assert k_tail.shape == (1, 2, 7, 16)  # positions 4..10
+    torch.testing.assert_close(k_tail[:, :, :6], k_all[:, :, 4:])
+    torch.testing.assert_close(v_tail[:, :, :6], v_all[:, :, 4:])
+
+
+def test_sliding_window_layers_read_only_their_window(tmp_path):
+    # gemma3's tiny model: sliding window 5 on most layers, full attention on the others
+    make_model("gemma3", tmp_path)
+    model = load_model(tmp_path, dtype=torch.float32)
+    starts = {}
+
+    class Recording(KVCache):
+        def update(self, layer, input_pos, k, v, start=0):
+            starts[layer] = start
+            return super().update(layer, input_pos, k, v, start)
+
+    cache = Recording(model.config, 1, 16, torch.float32)
+    ids = torch.randint(0, 97, (1, 12))
+    with torch.no_grad():
+        model(ids[:, :11], torch.arange(11), cache)
+        model(ids[:, 11:], torch.tensor([11]), cache)
+    windows = model.config.sliding_window
+    assert {starts[i] for i, w in enumerate(windows) if w is None} == {0}
+    assert {starts[i] for i, w in enumerate(windows) if w is not None} == {11 - 5 + 1}  # the 5 newest keys

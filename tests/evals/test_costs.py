@@ -53,10 +53,14 @@ def test_decode_reads_every_stored_tensor_once_and_one_embedding_row(folders, na
 def test_kv_bytes_grow_per_position_and_halve_in_int8(folders):
     model = load_model(folders["ref"])
     c = model.config
+    assert None in c.sliding_window and any(c.sliding_window)  # both kinds of layer are counted
     bf16, int8 = make_cache(model, 1, 8, "bf16"), make_cache(model, 1, 8, "int8")
-    per_position = 2 * c.num_layers * c.num_kv_heads * c.head_dim  # keys and values, all layers
-    assert decode_bytes(model, bf16, 100) - decode_bytes(model, bf16, 0) == 100 * per_position * 2
-    assert decode_bytes(model, int8, 100) - decode_bytes(model, int8, 0) == 100 * per_position * 1
+    per_position = 2 * c.num_kv_heads * c.head_dim  # keys and values of one layer
+    for context in (3, 100):
+        # a full-attention layer reads every cached position, a sliding one the window - 1 newest
+        read = sum(context if w is None else min(context, w - 1) for w in c.sliding_window)
+        assert decode_bytes(model, bf16, context) - decode_bytes(model, bf16, 0) == read * per_position * 2
+        assert decode_bytes(model, int8, context) - decode_bytes(model, int8, 0) == read * per_position * 1
 
 
 def test_packed_weights_count_codes_and_scales(folders):
