@@ -27,6 +27,15 @@ def register(weight_type: type, kernel: Callable, matmul_dtype: Callable | None 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     # x: [..., K]; weight: [N, K] dense or packed; returns [..., N] in x's dtype
+    # Kernels get x as [M, K]: for a 3-D input whose leading strides it does not fold (a prefill's last
+    # position, h[:, -1:] of [1, T, C]), torch.matmul broadcasts the weight to a batch and copies it, which
+    # for gemma3's 262144 x 640 lm_head was a 335 MB transposing copy per call, most of a 512-token prefill.
+    lead = x.shape[:-1]
+    y = _linear_2d(x.reshape(-1, x.shape[-1]), weight, bias)  # [M, N]
+    return y.view(*lead, y.shape[-1])
+
+
+def _linear_2d(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
     if isinstance(weight, torch.Tensor):
         return F.linear(x, weight, bias)
     for cls in type(weight).__mro__:

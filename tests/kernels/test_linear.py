@@ -1,0 +1,38 @@
+"""The linear entry point: every weight form, and no copy of the weight for strided inputs."""
+
+import pytest
+import torch
+
+from qinfer.format import QuantScheme
+from qinfer.kernels import linear
+from qinfer.quantizers.rtn import rtn_quantize
+
+
+def test_last_position_of_a_prefill_does_not_copy_the_weight():
+    # h[:, -1:] of [1, T, K] keeps the batch stride T * K: torch.matmul did not fold it, broadcast the weight
+    # into a [1, K, N] batch and bmm copied that to contiguous memory (in bf16), the lm_head's at every prefill
+    N, K = 4096, 64
+    weight = torch.randn(N, K, dtype=torch.bfloat16)
+    x = torch.randn(1, 33, K, dtype=torch.bfloat16)[:, -1:]
+    with torch.profiler.profile(profile_memory=True) as prof:
+        y = linear(x, weight)
+    largest = max(e.cpu_memory_usage for e in prof.events())  # bytes, the largest allocation of any op
+    assert 0 < largest < weight.numel() * weight.element_size()
+    assert y.shape == (1, 1, N)
+    torch.testing.assert_close(y.float(), x.float() @ weight.float().T, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("shape", [(7, 64), (2, 5, 64), (2, 3, 4, 64), (0, 64)])
+def test_leading_dimensions_are_kept(shape):
+    weight, bias = torch.randn(48, 64), torch.randn(48)
+    x = torch.randn(shape)
+    torch.testing.assert_close(linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias))
+
+
+def test_packed_weights_take_strided_inputs():
+    weight = torch.randn(64, 128)
+    packed = rtn_quantize(weight, QuantScheme(method="rtn", bits=4, group_size=32))
+    h = torch.randn(2, 9, 128)
+    x = h[:, 2:7:2]  # strided in the token dimension
+    torch.testing.assert_close(linear(x, packed), linear(x.contiguous(), packed))
+    torch.testing.assert_close(linear(x, packed), x @ packed.dequantize(torch.float32).T, rtol=1e-4, atol=1e-4)
