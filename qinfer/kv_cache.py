@@ -2,8 +2,8 @@
 
 ``update`` stores the new keys/values at their positions and returns the cached positions from ``start``
 (the first key any of the new queries may see: past a sliding window, the keys before it are never read
-nor dequantized) to the newest, in the compute dtype. With ``kv_dtype`` "int8" or "fp8" the cache quantizes on write and dequantizes on read,
-one scale per KV head and layer:
+nor dequantized) to the newest, in the compute dtype. With ``kv_dtype`` "int8" or "fp8" the cache
+quantizes on write and dequantizes on read, one scale per KV head and layer:
 
     int8: q = clamp(round(x / scale), -127, 127)          x ≈ q * scale
     fp8:  q = fp8_e4m3(clamp(x / scale, -448, 448))        x ≈ q * scale
