@@ -4,13 +4,18 @@
 PyTorch's fused SDPA, which on CPU is a flash-attention style kernel). A mask whose query rows see only a
 band of the keys (a sliding window, or a decode step past the window) is run in chunks of ``CHUNK`` query
 rows, each against only the keys its rows can see: SDPA with an explicit mask computes every [T, S] product,
-where a window of W needs about T * (W + CHUNK).
+where a window of W needs about T * (W + CHUNK). A decode step (one query row, every key visible) runs as
+two fp32 matmuls over the query heads grouped by KV head: SDPA's flash kernel is built for many query rows
+and took 3x (512 keys) to 6x (4096 keys) as long for one.
 """
 
 import torch
 import torch.nn.functional as F
 
 CHUNK = 256  # query rows per chunk; 128-256 were fastest at gemma3's shapes (window 512, 1-4k tokens)
+# Largest K slice (elements) a decode step converts to fp32; past it (gemma3's 32k-token cache) the fp32
+# copies of K and V cost more than SDPA saves.
+DECODE_MATMUL_MAX = 1 << 22
 
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -24,8 +29,8 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     T, S = q.shape[2], k.shape[2]
-    if T == 1 and bool(mask.all()):
-        return _sdpa(q, k, v, None, scale)  # a decode step that sees every cached key needs no mask
+    if T == 1 and bool(mask.all()):  # a decode step that sees every cached key needs no mask
+        return _decode(q, k, v, scale) if k.numel() <= DECODE_MATMUL_MAX else _sdpa(q, k, v, None, scale)
     if T == S and bool(mask.equal(torch.ones_like(mask).tril())):
         return _sdpa(q, k, v, None, scale, causal=True)  # SDPA skips the blocks above the diagonal (~15% in fp32)
     spans = _key_spans(mask)
@@ -50,6 +55,14 @@ def _key_spans(mask: torch.Tensor) -> list[tuple[int, int, int, int]] | None:
             return None  # rows that see no key: leave them to SDPA as they are
         spans.append((i0, i1, int(cols[0]), int(cols[-1]) + 1))
     return spans if 2 * sum((i1 - i0) * (k1 - k0) for i0, i1, k0, k1 in spans) <= T * S else None
+
+
+def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    # q: [B, H, 1, D]; k, v: [B, Hkv, S, D]. Query head h reads KV head h // (H / Hkv), so the heads of one
+    # KV head are consecutive and become the rows of one matmul: no copy of K or V per query head.
+    B, H, T, D = q.shape
+    scores = q.reshape(B, k.shape[1], H // k.shape[1] * T, D).float() @ k.float().transpose(-1, -2) * scale
+    return (scores.softmax(dim=-1) @ v.float()).view(B, H, T, D).to(q.dtype)
 
 
 def _sdpa(q, k, v, mask, scale, causal=False):

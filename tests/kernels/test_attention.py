@@ -92,3 +92,21 @@ def test_key_spans(monkeypatch):
     blind = _mask(12, 12, 3)
     blind[4:8] = False  # rows that see no key are left to SDPA whole
     assert _key_spans(blind) is None
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_decode_step_over_a_long_cache(kv_heads, dtype, tol):
+    # one query row seeing every key: grouped fp32 matmuls, each query head against its own KV head
+    q, k, v = _qkv(1, 300, kv_heads=kv_heads, dtype=dtype)
+    mask = _mask(1, 300)
+    out = attention(q, k, v, mask, 0.25)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, attention_ref(q, k, v, mask, 0.25), rtol=tol, atol=tol)
+
+
+def test_decode_past_the_size_limit_uses_sdpa_and_matches(monkeypatch):
+    monkeypatch.setattr(attention_module, "DECODE_MATMUL_MAX", 8)
+    q, k, v = _qkv(1, 12, kv_heads=2)
+    mask = _mask(1, 12)
+    torch.testing.assert_close(attention(q, k, v, mask, 0.25), attention_ref(q, k, v, mask, 0.25), rtol=1e-5, atol=1e-5)
