@@ -120,8 +120,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
-            # keys before the first one any query may see (past a sliding window) are not read from the cache
-            start = int(mask.any(dim=0).int().argmax())
+            # keys before the first one any query may see (past a sliding window) are not read from the cache;
+            # the column scan is skipped when key 0 is visible (every prefill from position 0)
+            start = 0 if bool(mask[:, 0].any()) else int(mask.any(dim=0).int().argmax())
             k, v = cache.update(self.layer_idx, input_pos, k, v, start)  # [B, Hkv, S - start, D]
             mask = mask[:, start:]
         o = attention(q, k, v, mask, self.scale)  # [B, H, T, D]
