@@ -3,6 +3,11 @@
 A dense tensor goes to ``torch.nn.functional.linear``. A packed weight registers its kernel with
 ``register`` (keyed by the weight's type), so new formats plug in without touching the model, and
 optionally the dtype that kernel multiplies in (``matmul_dtype``), which MFU takes its ceiling from.
+
+A single bf16 row on CPU (a decode step at batch 1) bypasses oneDNN: for ``M == 1`` its bf16 matmul streams
+a weight from memory at 7-15 GB/s on 2 cores where ATen's own GEMV (also fp32 accumulation) streams 15-29
+GB/s, 2.3x as fast on gemma3's lm_head (``evals/RESULTS-LOG.md``). At 4 rows oneDNN is already faster.
+The switch is the process-wide ``torch.backends.mkldnn.enabled``, restored after the call.
 """
 
 from collections.abc import Callable
@@ -37,11 +42,22 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
 
 def _linear_2d(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
     if isinstance(weight, torch.Tensor):
+        if x.shape[0] == 1 and x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu":
+            return _without_onednn(x, weight, bias)
         return F.linear(x, weight, bias)
     for cls in type(weight).__mro__:
         if cls in _KERNELS:
             return _KERNELS[cls](x, weight, bias)
     raise TypeError(f"no linear kernel registered for weights of type {type(weight).__name__}")
+
+
+def _without_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    onednn = torch.backends.mkldnn
+    enabled, onednn.enabled = onednn.enabled, False
+    try:
+        return F.linear(x, weight, bias)
+    finally:
+        onednn.enabled = enabled
 
 
 def matmul_dtype(weight, x_dtype: torch.dtype, device: torch.device) -> torch.dtype:

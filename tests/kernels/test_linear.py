@@ -36,3 +36,29 @@ def test_packed_weights_take_strided_inputs():
     x = h[:, 2:7:2]  # strided in the token dimension
     torch.testing.assert_close(linear(x, packed), linear(x.contiguous(), packed))
     torch.testing.assert_close(linear(x, packed), x @ packed.dequantize(torch.float32).T, rtol=1e-4, atol=1e-4)
+
+
+def _onednn_runs(capfd, fn) -> bool:
+    """Whether ``fn()`` executes a oneDNN primitive (from oneDNN's verbose log on stdout)."""
+    capfd.readouterr()
+    with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+        fn()
+    return "primitive,exec" in capfd.readouterr().out
+
+
+def test_one_bf16_row_bypasses_onednn(capfd):
+    # oneDNN's bf16 matmul streams a weight at less than half the speed of ATen's GEMV for a single row
+    weight = torch.randn(512, 64, dtype=torch.bfloat16)
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    if not _onednn_runs(capfd, lambda: torch.nn.functional.linear(x, weight)):
+        pytest.skip("torch does not run bf16 matmuls through oneDNN on this CPU")
+    assert not _onednn_runs(capfd, lambda: linear(x, weight))
+    assert _onednn_runs(capfd, lambda: linear(torch.randn(8, 64, dtype=torch.bfloat16), weight))  # rows: oneDNN
+    torch.testing.assert_close(linear(x, weight), torch.nn.functional.linear(x, weight), rtol=1e-2, atol=1e-2)
+    assert torch.backends.mkldnn.enabled
+
+
+def test_onednn_switch_is_restored_after_an_error():
+    with pytest.raises(RuntimeError):
+        linear(torch.randn(1, 64, dtype=torch.bfloat16), torch.randn(512, 63, dtype=torch.bfloat16))
+    assert torch.backends.mkldnn.enabled
