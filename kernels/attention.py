@@ -31,7 +31,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     T, S = q.shape[2], k.shape[2]
     if T == 1 and bool(mask.all()):  # a decode step that sees every cached key needs no mask
         return _decode(q, k, v, scale) if k.numel() <= DECODE_MATMUL_MAX else _sdpa(q, k, v, None, scale)
-    if T == S and bool(mask.equal(torch.ones_like(mask).tril())):
+    if T == S and _is_causal(mask):
         return _sdpa(q, k, v, None, scale, causal=True)  # SDPA skips the blocks above the diagonal (~15% in fp32)
     spans = _key_spans(mask)
     if spans is None:
@@ -55,6 +55,16 @@ def _key_spans(mask: torch.Tensor) -> list[tuple[int, int, int, int]] | None:
             return None  # rows that see no key: leave them to SDPA as they are
         spans.append((i0, i1, int(cols[0]), int(cols[-1]) + 1))
     return spans if 2 * sum((i1 - i0) * (k1 - k0) for i0, i1, k0, k1 in spans) <= T * S else None
+
+
+def _is_causal(mask: torch.Tensor, rows: int = 1024) -> bool:
+    # mask: [T, T]; compared against the lower triangle a block of rows at a time (a whole [T, T] triangle
+    # would be one more 1 GiB tensor at 32k tokens)
+    T = mask.shape[0]
+    return all(
+        mask[i : i + rows].equal(torch.ones(min(rows, T - i), T, dtype=torch.bool, device=mask.device).tril(i))
+        for i in range(0, T, rows)
+    )
 
 
 def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

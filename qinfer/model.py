@@ -232,7 +232,8 @@ class Transformer(nn.Module):
         q_pos = input_pos[:, None]
         k_pos = torch.arange(n_keys, device=input_pos.device)[None, :] if n_keys else input_pos[None, :]
         causal = k_pos <= q_pos
-        return {w: causal if w is None else causal & (q_pos - k_pos < w) for w in set(self.config.sliding_window)}
+        # k_pos > q_pos - w, not q_pos - k_pos < w: the difference would be a [T, S] int64 (8 GiB at 32k tokens)
+        return {w: causal if w is None else causal & (k_pos > q_pos - w) for w in set(self.config.sliding_window)}
 
     def hidden_states(self, input_ids, input_pos, cache: KVCache | None = None) -> torch.Tensor:
         """Final-norm hidden states [B, T, C] of T new tokens (``input_ids`` [B, T], ``input_pos`` [T])."""

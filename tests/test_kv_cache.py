@@ -80,3 +80,18 @@ def test_sliding_window_layers_read_only_their_window(tmp_path):
     windows = model.config.sliding_window
     assert {starts[i] for i, w in enumerate(windows) if w is None} == {0}
     assert {starts[i] for i, w in enumerate(windows) if w is not None} == {11 - 5 + 1}  # the 5 newest keys
+
+
+def test_masks_follow_their_definition(tmp_path):
+    # [T, S] True where key position k may be seen from query position q: k <= q, and q - k < window
+    make_model("gemma3", tmp_path)
+    model = load_model(tmp_path, dtype=torch.float32)
+    for input_pos, n_keys in ((torch.arange(12), 0), (torch.arange(7, 12), 12), (torch.tensor([20]), 21)):
+        q = input_pos[:, None]
+        k = torch.arange(n_keys)[None, :] if n_keys else input_pos[None, :]
+        masks = model.masks(input_pos, n_keys)
+        assert set(masks) == set(model.config.sliding_window)
+        for window, mask in masks.items():
+            expected = torch.tensor([[kk <= qq and (window is None or qq - kk < window) for kk in k[0].tolist()]
+                                     for qq in q[:, 0].tolist()])
+            assert torch.equal(mask, expected)

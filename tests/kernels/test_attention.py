@@ -110,3 +110,16 @@ def test_decode_past_the_size_limit_uses_sdpa_and_matches(monkeypatch):
     q, k, v = _qkv(1, 12, kv_heads=2)
     mask = _mask(1, 12)
     torch.testing.assert_close(attention(q, k, v, mask, 0.25), attention_ref(q, k, v, mask, 0.25), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7, 100])
+def test_causal_check_in_blocks_of_rows(rows):
+    # the check compares a block of rows at a time; any block size gives the whole comparison's answer
+    T = 10
+    causal = _mask(T, T)
+    assert attention_module._is_causal(causal, rows)
+    for i, j in ((0, 1), (4, 2), (9, 9), (6, 7), (3, 0)):
+        other = causal.clone()
+        other[i, j] = not other[i, j]
+        assert not attention_module._is_causal(other, rows)
+    assert not attention_module._is_causal(_mask(T, T, window=4), rows)
