@@ -2,7 +2,8 @@
 
 ``dequant_linear_ref`` dequantizes the whole weight, then runs a dense matmul: correct for every format
 and device, and the definition the fast kernels are tested against, but it materialises the dense weight
-on every call. ``quant_linear`` is the entry point: the CPU int4 kernel where it applies, else the reference;
+on every call. ``quant_linear`` is the entry point: the CPU int4 kernel where it applies, else for one bf16
+row on CPU the int8 kernel (other bit widths, per-channel 4-bit), else the reference;
 ``quant_linear_dtype`` says which dtype the chosen kernel multiplies in. ``fp8_linear`` is FP8's: the CPU
 one-row path where it applies (a decode step), else the reference.
 """
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from qinfer.format import Fp8Weight, QuantizedWeight
-from qinfer.kernels import fp8_cpu, int4_cpu
+from qinfer.kernels import fp8_cpu, int4_cpu, int8_cpu
 
 
 def dequant_linear_ref(x: torch.Tensor, weight: QuantizedWeight | Fp8Weight, bias: torch.Tensor | None = None):
@@ -22,6 +23,8 @@ def dequant_linear_ref(x: torch.Tensor, weight: QuantizedWeight | Fp8Weight, bia
 def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None):
     if int4_cpu.supported(x, weight):
         return int4_cpu.int4_linear(x, weight, bias)
+    if int8_cpu.supported(x, weight):
+        return int8_cpu.int8_linear(x, weight, bias)
     return dequant_linear_ref(x, weight, bias)
 
 

@@ -1,0 +1,63 @@
+"""CPU path for one bf16 row times an integer weight the int4 kernel does not take: 2, 3 or 8 bits, or 4
+bits per channel. A decode step at batch 1 (and every step's lm_head under ``--quantize-lm-head``).
+
+The reference dequantizes the whole weight on every call: ~300x a bf16 GEMV's time for gemma3's 8-bit
+lm_head. PyTorch's int8 weight-only matmul ``torch.ops.aten._weight_int8pack_mm(x, q, s)`` computes
+``(x @ q^T) * s`` for int8 ``q [N, K]`` and one scale per row, reading a byte per weight. qinfer's groups
+(``w = (q - z) * s`` per group of G along K) map onto one call per group:
+``y = sum_g s_g * (x_g @ (q_g - o)^T) - sum_g s_g * (z_g - o) * sum(x_g)``, with ``o = 2^(bits-1)``, the
+middle of the code range: ``q - o`` fits int8, a symmetric weight's zero term vanishes (its ``z`` is ``o``),
+and an asymmetric one's stays small, so the partial products carry little that the zero term cancels. The codes are converted once per weight to int8 ``[N, G]`` blocks,
+one per group, and cached beside it (a byte per weight; the 8-bit weight's own codes are a byte too).
+
+The kernel's scale is 1 and every group's bf16 partial product is scaled and summed in fp32, so the
+error is a bf16 rounding per group (relative 2^-9 each; the reference rounds every dequantized weight to
+bf16 instead). Prefills, other dtypes and devices take the reference.
+"""
+
+import weakref
+
+import torch
+
+from qinfer.format import QuantizedWeight
+
+_BLOCKS: dict[int, tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def supported(x: torch.Tensor, weight: QuantizedWeight) -> bool:
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (
+        x.device.type == "cpu"
+        and rows == 1
+        and x.dtype == torch.bfloat16
+        and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+    )
+
+
+def _blocks(weight: QuantizedWeight) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per group: int8 codes - o [N, G]; and scales [N, K/G], zero terms s * (z - o) [N, K/G], unit scales [N]."""
+    key = id(weight)
+    if key not in _BLOCKS:
+        N, K = weight.shape
+        G = K if weight.group_size == -1 else weight.group_size
+        offset = 1 << (weight.bits - 1)
+        codes = (weight.codes().to(torch.int16) - offset).to(torch.int8)  # [N, K]
+        scale = weight.scale.float()  # [N, K/G]
+        zero = torch.full_like(scale, offset) if weight.zero is None else weight.zero.float()
+        blocks = [codes[:, g : g + G].contiguous() for g in range(0, K, G)]
+        _BLOCKS[key] = (blocks, scale, scale * (zero - offset), torch.ones(N, dtype=torch.bfloat16))
+        weakref.finalize(weight, _BLOCKS.pop, key, None)
+    return _BLOCKS[key]
+
+
+def int8_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    # x: [..., K] holding one bf16 row; returns [..., N] in bf16; caller checked supported(x, weight)
+    blocks, scale, zero_terms, ones = _blocks(weight)
+    row = x.reshape(1, -1)
+    G = blocks[0].shape[1]
+    y = zero_terms @ -row.float().view(-1, G).sum(-1)  # [N]
+    for g, block in enumerate(blocks):
+        y += torch.ops.aten._weight_int8pack_mm(row[:, g * G : (g + 1) * G], block, ones)[0].float() * scale[:, g]
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,64 @@
+"""The CPU one-row int8 path (bit widths the int4 kernel does not take) against exact products."""
+
+import pytest
+import torch
+
+from qinfer.format import QuantScheme
+from qinfer.kernels import int4_cpu, int8_cpu, linear
+from qinfer.kernels.quant_linear import dequant_linear_ref
+from qinfer.quantizers.rtn import rtn_quantize
+
+
+def _weight(N, K, bits, group_size, symmetric, seed=0):
+    W = torch.randn(N, K, generator=torch.Generator().manual_seed(seed)) * 0.05
+    W[: N // 2] += 0.03  # rows whose groups sit off zero: the zero points matter
+    scheme = QuantScheme(method="rtn", bits=bits, group_size=group_size, symmetric=symmetric)
+    return rtn_quantize(W, scheme)
+
+
+def _exact(x, weight, bias=None):
+    y = x.double() @ weight.dequantize(torch.float64).T  # the format's own dequantization, in float64
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("group_size", [32, 128, -1])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_one_row_matches_the_exact_product(bits, group_size, symmetric):
+    weight = _weight(72, 256, bits, group_size, symmetric)
+    bias = torch.randn(72).bfloat16()
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
+    assert int8_cpu.supported(x, weight)
+    got = int8_cpu.int8_linear(x, weight, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (1, 72)
+    exact = _exact(x, weight, bias)
+    err = float((got.double() - exact).norm() / exact.norm())
+    ref = float((dequant_linear_ref(x, weight, bias).double() - exact).norm() / exact.norm())
+    assert err < 4e-3 and err <= 2 * ref + 1e-3  # bf16 roundings, like the reference's
+
+
+def test_dispatch():
+    # one bf16 row: int4 kernel for grouped 4-bit, int8 path for other widths; everything else the reference
+    w8, w4 = _weight(64, 256, 8, 128, False), _weight(64, 256, 4, 128, False)
+    w4_channel = _weight(64, 256, 4, -1, False)
+    row = torch.randn(1, 1, 256).bfloat16()
+    assert torch.equal(linear(row, w8), int8_cpu.int8_linear(row, w8))
+    assert torch.equal(linear(row, w4), int4_cpu.int4_linear(row, w4))
+    assert not int4_cpu.supported(row, w4_channel)
+    assert torch.equal(linear(row, w4_channel), int8_cpu.int8_linear(row, w4_channel))
+    for x in (torch.randn(3, 256).bfloat16(), torch.randn(1, 256)):  # many rows; fp32
+        assert not int8_cpu.supported(x, w8)
+        assert torch.equal(linear(x, w8), dequant_linear_ref(x, w8))
+
+
+def test_converted_codes_are_cached_per_weight_and_released():
+    weight = _weight(32, 64, 3, 32, True)
+    row = torch.randn(1, 64).bfloat16()
+    int8_cpu.int8_linear(row, weight)
+    key = id(weight)
+    blocks = int8_cpu._BLOCKS[key][0]
+    assert [tuple(b.shape) for b in blocks] == [(32, 32), (32, 32)] and blocks[0].dtype == torch.int8
+    int8_cpu.int8_linear(row, weight)
+    assert int8_cpu._BLOCKS[key][0] is blocks  # converted once
+    del weight
+    assert key not in int8_cpu._BLOCKS
