@@ -60,7 +60,7 @@ from qinfer.calib.capture import (
 from qinfer.calib.sampling import sample_windows
 from qinfer.calib.sources import load_calibration_documents
 from qinfer.errors import QinferError
-from qinfer.format import QuantScheme
+from qinfer.format import Fp8Weight, QuantScheme
 from qinfer.interop.folders import SIDE_FILES
 from qinfer.loader import drop_pages, load_model
 from qinfer.model import Transformer
@@ -72,6 +72,9 @@ from qinfer.tokenizer import Tokenizer
 
 # Files copied unchanged from the source folder so the output is a complete model folder.
 COPIED_FILES = ("config.json", *SIDE_FILES)
+
+# Output rows of the lm_head quantized at a time (gemma3's 262144 x 640 in 8 slices of 84 MB in fp32).
+LM_HEAD_ROWS = 32768
 
 # The code that decides what a quantization writes; its fingerprint goes into quantize_report.json so a
 # cached quantized folder (the main job's) is redone after a change to any of it.
@@ -362,9 +365,26 @@ def _lm_head(model: Transformer, X: torch.Tensor | None, scheme: QuantScheme, te
     if X is not None and head_scheme.method == "gptq":
         h = model.model.norm(X).reshape(-1, X.shape[-1])
         H = (h.T @ h).float()
-    qw, err = _quantize_linear(W.float(), H, head_scheme, "lm_head")
+    qw, err = _quantize_rows(W, H, head_scheme, "lm_head")
     report.layer_errors["lm_head"] = err
     _account(report, tensors, qw, "lm_head", W.numel())
+
+
+def _quantize_rows(W: torch.Tensor, H: torch.Tensor | None, scheme: QuantScheme, name: str, rows: int = LM_HEAD_ROWS):
+    """``_quantize_linear`` over ``rows`` output rows at a time: every quantizer here treats rows independently
+    given ``H`` (GPTQ's error feedback runs along a row), so only a slice is ever in fp32, not the whole
+    [vocab, hidden] lm_head (several fp32 copies of gemma3's were 4-5 GiB). A per-tensor FP8 scale spans
+    all rows, so that weight is quantized whole."""
+    if W.shape[0] <= rows or (scheme.format == "fp8" and scheme.fp8_granularity == "tensor"):
+        return _quantize_linear(W.float(), H, scheme, name)
+    parts = [_quantize_linear(W[r : r + rows].float(), H, scheme, name) for r in range(0, W.shape[0], rows)]
+    weights = [w for w, _ in parts]
+    error = sum(e for _, e in parts)
+    if isinstance(weights[0], Fp8Weight):
+        return Fp8Weight(torch.cat([w.weight for w in weights]), torch.cat([w.scale for w in weights])), error
+    zero = None if weights[0].zero is None else torch.cat([w.zero for w in weights])
+    qweight, scale = torch.cat([w.qweight for w in weights]), torch.cat([w.scale for w in weights])
+    return replace(weights[0], qweight=qweight, scale=scale, zero=zero, shape=tuple(W.shape)), error
 
 
 def _folder_bytes(folder: Path) -> int:

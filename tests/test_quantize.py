@@ -377,3 +377,28 @@ def test_interrupt_leaves_no_output(tmp_path, calib_file):
     assert "Traceback" not in err
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+@pytest.mark.parametrize(
+    "scheme",
+    [
+        QuantScheme(method="rtn", bits=8, group_size=32),
+        QuantScheme(method="gptq", bits=4, group_size=32, act_order=True),
+        QuantScheme(method="gptq", bits=3, group_size=-1, symmetric=True),
+        QuantScheme(method="fp8", bits=8, format="fp8", group_size=-1),
+        QuantScheme(method="gptq", bits=8, format="fp8", group_size=-1, fp8_granularity="tensor"),
+    ],
+)
+def test_lm_head_quantized_in_slices_of_rows_equals_whole(scheme):
+    # the lm_head is quantized a slice of rows at a time (memory); every quantizer treats rows independently
+    from qinfer.quantize import _quantize_linear, _quantize_rows
+
+    g = torch.Generator().manual_seed(0)
+    W = (torch.randn(100, 64, generator=g) * 0.05).bfloat16()
+    X = torch.randn(256, 64, generator=g)
+    H = X.T @ X
+    whole, whole_err = _quantize_linear(W.float(), H, scheme, "lm_head")
+    sliced, sliced_err = _quantize_rows(W, H, scheme, "lm_head", rows=32)
+    assert type(sliced) is type(whole) and sliced.shape == whole.shape == (100, 64)
+    assert torch.equal(sliced.dequantize(torch.float32), whole.dequantize(torch.float32))
+    assert sliced_err == pytest.approx(whole_err, rel=1e-5)
