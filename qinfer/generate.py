@@ -11,6 +11,11 @@ from qinfer.kv_cache import KVCache
 from qinfer.model import Transformer
 
 
+# Prompt positions per prefill forward: longer prompts run in chunks (at 32768 tokens a single forward's two
+# [T, T] masks were 1 GiB each); 4096 keeps every prompt the evals time in one forward.
+PREFILL_CHUNK = 4096
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 128
@@ -73,9 +78,14 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 
 @torch.no_grad()
-def prefill(model: Transformer, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    # ids: [B, T] -> last-position logits [B, V]
-    return model(ids, torch.arange(ids.shape[1], device=ids.device), cache, last_only=True)[:, -1]
+def prefill(model: Transformer, ids: torch.Tensor, cache: KVCache, chunk: int = PREFILL_CHUNK) -> torch.Tensor:
+    # ids: [B, T] -> last-position logits [B, V]. Runs ``chunk`` positions per forward, each against the
+    # keys cached before it, so a long prompt's masks and activations are [chunk, ...], not [T, ...].
+    T = ids.shape[1]
+    for start in range(0, T, chunk):
+        end = min(T, start + chunk)
+        logits = model(ids[:, start:end], torch.arange(start, end, device=ids.device), cache, last_only=True)
+    return logits[:, -1]
 
 
 @torch.no_grad()

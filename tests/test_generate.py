@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from qinfer.errors import QinferError
-from qinfer.generate import GenerationStats, SamplingParams, generate, sample
+from qinfer.generate import GenerationStats, SamplingParams, generate, prefill, sample
+from qinfer.kv_cache import KVCache
 from qinfer.loader import load_model
 from tests.tiny_models import make_model
 
@@ -57,3 +58,18 @@ def test_top_k_keeps_only_k_tokens():
 def test_context_overflow_is_a_clear_error(tiny):
     with pytest.raises(QinferError, match="context"):
         list(generate(tiny, [1] * 250, SamplingParams(max_tokens=10)))
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 5, 64])
+def test_prefill_in_chunks_matches_one_forward(tiny, chunk):
+    # a long prompt runs in chunks against the keys cached before each; the tiny gemma3 has a sliding window
+    # of 5, so chunks of 3 and 5 cross it
+    ids = torch.randint(1, tiny.config.vocab_size, (1, 13), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        whole = tiny(ids)[:, -1]
+        cache = KVCache(tiny.config, 1, 16, torch.float32)
+        got = prefill(tiny, ids, cache, chunk=chunk)
+        step = tiny(torch.tensor([[7]]), torch.tensor([13]), cache)[:, -1]  # a decode step on the chunked cache
+        expected_step = tiny(torch.cat([ids, torch.tensor([[7]])], dim=1))[:, -1]
+    torch.testing.assert_close(got, whole, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(step, expected_step, rtol=1e-4, atol=1e-4)
