@@ -33,9 +33,11 @@ def supported(x: torch.Tensor, weight: Fp8Weight) -> bool:
     return x.device.type == "cpu" and rows == 1 and weight.shape[1] <= MAX_K and x.dtype in HALF_DTYPES
 
 
-def fp16_codes(weight: Fp8Weight) -> torch.Tensor:
-    """The E4M3 codes as fp16 numbers ``value / SHIFT``, exactly (the codes are finite: qinfer saturates)."""
-    bits = weight.weight.view(torch.int8).to(torch.int16)  # sign-extended: bit 15 holds the sign
+def e4m3_as_fp16(codes: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn ``codes`` as fp16 numbers ``value / SHIFT``, exactly, in 3 vectorised integer passes
+    (``codes.float()`` converts one element at a time). For finite codes: qinfer saturates every E4M3 it
+    writes, so none holds NaN (a NaN code would read as 480 / SHIFT)."""
+    bits = codes.view(torch.int8).to(torch.int16)  # sign-extended: bit 15 holds the sign
     bits.bitwise_left_shift_(7)
     bits.bitwise_and_(_SIGN_AND_MAGNITUDE)
     return bits.view(torch.float16)
@@ -45,7 +47,7 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = N
     # x: [..., K] holding one row; returns [..., N] in x's dtype; caller checked supported(x, weight)
     row = x.reshape(1, -1).float()
     norm = row.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)
-    y = F.linear((row / norm).half(), fp16_codes(weight)).float()  # [1, N]
+    y = F.linear((row / norm).half(), e4m3_as_fp16(weight.weight)).float()  # [1, N]
     y = y * (weight.scale.reshape(1, -1) * (norm * SHIFT))
     if bias is not None:
         y = y + bias.float()

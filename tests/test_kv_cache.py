@@ -95,3 +95,14 @@ def test_masks_follow_their_definition(tmp_path):
             expected = torch.tensor([[kk <= qq and (window is None or qq - kk < window) for kk in k[0].tolist()]
                                      for qq in q[:, 0].tolist()])
             assert torch.equal(mask, expected)
+
+
+def test_fp8_cache_reads_exactly_codes_times_scale(tiny):
+    # the fp8 read moves code bits into fp16 (float8 -> float converts one element at a time in torch);
+    # it must give exactly code * scale, subnormal codes included
+    cache = KVCache(tiny.config, 1, 300, torch.float32, kv_dtype="fp8")
+    k = torch.randn(1, 2, 300, 16) * torch.logspace(-6, 1, 300)[None, None, :, None]
+    k_out, _ = cache.update(0, torch.arange(300), k, k)
+    scale = cache.scales[0][0]
+    assert torch.equal(k_out, cache.k[0].float() * scale[None, :, None, None])
+    assert int((cache.k[0].float().abs() < 2.0**-6).sum()) > 0  # subnormal codes were read

@@ -24,7 +24,7 @@ def test_every_finite_code_moves_to_fp16_exactly():
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     finite = codes.float().isfinite()  # E4M3 has no inf; its two NaN codes are never written
     weight = Fp8Weight(codes[finite].reshape(2, -1), torch.ones(2, 1))
-    assert torch.equal(fp8_cpu.fp16_codes(weight).float() * fp8_cpu.SHIFT, weight.weight.float())
+    assert torch.equal(fp8_cpu.e4m3_as_fp16(weight.weight).float() * fp8_cpu.SHIFT, weight.weight.float())
     assert int((weight.weight.float().abs() < 2.0**-6).sum()) == 16  # the subnormals (and zeros) were in it
 
 
