@@ -29,8 +29,8 @@ _SIGN_AND_MAGNITUDE = (0x80 << 8 | 0x7F << 7) - (1 << 16)  # bits 15 and 13..7, 
 
 
 def supported(x: torch.Tensor, weight: Fp8Weight) -> bool:
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return x.device.type == "cpu" and rows == 1 and weight.shape[1] <= MAX_K and x.dtype in HALF_DTYPES
+    one_row = x.numel() == x.shape[-1]
+    return x.device.type == "cpu" and one_row and weight.shape[1] <= MAX_K and x.dtype in HALF_DTYPES
 
 
 def e4m3_as_fp16(codes: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,9 @@ lm_head. PyTorch's int8 weight-only matmul ``torch.ops.aten._weight_int8pack_mm(
 (``w = (q - z) * s`` per group of G along K) map onto one call per group:
 ``y = sum_g s_g * (x_g @ (q_g - o)^T) - sum_g s_g * (z_g - o) * sum(x_g)``, with ``o = 2^(bits-1)``, the
 middle of the code range: ``q - o`` fits int8, a symmetric weight's zero term vanishes (its ``z`` is ``o``),
-and an asymmetric one's stays small, so the partial products carry little that the zero term cancels. The codes are converted once per weight to int8 ``[N, G]`` blocks,
-one per group, and cached beside it (a byte per weight; the 8-bit weight's own codes are a byte too).
+and an asymmetric one's stays small, so the partial products carry little that the zero term cancels. The
+codes are converted once per weight to int8 ``[N, G]`` blocks, one per group, and cached beside it (a byte
+per weight; the 8-bit weight's own codes are a byte too).
 
 The kernel's scale is 1 and every group's bf16 partial product is scaled and summed in fp32, so the
 error is a bf16 rounding per group (relative 2^-9 each; the reference rounds every dequantized weight to
@@ -25,10 +26,9 @@ _BLOCKS: dict[int, tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.T
 
 
 def supported(x: torch.Tensor, weight: QuantizedWeight) -> bool:
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return (
         x.device.type == "cpu"
-        and rows == 1
+        and x.numel() == x.shape[-1]
         and x.dtype == torch.bfloat16
         and hasattr(torch.ops.aten, "_weight_int8pack_mm")
     )
