@@ -18,9 +18,8 @@ fp32 rows and many rows (a prefill) take the reference: a fp16 GEMM was 6x slowe
 import torch
 import torch.nn.functional as F
 
-from qinfer.format import Fp8Weight
+from qinfer.format import FP8_MAX, Fp8Weight
 
-FP8_MAX = 448.0  # largest E4M3 magnitude
 SHIFT = 2.0**8  # E4M3 value = fp16 value of the moved bits * SHIFT
 MAX_K = int(torch.finfo(torch.float16).max * SHIFT / FP8_MAX)  # longest row whose outputs fit fp16
 # activations whose own rounding is no finer than fp16's; fp32 rows keep the reference's fp32 product

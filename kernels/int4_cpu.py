@@ -12,12 +12,11 @@ The kernel's layout is converted once per weight at first use (``_convert_weight
 and cached beside the weight; ``int4_linear_ref`` is the plain-torch definition it is tested against.
 """
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 
 from qinfer.format import QuantizedWeight
+from qinfer.kernels.linear import per_weight
 
 GROUP_SIZES = (32, 64, 128, 256)
 MATMUL_DTYPE = torch.float32  # the kernel widens activations and unpacked weights to fp32 and multiply-adds in fp32
@@ -44,15 +43,15 @@ def _scales_and_zeros(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tens
 
 
 def _packed(weight: QuantizedWeight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    key = id(weight)
-    if key not in _PACKED:
-        codes = weight.codes().to(torch.int32)  # [N, K]
-        _PACKED[key] = (torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), {})
-        weakref.finalize(weight, _PACKED.pop, key, None)
-    packed, sz = _PACKED[key]
+    packed, sz = per_weight(_PACKED, weight, _convert)
     if dtype not in sz:
         sz[dtype] = _scales_and_zeros(weight, dtype)
     return packed, sz[dtype]
+
+
+def _convert(weight: QuantizedWeight) -> tuple[torch.Tensor, dict[torch.dtype, torch.Tensor]]:
+    # the kernel's packed codes, and its scales/zeros per activation dtype (filled on first use)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes().to(torch.int32), 1), {}
 
 
 def int4_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -16,11 +16,10 @@ error is a bf16 rounding per group (relative 2^-9 each; the reference rounds eve
 bf16 instead). Prefills, other dtypes and devices take the reference.
 """
 
-import weakref
-
 import torch
 
 from qinfer.format import QuantizedWeight
+from qinfer.kernels.linear import per_weight
 
 _BLOCKS: dict[int, tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
@@ -36,18 +35,18 @@ def supported(x: torch.Tensor, weight: QuantizedWeight) -> bool:
 
 def _blocks(weight: QuantizedWeight) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per group: int8 codes - o [N, G]; and scales [N, K/G], zero terms s * (z - o) [N, K/G], unit scales [N]."""
-    key = id(weight)
-    if key not in _BLOCKS:
-        N, K = weight.shape
-        G = K if weight.group_size == -1 else weight.group_size
-        offset = 1 << (weight.bits - 1)
-        codes = (weight.codes().to(torch.int16) - offset).to(torch.int8)  # [N, K]
-        scale = weight.scale.float()  # [N, K/G]
-        zero = torch.full_like(scale, offset) if weight.zero is None else weight.zero.float()
-        blocks = [codes[:, g : g + G].contiguous() for g in range(0, K, G)]
-        _BLOCKS[key] = (blocks, scale, scale * (zero - offset), torch.ones(N, dtype=torch.bfloat16))
-        weakref.finalize(weight, _BLOCKS.pop, key, None)
-    return _BLOCKS[key]
+    return per_weight(_BLOCKS, weight, _convert)
+
+
+def _convert(weight: QuantizedWeight) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+    N, K = weight.shape
+    G = K if weight.group_size == -1 else weight.group_size
+    offset = 1 << (weight.bits - 1)
+    codes = (weight.codes().to(torch.int16) - offset).to(torch.int8)  # [N, K]
+    scale = weight.scale.float()  # [N, K/G]
+    zero = torch.full_like(scale, offset) if weight.zero is None else weight.zero.float()
+    blocks = [codes[:, g : g + G].contiguous() for g in range(0, K, G)]
+    return blocks, scale, scale * (zero - offset), torch.ones(N, dtype=torch.bfloat16)
 
 
 def int8_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -10,6 +10,7 @@ GB/s, 2.3x as fast on gemma3's lm_head (``evals/RESULTS-LOG.md``). At 4 rows one
 The switch is the process-wide ``torch.backends.mkldnn.enabled``, restored after the call.
 """
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -58,6 +59,16 @@ def _without_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         return F.linear(x, weight, bias)
     finally:
         onednn.enabled = enabled
+
+
+def per_weight(store: dict, weight, build: Callable):
+    """``store[id(weight)]``, built by ``build(weight)`` on first use and dropped when the weight is freed:
+    a kernel's layout of a packed weight, converted once per weight rather than on every call."""
+    key = id(weight)
+    if key not in store:
+        store[key] = build(weight)
+        weakref.finalize(weight, store.pop, key, None)
+    return store[key]
 
 
 def matmul_dtype(weight, x_dtype: torch.dtype, device: torch.device) -> torch.dtype:
