@@ -49,8 +49,8 @@ def _weights_bytes(model: Transformer) -> int:
 
 
 def _embedding_row_bytes(model: Transformer) -> int:
-    emb = model.model.embed_tokens.weight
-    return emb.shape[1] * emb.element_size()
+    emb = model.model.embed_tokens.weight  # a dense table, or a quantized lm_head's packed rows
+    return weight_bytes(emb) // emb.shape[0]
 
 
 def kv_bytes(cache: KVCache, positions: int) -> int:

@@ -9,6 +9,11 @@ folded scales into, or the tuning stages fitted, are float32 where the norm mult
 there bf16 would keep ``1 + w`` only to a few percent once it moves far from 1. A quantized lm_head follows
 ``scheme.lm_head_scheme()``: the same scheme with ``bits = lm_head_bits``.
 
+Tied embedding. When ``config.json`` sets ``tie_word_embeddings`` and the lm_head is quantized, the folder
+holds no ``model.embed_tokens.weight``: token ``t``'s embedding is row ``t`` of the dequantized lm_head, cast
+to the compute dtype (as llama.cpp reads ``token_embd`` from a quantized tensor). A folder that does hold a
+``model.embed_tokens.weight`` beside its quantized lm_head uses that table instead.
+
 Integer weights (``format == "int"``)
 -------------------------------------
 ``b = bits`` in {2, 3, 4, 8}; ``G = group_size``, or ``G = K`` when ``group_size == -1`` (per channel).
@@ -340,6 +345,13 @@ class QuantizedWeight:
         zero = 1 << (self.bits - 1) if self.zero is None else self.zero
         return dequantize_codes(self.codes(), self.scale, zero, self.group_size).to(dtype)
 
+    def rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+        """``dequantize(dtype)[index]`` (``[*index.shape, K]``) from the rows ``index`` alone: a tied
+        embedding's lookup."""
+        zero = 1 << (self.bits - 1) if self.zero is None else self.zero[index]
+        codes = unpack(self.qweight[index], self.bits, self.shape[1])
+        return dequantize_codes(codes, self.scale[index], zero, self.group_size).to(dtype)
+
     def to(self, device: torch.device | str) -> QuantizedWeight:
         move = None if self.zero is None else self.zero.to(device)
         return dataclasses.replace(self, qweight=self.qweight.to(device), scale=self.scale.to(device), zero=move)
@@ -395,6 +407,11 @@ class Fp8Weight:
 
     def dequantize(self, dtype: torch.dtype = torch.float16) -> torch.Tensor:
         return (self.weight.float() * self.scale).to(dtype)
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+        """``dequantize(dtype)[index]`` (``[*index.shape, K]``) from the rows ``index`` alone."""
+        scale = self.scale if self.scale.dim() == 1 else self.scale[index]
+        return (self.weight[index].float() * scale).to(dtype)
 
     def to(self, device: torch.device | str) -> Fp8Weight:
         return Fp8Weight(self.weight.to(device), self.scale.to(device))

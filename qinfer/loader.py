@@ -117,7 +117,12 @@ def load_model(folder: Path, dtype: torch.dtype = torch.bfloat16, device: str = 
     with torch.device("meta"):
         model = Transformer(config)
     packed = _take_packed(folder, model, tensors, device)
-    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items() if name not in packed}
+    # A tied embedding under a quantized lm_head may be stored only as that lm_head (see qinfer.format).
+    embed_from_head = (
+        config.tie_word_embeddings and "lm_head.weight" in packed and "model.embed_tokens.weight" not in tensors
+    )
+    skip = set(packed) | ({"model.embed_tokens.weight"} if embed_from_head else set())
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items() if name not in skip}
     expected = set(shapes)
     tied = "lm_head.weight" not in packed and (config.tie_word_embeddings or "lm_head.weight" not in tensors)
     if tied:
@@ -145,6 +150,8 @@ def load_model(folder: Path, dtype: torch.dtype = torch.bfloat16, device: str = 
         module.weight = weight
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
+    if embed_from_head:
+        model.model.embed_tokens.tie_to_packed(packed["lm_head.weight"], dtype)
     return model.eval()
 
 

@@ -41,6 +41,33 @@ class QLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, weight={type(self.weight).__name__}"
 
 
+class QEmbedding(nn.Module):
+    """Token embeddings: a dense ``[V, C]`` table, or the packed weight of the quantized lm_head it is tied
+    to, whose rows are dequantized on lookup into ``dtype`` (the format's tied embedding)."""
+
+    def __init__(self, num_embeddings: int, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, dim), requires_grad=False)
+        self.packed_dtype: torch.dtype | None = None
+
+    def tie_to_packed(self, weight, dtype: torch.dtype) -> None:
+        """Read rows from the packed ``weight`` (a quantized lm_head's) in ``dtype`` from now on."""
+        del self._parameters["weight"]
+        self.weight, self.packed_dtype = weight, dtype
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weight.dtype if self.packed_dtype is None else self.packed_dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.packed_dtype is None:
+            return F.embedding(input_ids, self.weight)
+        return self.weight.rows(input_ids, self.packed_dtype)
+
+    def extra_repr(self) -> str:
+        return f"weight={type(self.weight).__name__}"
+
+
 class RMSNorm(nn.Module):
     """``x / rms(x) * (offset + w)``.
 
@@ -186,8 +213,7 @@ class Block(nn.Module):
 class Decoder(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = QEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.norm = _norm(config)
 
@@ -206,11 +232,11 @@ class Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        return self.model.embed_tokens.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [B, T, C]

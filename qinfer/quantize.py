@@ -294,7 +294,8 @@ def quantize_model(
     for name, qw in quantized.items():
         _account(report, tensors, qw, name, qw.shape[0] * qw.shape[1])
     del X_ref
-    tensors["model.embed_tokens.weight"] = model.model.embed_tokens.weight.contiguous()
+    if not (scheme.quantize_lm_head and model.config.tie_word_embeddings):  # else read from the lm_head
+        tensors["model.embed_tokens.weight"] = model.model.embed_tokens.weight.contiguous()
     tensors["model.norm.weight"] = model.model.norm.weight.contiguous()
     _lm_head(model, X, scheme, tensors, report)
     del X

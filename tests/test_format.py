@@ -195,6 +195,16 @@ def test_int_tensors_round_trip(scheme):
     assert torch.equal(back.to("cpu").codes(), qw.codes())
 
 
+@pytest.mark.parametrize("scheme", SCHEMES + [QuantScheme(bits=2, group_size=32, symmetric=False)])
+def test_rows_are_the_dequantized_rows(scheme):
+    # a tied embedding looks its rows up from the packed lm_head: the same numbers as dequantizing it whole
+    W = torch.randn(16, 128, generator=torch.Generator().manual_seed(2))
+    qw = (fp8_quantize if scheme.format == "fp8" else rtn_quantize)(W, scheme)
+    index = torch.tensor([[3, 0, 15], [3, 7, 1]])
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(qw.rows(index, dtype), qw.dequantize(dtype)[index])
+
+
 def test_from_tensors_errors():
     sym, asym = QuantScheme(), QuantScheme(symmetric=False)
     W = torch.randn(4, 256)

@@ -21,7 +21,7 @@ from qinfer.quantize import CalibConfig, calibration_batch, quantize_model
 from qinfer.quantizers.gptq import fp_target
 from qinfer.tokenizer import Tokenizer
 from tests.test_cli_errors import assert_one_line_error, run_qinfer
-from tests.tiny_models import TEXT, make_model
+from tests.tiny_models import TEXT, VOCAB, make_model
 
 CALIB = CalibConfig(samples=16, seq_len=64)
 
@@ -134,6 +134,34 @@ def test_output_folder_is_complete_and_loads_packed(tiny, tmp_path, calib_file):
     assert set(model.kv_scales) == {0, 1, 2}
     assert 4.0 < report.effective_bits < 8.5
     assert report.bytes_after < report.bytes_before
+
+
+@pytest.mark.parametrize("scheme", [
+    QuantScheme(method="rtn", bits=4, group_size=32, quantize_lm_head=True),
+    QuantScheme(method="fp8", format="fp8", bits=8, group_size=-1, quantize_lm_head=True),
+])
+def test_tied_embedding_is_read_from_the_quantized_lm_head(tmp_path, scheme):
+    src = tmp_path / "src"
+    make_model("gemma3", src)  # ties the embedding to the lm_head
+    out = tmp_path / "q"
+    report = quantize_model(src, out, scheme, CalibConfig(samples=2, seq_len=16))
+    tensors = load_file(out / "model.safetensors")
+    assert "model.embed_tokens.weight" not in tensors  # stored once, as the quantized lm_head
+    assert report.bytes_after < report.bytes_before
+    ids = torch.tensor([[2, 7, 7, 300]])
+    for dtype in (torch.float32, torch.bfloat16):
+        model = load_model(out, dtype=dtype)
+        assert model.model.embed_tokens.weight is model.lm_head.weight and model.dtype == dtype
+        head = model.lm_head.weight.dequantize(torch.float32).to(dtype)
+        assert torch.equal(model.model.embed_tokens(ids), head[ids])
+    # A folder that keeps the table beside its quantized lm_head (as qinfer wrote them before) reads the table.
+    table = torch.randn(VOCAB, 64).to(torch.bfloat16)
+    save_file({**tensors, "model.embed_tokens.weight": table}, out / "model.safetensors")
+    model = load_model(out)
+    assert type(model.lm_head.weight).__name__ != "Tensor"
+    assert torch.equal(model.model.embed_tokens(ids), table[ids])
+    with torch.no_grad():
+        assert torch.isfinite(model(ids)).all()
 
 
 def test_fp8_is_close_to_reference_and_gptq_closer(tiny, tmp_path, calib_file):

@@ -4,7 +4,9 @@ such a folder into the qinfer format.
 A foreign folder is recognised by the ``quantization_config`` entry of its ``config.json`` (the key GPTQModel,
 AutoGPTQ, llm-compressor and vLLM use). The per-linear layouts are :mod:`qinfer.interop.gptq` and
 :mod:`qinfer.interop.compressed_tensors`; this module finds the linears, carries every other tensor (norms,
-embeddings, biases, an unquantized lm_head) through unchanged, and writes the config and tokenizer files.
+embeddings, biases, an unquantized lm_head) through unchanged, and writes the config and tokenizer files. A
+quantized lm_head is exported untied (``tie_word_embeddings: false``), with the embedding table qinfer reads
+from it written out in bf16.
 Both directions write atomically (temp folder + rename).
 
 Not carried across: qinfer's per-KV-head cache scales (``self_attn.k_scale`` / ``v_scale``) have no
@@ -80,12 +82,14 @@ def export_folder(src: Path, out: Path, fmt: str, force: bool = False) -> Conver
         quantization_config = ct.compressed_tensors_config(scheme)
     tensors = read_folder_tensors(src)
     report = ConvertReport(out)
-    result = {}
+    result, head = {}, None
     prefixes = sorted({k.rsplit(".", 1)[0] for k in tensors})
     for prefix in prefixes:
         weight = packed_weight(prefix, tensors, scheme.lm_head_scheme() if prefix == "lm_head" else scheme)
         if weight is None:
             continue
+        if prefix == "lm_head":
+            head = weight
         for key in weight.tensors(prefix):
             tensors.pop(key)
         if fmt == "gptq":
@@ -93,6 +97,10 @@ def export_folder(src: Path, out: Path, fmt: str, force: bool = False) -> Conver
         else:
             result.update(ct.to_compressed_tensors(weight, prefix))
         report.linears += 1
+    if head is not None:  # a quantized lm_head is a tensor of its own for other readers: untied
+        config["tie_word_embeddings"] = False
+        if "model.embed_tokens.weight" not in tensors:  # qinfer's tied embedding (qinfer.format): a bf16 table
+            tensors["model.embed_tokens.weight"] = head.dequantize(torch.bfloat16)
     for name in list(tensors):
         if name.endswith(("self_attn.k_scale", "self_attn.v_scale")):
             report.dropped.append(name)

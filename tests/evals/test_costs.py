@@ -40,14 +40,14 @@ def _stored_bytes(folder) -> int:
 @pytest.mark.parametrize("name", ["ref", "rtn", "fp8", "rtn_head"])
 def test_decode_reads_every_stored_tensor_once_and_one_embedding_row(folders, name):
     # Tied model: the stored tensors are the embedding, the norms and the linears; a decode step reads all of
-    # them (the lm_head matmul reads the whole embedding matrix) plus the embedding row of its token. With a
-    # quantized lm_head stored on its own, the embedding matrix itself is read one row only.
+    # them (the lm_head matmul reads the whole embedding matrix) plus the embedding row of its token. A
+    # quantized lm_head is stored instead of the embedding, which reads its token's packed row: 8-bit codes
+    # and an fp16 scale per group of 32.
     model = load_model(folders[name])
     cache = make_cache(model, 1, 8, "bf16")
-    row = model.config.hidden_size * 2
-    embedding = model.config.vocab_size * row
-    expected = _stored_bytes(folders[name]) + row - (embedding if name == "rtn_head" else 0)
-    assert decode_bytes(model, cache, 0) == expected
+    C = model.config.hidden_size
+    row = C + C // 32 * 2 if name == "rtn_head" else C * 2
+    assert decode_bytes(model, cache, 0) == _stored_bytes(folders[name]) + row
 
 
 def test_kv_bytes_grow_per_position_and_halve_in_int8(folders):

@@ -72,6 +72,22 @@ def test_export_then_import_is_exact(quantized, tmp_path, fmt, name):
     assert QuantScheme.load(back).bits == SCHEMES[name].bits
 
 
+@pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors"])
+def test_tied_embedding_exports_as_a_table_beside_an_untied_lm_head(tmp_path, fmt):
+    # qinfer reads a tied embedding from the quantized lm_head; other readers get the table (bf16) and untied
+    make_model("gemma3", tmp_path / "gemma")
+    q, out = tmp_path / "q", tmp_path / "out"
+    scheme = QuantScheme(method="rtn", bits=4, group_size=32, quantize_lm_head=True, lm_head_bits=4)
+    quantize_model(tmp_path / "gemma", q, scheme, CalibConfig(samples=2, seq_len=16))
+    assert "model.embed_tokens.weight" not in read_folder_tensors(q)
+    export_folder(q, out, fmt)
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    head = load_model(q).lm_head.weight
+    assert torch.equal(read_folder_tensors(out)["model.embed_tokens.weight"], head.dequantize(torch.bfloat16))
+    with torch.no_grad():
+        assert torch.equal(load_model(resolve_model(str(out)))(IDS), load_model(q)(IDS))
+
+
 def test_gptq_refuses_zero_point_zero(quantized, tmp_path):
     """GPTQ v1 stores zero - 1; a forced zero point of 0 has no encoding and is refused, not corrupted."""
     src = tmp_path / "zero"
