@@ -130,8 +130,10 @@ def load_model(folder: Path, dtype: torch.dtype = torch.bfloat16, device: str = 
             tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     tensors = {name: t for name, t in tensors.items() if not name.endswith("rotary_emb.inv_freq")}
     missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
-    if missing and (folder / QUANT_CONFIG_FILE).exists():  # a quantized folder's linears are packed: name that
-        linears = {f"{p}.weight" for p, m in model.named_modules() if isinstance(m, QLinear) and p != "lm_head"}
+    scheme = QuantScheme.load(folder) if missing and (folder / QUANT_CONFIG_FILE).exists() else None
+    if scheme is not None and scheme.format == "int":  # integer linears are stored packed: name that
+        head = scheme.quantize_lm_head
+        linears = {f"{p}.weight" for p, m in model.named_modules() if isinstance(m, QLinear) and (head or p != "lm_head")}
         missing = [f"{n.removesuffix('.weight')}.qweight (packed)" if n in linears else n for n in missing]
     if missing or unexpected:
         what = f"missing {', '.join(missing[:3])}" if missing else f"unexpected {', '.join(unexpected[:3])}"

@@ -120,14 +120,18 @@ def test_eval_out_that_cannot_be_written(tmp_path):
     assert_one_line_error(proc, "cannot write", "--out")
 
 
-def test_quantized_folder_missing_a_linear(tmp_path):
+@pytest.mark.parametrize("options,stored", [
+    (("--group-size", "32"), "qweight (packed)"),
+    (("--bits", "8", "--format", "fp8"), "weight"),  # FP8 keeps the name .weight (and adds .scale)
+])
+def test_quantized_folder_missing_a_linear(tmp_path, options, stored):
     from safetensors.torch import load_file, save_file
 
     make_model("llama", tmp_path / "src")
     assert run_qinfer("quantize", str(tmp_path / "src"), "-o", str(tmp_path / "q"), "--method", "rtn",
-                      "--group-size", "32").returncode == 0
+                      *options).returncode == 0
     path = tmp_path / "q" / "model.safetensors"
     tensors = {k: t for k, t in load_file(path).items() if not k.startswith("model.layers.1.mlp.down_proj.")}
     save_file(tensors, path)
     assert_one_line_error(run_qinfer("generate", str(tmp_path / "q"), "hi"),
-                          "missing model.layers.1.mlp.down_proj.qweight (packed)")
+                          f"missing model.layers.1.mlp.down_proj.{stored})")

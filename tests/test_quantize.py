@@ -162,6 +162,9 @@ def test_tied_embedding_is_read_from_the_quantized_lm_head(tmp_path, scheme):
     assert torch.equal(model.model.embed_tokens(ids), table[ids])
     with torch.no_grad():
         assert torch.isfinite(model(ids)).all()
+    save_file({k: t for k, t in tensors.items() if not k.startswith("lm_head.")}, out / "model.safetensors")
+    with pytest.raises(QinferError, match=r"missing lm_head\.(qweight \(packed\)|weight), model\.embed"):
+        load_model(out)
 
 
 def test_fp8_is_close_to_reference_and_gptq_closer(tiny, tmp_path, calib_file):
