@@ -137,6 +137,7 @@ class QuantizeReport:
     tune_held_out: dict[str, list] = field(default_factory=dict)  # --tune-holdout: block -> [(step, loss)] checks
     e2e_kl: tuple[float, float] | None = None  # end-to-end tuning: KL to the unquantized model (before, after)
     compute_dtype: str = "bfloat16"  # what the blocks ran in during calibration
+    embedding_bits: int | None = None  # a tied embedding read from the quantized lm_head: its bits
 
     @property
     def effective_bits(self) -> float:
@@ -158,6 +159,8 @@ class QuantizeReport:
             if self.tune_best_steps:
                 steps = sorted(self.tune_best_steps.values())
                 text += f"; held-out check kept step {steps[len(steps) // 2]} (median over blocks)"
+        if self.embedding_bits is not None:
+            text += f"\nthe tied embedding is read from the {self.embedding_bits}-bit lm_head (not stored on its own)"
         if self.e2e_kl is not None:
             text += (f"\nend-to-end tuning: KL to the unquantized model {self.e2e_kl[0]:.4f} -> {self.e2e_kl[1]:.4f} "
                      f"(first {E2E_EVAL_SAMPLES} calibration samples)")
@@ -294,7 +297,9 @@ def quantize_model(
     for name, qw in quantized.items():
         _account(report, tensors, qw, name, qw.shape[0] * qw.shape[1])
     del X_ref
-    if not (scheme.quantize_lm_head and model.config.tie_word_embeddings):  # else read from the lm_head
+    if scheme.quantize_lm_head and model.config.tie_word_embeddings:
+        report.embedding_bits = scheme.lm_head_bits  # read from the quantized lm_head (qinfer.format)
+    else:
         tensors["model.embed_tokens.weight"] = model.model.embed_tokens.weight.contiguous()
     tensors["model.norm.weight"] = model.model.norm.weight.contiguous()
     _lm_head(model, X, scheme, tensors, report)
@@ -408,6 +413,7 @@ def _report_json(report: QuantizeReport, scheme: QuantScheme, calib: CalibConfig
         "tune_best_steps": report.tune_best_steps,
         "tune_held_out": report.tune_held_out,
         "e2e_kl": report.e2e_kl,
+        "embedding_bits": report.embedding_bits,
         "compute_dtype": report.compute_dtype,
         "code": code_fingerprint(),
     }

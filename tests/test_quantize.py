@@ -148,6 +148,7 @@ def test_tied_embedding_is_read_from_the_quantized_lm_head(tmp_path, scheme):
     tensors = load_file(out / "model.safetensors")
     assert "model.embed_tokens.weight" not in tensors  # stored once, as the quantized lm_head
     assert report.bytes_after < report.bytes_before
+    assert "tied embedding is read from the 8-bit lm_head" in report.summary()
     ids = torch.tensor([[2, 7, 7, 300]])
     for dtype in (torch.float32, torch.bfloat16):
         model = load_model(out, dtype=dtype)
