@@ -23,7 +23,7 @@ from qinfer.arch import ModelConfig
 from qinfer.errors import QinferError
 from qinfer.format import QUANT_CONFIG_FILE, QuantScheme
 
-_WEIGHT_KEYS = ("weight", "qweight", "scale", "zero")  # a linear's stored weight; its bias is not a weight
+_WEIGHT_KEYS = ("weight", "qweight", "scale", "zero", "perm")  # a linear's stored weight; its bias is not a weight
 _HASHED_FILES = ("config.json", QUANT_CONFIG_FILE)
 
 

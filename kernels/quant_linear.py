@@ -5,7 +5,8 @@ and device, and the definition the fast kernels are tested against, but it mater
 on every call. ``quant_linear`` is the entry point: the CPU int4 kernel where it applies, else for one bf16
 row on CPU the int8 kernel (other bit widths, per-channel 4-bit), else the reference;
 ``quant_linear_dtype`` says which dtype the chosen kernel multiplies in. ``fp8_linear`` is FP8's: the CPU
-one-row path where it applies (a decode step), else the reference.
+one-row path where it applies (a decode step), else the reference. A weight with permuted columns
+(``perm``: an imported act-order checkpoint) hands the fast kernels ``x[..., perm]``.
 """
 
 import torch
@@ -22,10 +23,15 @@ def dequant_linear_ref(x: torch.Tensor, weight: QuantizedWeight | Fp8Weight, bia
 
 def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None):
     if int4_cpu.supported(x, weight):
-        return int4_cpu.int4_linear(x, weight, bias)
+        return int4_cpu.int4_linear(_stored_order(x, weight), weight, bias)
     if int8_cpu.supported(x, weight):
-        return int8_cpu.int8_linear(x, weight, bias)
+        return int8_cpu.int8_linear(_stored_order(x, weight), weight, bias)
     return dequant_linear_ref(x, weight, bias)
+
+
+def _stored_order(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    # the kernels multiply the stored columns, which hold the input channels in the order weight.perm gives
+    return x if weight.perm is None else x.index_select(-1, weight.perm)
 
 
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None):

@@ -37,7 +37,17 @@ the compute dtype. A symmetric scheme stores no ``P.zero``; its zero is the cons
 
 GPTQ with ``act_order`` visits columns by decreasing Hessian diagonal but uses *static groups*: each
 group's scale and zero are fixed from the columns ``[g*G, (g+1)*G)`` in their original order, so
-``g(k) = k // G`` holds for every method and version 1 has no ``g_idx`` tensor.
+``g(k) = k // G`` holds for everything qinfer quantizes itself.
+
+Permuted columns (optional ``P.perm``, int32 ``[K]``, a permutation of ``0..K-1``). A GPTQ or
+compressed-tensors checkpoint quantized with act-order *without* static groups gives channel ``k`` the group
+``g_idx[k]`` = its rank in the act order // G, so groups are not contiguous. Importing it stores the columns in
+group order instead: stored column ``j`` holds input channel ``perm[j]``, and everything above (packing,
+``g(j) = j // G``) applies to the stored columns, so::
+
+    w[n, perm[j]] = (q[n, j] - zero[n, j // G]) * scale[n, j // G]
+
+A kernel multiplies the stored columns by ``x[..., perm]``. Without ``P.perm``, ``perm[j] = j``.
 
 Bit packing. Each row of ``qweight`` is a little-endian bit stream: code ``q[n, k]`` occupies stream bits
 ``[k*b, (k+1)*b)``, its least significant bit first, and stream bit ``i`` is the bit of value
@@ -321,6 +331,7 @@ class QuantizedWeight:
     bits: int
     group_size: int
     shape: tuple[int, int]
+    perm: torch.Tensor | None = None  # stored column j holds input channel perm[j]; None: j itself
 
     def __post_init__(self):
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
@@ -332,34 +343,49 @@ class QuantizedWeight:
         _expect("scale", self.scale, torch.float16, (N, group_count(K, self.group_size)))
         if self.zero is not None:
             _expect("zero", self.zero, torch.uint8, (N, group_count(K, self.group_size)))
+        if self.perm is not None:
+            _expect("perm", self.perm, torch.int32, (K,))
 
     @property
     def symmetric(self) -> bool:
         return self.zero is None
 
     def codes(self) -> torch.Tensor:
-        """The unpacked codes, uint8 ``[N, K]``."""
+        """The unpacked codes, uint8 ``[N, K]``, in stored column order."""
         return unpack(self.qweight, self.bits, self.shape[1])
 
     def dequantize(self, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+        """``W [N, K]`` with its columns in input-channel order."""
         zero = 1 << (self.bits - 1) if self.zero is None else self.zero
-        return dequantize_codes(self.codes(), self.scale, zero, self.group_size).to(dtype)
+        return self._unpermute(dequantize_codes(self.codes(), self.scale, zero, self.group_size).to(dtype))
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
         """``dequantize(dtype)[index]`` (``[*index.shape, K]``) from the rows ``index`` alone: a tied
         embedding's lookup."""
         zero = 1 << (self.bits - 1) if self.zero is None else self.zero[index]
         codes = unpack(self.qweight[index], self.bits, self.shape[1])
-        return dequantize_codes(codes, self.scale[index], zero, self.group_size).to(dtype)
+        return self._unpermute(dequantize_codes(codes, self.scale[index], zero, self.group_size).to(dtype))
+
+    def _unpermute(self, stored: torch.Tensor) -> torch.Tensor:
+        if self.perm is None:
+            return stored
+        out = torch.empty_like(stored)
+        out[..., self.perm.long()] = stored
+        return out
 
     def to(self, device: torch.device | str) -> QuantizedWeight:
         move = None if self.zero is None else self.zero.to(device)
-        return dataclasses.replace(self, qweight=self.qweight.to(device), scale=self.scale.to(device), zero=move)
+        perm = None if self.perm is None else self.perm.to(device)
+        return dataclasses.replace(
+            self, qweight=self.qweight.to(device), scale=self.scale.to(device), zero=move, perm=perm
+        )
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         out = {f"{prefix}.qweight": self.qweight, f"{prefix}.scale": self.scale}
         if self.zero is not None:
             out[f"{prefix}.zero"] = self.zero
+        if self.perm is not None:
+            out[f"{prefix}.perm"] = self.perm
         return out
 
     @classmethod
@@ -375,10 +401,14 @@ class QuantizedWeight:
             raise QinferError(f"{zero_key} present but the scheme is symmetric (checkpoint and quant_config disagree)")
         zero = None if scheme.symmetric else _get(tensors, zero_key)
         shape = (qweight.shape[0], qweight.shape[1] * 8 // scheme.bits)
+        perm = tensors.get(f"{prefix}.perm")
         try:
-            return cls(qweight, _get(tensors, f"{prefix}.scale"), zero, scheme.bits, scheme.group_size, shape)
+            w = cls(qweight, _get(tensors, f"{prefix}.scale"), zero, scheme.bits, scheme.group_size, shape, perm)
         except QinferError as e:
             raise QinferError(f"{prefix}: {e}") from None
+        if perm is not None and not torch.equal(perm.sort().values, torch.arange(shape[1], dtype=perm.dtype)):
+            raise QinferError(f"{prefix}.perm: not a permutation of 0..{shape[1] - 1}")
+        return w
 
 
 @dataclass(frozen=True)

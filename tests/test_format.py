@@ -205,6 +205,27 @@ def test_rows_are_the_dequantized_rows(scheme):
         assert torch.equal(qw.rows(index, dtype), qw.dequantize(dtype)[index])
 
 
+def test_permuted_columns_round_trip_and_are_checked():
+    W = torch.randn(8, 128, generator=torch.Generator().manual_seed(4))
+    scheme = QuantScheme(bits=4, group_size=32, symmetric=False)
+    perm = torch.randperm(128, generator=torch.Generator().manual_seed(5)).to(torch.int32)
+    qw = dataclasses.replace(rtn_quantize(W, scheme), perm=perm)
+    entries = qw.tensors("p")
+    assert torch.equal(entries["p.perm"], perm)
+    back = QuantizedWeight.from_tensors("p", entries, scheme)
+    assert torch.equal(back.dequantize(torch.float32), qw.dequantize(torch.float32))
+    codes, scale, zero = qw.codes().float(), qw.scale.float(), qw.zero.float()
+    for n, j in [(0, 0), (3, 31), (7, 32), (5, 127)]:  # w[n, perm[j]] = (q[n, j] - zero[n, j // G]) * scale[n, j // G]
+        want = (codes[n, j] - zero[n, j // 32]) * scale[n, j // 32]
+        assert qw.dequantize(torch.float32)[n, int(perm[j])].item() == want.item()
+    index = torch.tensor([[1, 6], [0, 0]])
+    assert torch.equal(qw.rows(index, torch.float32), qw.dequantize(torch.float32)[index])
+    with pytest.raises(QinferError, match="not a permutation"):
+        QuantizedWeight.from_tensors("p", {**entries, "p.perm": torch.zeros(128, dtype=torch.int32)}, scheme)
+    with pytest.raises(QinferError, match="perm: expected torch.int32"):
+        QuantizedWeight.from_tensors("p", {**entries, "p.perm": perm.long()}, scheme)
+
+
 def test_from_tensors_errors():
     sym, asym = QuantScheme(), QuantScheme(symmetric=False)
     W = torch.randn(4, 256)

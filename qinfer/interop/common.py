@@ -89,10 +89,37 @@ def static_group_index(K: int, group_size: int) -> torch.Tensor:
     return torch.arange(K, dtype=torch.int32) // G
 
 
-def check_static_groups(g_idx: torch.Tensor, K: int, group_size: int, name: str) -> None:
-    """Refuse a ``g_idx`` that is not ``k // G`` (act-order without static groups)."""
-    if tuple(g_idx.shape) != (K,) or not torch.equal(g_idx.to(torch.int64), static_group_index(K, group_size).long()):
-        raise QinferError(
-            f"{name}: g_idx is not k // group_size (act-order without static groups); qinfer's format keeps "
-            "contiguous groups only, so requantize with static groups (qinfer's act_order does this)"
-        )
+def group_order(g_idx: torch.Tensor, K: int, group_size: int, name: str) -> torch.Tensor | None:
+    """The format's ``perm`` for a checkpoint's ``g_idx`` (the group of each input channel): None for static
+    groups (``k // G``), else the channels sorted by group (stable; int32). Act-order without static groups
+    puts exactly G channels in each group; a ``g_idx`` that does not is refused."""
+    G = K if group_size == -1 else group_size
+    if tuple(g_idx.shape) != (K,) or g_idx.dtype.is_floating_point:
+        raise QinferError(f"{name}: expected an integer [{K}] group index, got {g_idx.dtype} {list(g_idx.shape)}")
+    g, static = g_idx.long(), static_group_index(K, group_size).long()
+    if torch.equal(g, static):
+        return None
+    perm = torch.sort(g, stable=True).indices
+    if not torch.equal(g[perm], static):
+        raise QinferError(f"{name}: g_idx does not put {G} input channels in each of {K // G} groups")
+    return perm.to(torch.int32)
+
+
+def group_index(perm: torch.Tensor | None, K: int, group_size: int) -> torch.Tensor:
+    """``g_idx`` (int32 ``[K]``) of a weight whose stored column ``j`` holds channel ``perm[j]``: ``j // G``."""
+    static = static_group_index(K, group_size)
+    if perm is None:
+        return static
+    g_idx = torch.empty_like(static)
+    g_idx[perm.long()] = static
+    return g_idx
+
+
+def channel_order_codes(weight) -> torch.Tensor:
+    """A :class:`~qinfer.format.QuantizedWeight`'s codes ``[N, K]`` with columns in input-channel order."""
+    codes = weight.codes()
+    if weight.perm is None:
+        return codes
+    out = torch.empty_like(codes)
+    out[:, weight.perm.long()] = codes
+    return out

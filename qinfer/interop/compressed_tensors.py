@@ -20,6 +20,8 @@ tensor                     dtype    shape                    content
                                                              ``zero[n, g]``) for ``n = 0..N``, one bit stream
                                                              along N (packed along dim 0); asymmetric only
 ``P.weight_shape``         int64    [2]                      ``[N, K]``
+``P.weight_g_idx``         int32    [K]                      group of input channel ``k``; read only, from
+                                                             ``actorder: "group"`` checkpoints
 =========================  =======  =======================  ==============================================
 
 Bit streams as in :mod:`qinfer.interop.common`: value ``i`` at stream bits ``[i*b, (i+1)*b)``, least
@@ -34,7 +36,10 @@ adds ``2^(b-1)`` to every value, zero points included, so the stored bits of ``q
 
 Config: one ``config_groups`` entry targeting ``Linear`` with ``weights: {num_bits: b, type: "int",
 symmetric, strategy: "group" (group_size G) | "channel" (group_size null), dynamic: false}``, no activation
-quantization, ``ignore: ["lm_head"]`` unless the scheme quantizes the lm_head.
+quantization, ``ignore: ["lm_head"]`` unless the scheme quantizes the lm_head. A ``weight_g_idx`` that is
+not ``k // G`` (act-order groups, G channels each, from writers before the library removed ``actorder:
+"group"`` in 0.20) is kept as the format's column permutation ``perm`` on import; such a weight exports to
+the GPTQ layout only.
 
 FP8 weights, ``format: "float-quantized"``
 ------------------------------------------
@@ -57,11 +62,11 @@ from __future__ import annotations
 import torch
 
 from qinfer.errors import QinferError
-from qinfer.format import FP8_GRANULARITIES, Fp8Weight, QuantizedWeight, QuantScheme, group_count
+from qinfer.format import FP8_GRANULARITIES, Fp8Weight, QuantizedWeight, QuantScheme, group_count, pack, unpack
 from qinfer.interop.common import (
-    check_static_groups,
     exact_fp16,
     get_tensor,
+    group_order,
     pack_words,
     stream_to_words,
     unpack_words,
@@ -174,6 +179,11 @@ def to_compressed_tensors(weight: QuantizedWeight | Fp8Weight, prefix: str) -> d
     if isinstance(weight, Fp8Weight):
         return {f"{prefix}.weight": weight.weight, f"{prefix}.weight_scale": weight.scale}
     N, K = weight.shape
+    if weight.perm is not None:
+        raise QinferError(
+            f"{prefix}: act-order groups (an imported g_idx) have no compressed-tensors encoding since the library "
+            "removed actorder 'group' (0.20); export with --format gptq"
+        )
     out = {
         f"{prefix}.weight_packed": stream_to_words(weight.qweight),
         f"{prefix}.weight_scale": weight.scale,
@@ -221,8 +231,7 @@ def from_compressed_tensors(
         raise QinferError(f"{prefix}: K={K} codes of {b} bits do not fill whole bytes, which qinfer's layout needs")
     scale = exact_fp16(get_tensor(tensors, f"{prefix}.weight_scale", None, 2), f"{prefix}.weight_scale")
     g_idx_key = f"{prefix}.weight_g_idx"
-    if g_idx_key in tensors:
-        check_static_groups(tensors[g_idx_key], K, G, g_idx_key)
+    perm = group_order(tensors[g_idx_key], K, G, g_idx_key) if g_idx_key in tensors else None
     zp_key = f"{prefix}.weight_zero_point"
     if scheme.symmetric:
         if zp_key in tensors:
@@ -234,9 +243,12 @@ def from_compressed_tensors(
         if tuple(zp.shape) != (word_count(N, b), n_g):
             raise QinferError(f"{zp_key}: expected int32 [{word_count(N, b)}, {n_g}], got {list(zp.shape)}")
         zero = unpack_words(zp.T, b, N).T.contiguous()
+    stream = words_to_stream(packed, K * b // 8)  # codes in input-channel order
+    if perm is not None:
+        stream = pack(unpack(stream, b, K)[:, perm.long()], b)  # stored in group order (format: perm)
     try:
         return QuantizedWeight(
-            qweight=words_to_stream(packed, K * b // 8), scale=scale, zero=zero, bits=b, group_size=G, shape=(N, K)
+            qweight=stream, scale=scale, zero=zero, bits=b, group_size=G, shape=(N, K), perm=perm
         )
     except QinferError as e:
         raise QinferError(f"{prefix}: {e}") from None

@@ -82,7 +82,7 @@ def export_folder(src: Path, out: Path, fmt: str, force: bool = False) -> Conver
         quantization_config = ct.compressed_tensors_config(scheme)
     tensors = read_folder_tensors(src)
     report = ConvertReport(out)
-    result, head = {}, None
+    result, head, act_order = {}, None, False
     prefixes = sorted({k.rsplit(".", 1)[0] for k in tensors})
     for prefix in prefixes:
         weight = packed_weight(prefix, tensors, scheme.lm_head_scheme() if prefix == "lm_head" else scheme)
@@ -90,6 +90,7 @@ def export_folder(src: Path, out: Path, fmt: str, force: bool = False) -> Conver
             continue
         if prefix == "lm_head":
             head = weight
+        act_order |= getattr(weight, "perm", None) is not None
         for key in weight.tensors(prefix):
             tensors.pop(key)
         if fmt == "gptq":
@@ -106,6 +107,8 @@ def export_folder(src: Path, out: Path, fmt: str, force: bool = False) -> Conver
             report.dropped.append(name)
             tensors.pop(name)
     result.update(tensors)
+    if act_order:  # groups that are not contiguous (compressed-tensors refused them above): follow g_idx
+        quantization_config["desc_act"] = True
     config["quantization_config"] = quantization_config
     _write(src, out, result, config, force)
     return report

@@ -43,8 +43,9 @@ above ``-scale / 2``) needs another format: compressed-tensors stores zero point
 
 Shapes: ``K`` and ``N`` must be multiples of 32 (the buffers AutoGPTQ allocates are ``K // 32 * b`` and
 ``N // 32 * b`` words). qinfer's static groups make ``g_idx`` trivial, so ``desc_act`` is written false even
-for a scheme with ``act_order`` (a true ``desc_act`` tells kernels to reorder by ``g_idx``), and an imported
-``g_idx`` must be ``k // G``. The layout does not record the algorithm: RTN and AWQ weights export as
+for a scheme with ``act_order`` (a true ``desc_act`` tells kernels to reorder by ``g_idx``). An imported
+``g_idx`` that is not ``k // G`` (act-order without static groups: G channels per group, in act order) is
+kept as the format's column permutation ``perm`` and written back as it was, with ``desc_act`` true. The layout does not record the algorithm: RTN and AWQ weights export as
 ``"gptq"`` checkpoints too (AutoAWQ's own GEMM layout is a different, interleaved format).
 
 ``quantization_config`` (the ``config.json`` entry): ``quant_method "gptq"``, ``bits``, ``group_size``,
@@ -56,13 +57,14 @@ from __future__ import annotations
 import torch
 
 from qinfer.errors import QinferError
-from qinfer.format import QuantizedWeight, QuantScheme, group_count
+from qinfer.format import QuantizedWeight, QuantScheme, group_count, pack, unpack
 from qinfer.interop.common import (
-    check_static_groups,
+    channel_order_codes,
     exact_fp16,
     get_tensor,
+    group_index,
+    group_order,
     pack_words,
-    static_group_index,
     stream_to_words,
     unpack_words,
     words_to_stream,
@@ -144,18 +146,20 @@ def to_gptq_tensors(weight: QuantizedWeight, prefix: str) -> dict[str, torch.Ten
             f"{prefix}: zero point 0 (row {n}, group {g}) has no encoding in GPTQ v1, which stores zero - 1; "
             "export asymmetric weights to compressed-tensors, or quantize symmetrically"
         )
+    stream = weight.qweight if weight.perm is None else pack(channel_order_codes(weight), b)
     return {
-        f"{prefix}.qweight": stream_to_words(weight.qweight).T.contiguous(),
+        f"{prefix}.qweight": stream_to_words(stream).T.contiguous(),
         f"{prefix}.qzeros": pack_words((zero - 1).T, b),
         f"{prefix}.scales": weight.scale.T.contiguous(),
-        f"{prefix}.g_idx": static_group_index(K, weight.group_size),
+        f"{prefix}.g_idx": group_index(weight.perm, K, weight.group_size),
     }
 
 
 def from_gptq_tensors(prefix: str, tensors: dict[str, torch.Tensor], scheme: QuantScheme) -> QuantizedWeight:
     """Read ``prefix``'s GPTQ v1 tensors back into a :class:`QuantizedWeight` (``scheme`` from the config).
 
-    ``P.g_idx`` may be absent (static groups are assumed); ``P.bias`` is not part of the weight.
+    ``P.g_idx`` may be absent (static groups are assumed); one that is not ``k // G`` (act-order without
+    static groups) becomes the format's ``perm``. ``P.bias`` is not part of the weight.
     """
     if scheme.format != "int":
         raise QinferError(f"{prefix}: scheme format is {scheme.format!r}, not 'int'")
@@ -175,8 +179,7 @@ def from_gptq_tensors(prefix: str, tensors: dict[str, torch.Tensor], scheme: Qua
     if tuple(scales.shape) != (n_g, N):
         raise QinferError(f"{prefix}.scales: expected [{n_g}, {N}], got {list(scales.shape)}")
     g_idx_key = f"{prefix}.g_idx"
-    if g_idx_key in tensors:
-        check_static_groups(tensors[g_idx_key], K, G, g_idx_key)
+    perm = group_order(tensors[g_idx_key], K, G, g_idx_key) if g_idx_key in tensors else None
 
     zero = unpack_words(qzeros, b, N).T.to(torch.int16) + 1  # [N, n_g], in [1, 2^b]
     if bool((zero == 1 << b).any()):
@@ -191,14 +194,18 @@ def from_gptq_tensors(prefix: str, tensors: dict[str, torch.Tensor], scheme: Qua
             )
         zero = None
     scale = exact_fp16(scales, f"{prefix}.scales").T.contiguous()
+    stream = words_to_stream(qweight.T.contiguous(), K * b // 8)  # codes in input-channel order
+    if perm is not None:
+        stream = pack(unpack(stream, b, K)[:, perm.long()], b)  # stored in group order
     try:
         return QuantizedWeight(
-            qweight=words_to_stream(qweight.T.contiguous(), K * b // 8),
+            qweight=stream,
             scale=scale,
             zero=None if zero is None else zero.to(torch.uint8),
             bits=b,
             group_size=G,
             shape=(N, K),
+            perm=perm,
         )
     except QinferError as e:
         raise QinferError(f"{prefix}: {e}") from None

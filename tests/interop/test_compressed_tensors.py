@@ -237,6 +237,21 @@ def test_config_errors():
         scheme_from_compressed_tensors_config(two)
 
 
+def test_act_order_group_checkpoint_imports_and_exports_to_gptq_only():
+    # actorder "group" (written before compressed-tensors 0.20 removed it): codes in channel order, channel k
+    # in group g_idx[k]; w[n, k] = (q[n, k] - zero[n, g_idx[k]]) * scale[n, g_idx[k]] (published dequantize)
+    asym = QuantScheme(bits=4, group_size=32, symmetric=False)
+    qw = rtn_quantize(_weight(), asym)
+    t = to_compressed_tensors(qw, "p")
+    g_idx = torch.arange(96, dtype=torch.int32).flip(0) // 32  # channel k in group (95 - k) // 32
+    back = from_compressed_tensors("p", {**t, "p.weight_g_idx": g_idx}, asym)
+    codes, zero, scale = qw.codes().float(), qw.zero.float(), qw.scale.float()
+    g = g_idx.long()
+    assert torch.equal(back.dequantize(torch.float32), (codes - zero[:, g]) * scale[:, g])
+    with pytest.raises(QinferError, match="export with --format gptq"):
+        to_compressed_tensors(back, "p")
+
+
 def test_import_errors():
     asym = QuantScheme(bits=4, group_size=32, symmetric=False)
     t = to_compressed_tensors(rtn_quantize(_weight(), asym), "p")
@@ -248,8 +263,8 @@ def test_import_errors():
         from_compressed_tensors("p", t, QuantScheme(bits=3, group_size=32, symmetric=False))
     with pytest.raises(QinferError, match="float16 cannot hold exactly"):
         from_compressed_tensors("p", dict(t, **{"p.weight_scale": t["p.weight_scale"].float() / 3}), asym)
-    with pytest.raises(QinferError, match="static groups"):
-        from_compressed_tensors("p", dict(t, **{"p.weight_g_idx": torch.arange(96).flip(0)}), asym)
+    with pytest.raises(QinferError, match="does not put 32 input channels in each of 3 groups"):
+        from_compressed_tensors("p", dict(t, **{"p.weight_g_idx": torch.zeros(96, dtype=torch.int32)}), asym)
     fp8 = to_compressed_tensors(fp8_quantize(_weight(), FP8_SCHEMES[0]), "q")
     with pytest.raises(QinferError, match="fp8_granularity"):
         from_compressed_tensors("q", fp8, FP8_SCHEMES[1])

@@ -1,6 +1,7 @@
 """Whole-folder export and import: qinfer -> GPTQ / compressed-tensors -> qinfer gives the same logits, a
 foreign folder works as MODEL in every command, and transformers reads the compressed-tensors export."""
 
+import dataclasses
 import json
 import shutil
 
@@ -10,7 +11,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from qinfer.errors import QinferError
-from qinfer.format import QUANT_CONFIG_FILE, QuantScheme
+from qinfer.format import QUANT_CONFIG_FILE, QuantizedWeight, QuantScheme
 from qinfer.interop.folders import export_folder, import_folder
 from qinfer.loader import load_model, read_folder_tensors
 from qinfer.quantize import CalibConfig, quantize_model
@@ -86,6 +87,35 @@ def test_tied_embedding_exports_as_a_table_beside_an_untied_lm_head(tmp_path, fm
     assert torch.equal(read_folder_tensors(out)["model.embed_tokens.weight"], head.dequantize(torch.bfloat16))
     with torch.no_grad():
         assert torch.equal(load_model(resolve_model(str(out)))(IDS), load_model(q)(IDS))
+
+
+def test_act_order_groups_round_trip_through_a_gptq_folder(quantized, tmp_path):
+    # a qinfer folder whose linears store permuted columns (as an imported desc_act checkpoint does) exports
+    # with desc_act true and a g_idx per linear, and imports back to the same logits
+    src = tmp_path / "perm"
+    shutil.copytree(quantized / "int4-asym", src)
+    scheme = QuantScheme.load(src)
+    tensors = read_folder_tensors(src)
+    g = torch.Generator().manual_seed(0)
+    for prefix in sorted({k.removesuffix(".qweight") for k in tensors if k.endswith(".qweight")}):
+        w = QuantizedWeight.from_tensors(prefix, tensors, scheme)
+        perm = torch.randperm(w.shape[1], generator=g).to(torch.int32)
+        tensors.update(dataclasses.replace(w, perm=perm).tensors(prefix))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, src / "model.safetensors")
+    export_folder(src, tmp_path / "out", "gptq")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["desc_act"] is True
+    g_idx = read_folder_tensors(tmp_path / "out")["model.layers.0.mlp.up_proj.g_idx"]
+    assert not torch.equal(g_idx, torch.sort(g_idx).values)  # groups are not contiguous
+    back = resolve_model(str(tmp_path / "out"))
+    a, b = load_model(src, dtype=torch.float32), load_model(back, dtype=torch.float32)
+    for name, m in a.named_modules():
+        if hasattr(m, "weight") and isinstance(m.weight, QuantizedWeight):  # the same weights, each in channel order
+            assert torch.equal(m.weight.dequantize(torch.float32), b.get_submodule(name).weight.dequantize(torch.float32))
+    # each group's columns may come back in another order (sorted by channel), so sums may round differently
+    assert torch.allclose(logits(back), logits(src), rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(logits(src), logits(quantized / "int4-asym"), rtol=1e-2, atol=1e-2)
+    with pytest.raises(QinferError, match="export with --format gptq"):
+        export_folder(src, tmp_path / "ct", "compressed-tensors")
 
 
 def test_gptq_refuses_zero_point_zero(quantized, tmp_path):

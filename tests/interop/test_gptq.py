@@ -8,6 +8,7 @@ import torch
 from qinfer.errors import QinferError
 from qinfer.format import QuantizedWeight, QuantScheme, pack
 from qinfer.interop.gptq import from_gptq_tensors, gptq_quantization_config, scheme_from_gptq_config, to_gptq_tensors
+from qinfer.kernels import linear
 from qinfer.quantizers.rtn import rtn_quantize
 
 
@@ -149,6 +150,31 @@ def test_import_of_an_autogptq_packed_checkpoint(bits):
     assert torch.equal(qw.dequantize(torch.float32), _reference_dequant(t, "p", bits))
 
 
+@pytest.mark.parametrize("bits,symmetric", [(4, False), (3, True), (8, False)])
+def test_act_order_checkpoint_without_static_groups(bits, symmetric):
+    # AutoGPTQ's desc_act without static groups: channel k belongs to group rank(k) // G, where rank is its
+    # place in the act order, and its codes stay in channel order. Packed with the published loop.
+    g = torch.Generator().manual_seed(10 + bits)
+    N, K, G = 32, 96, 32
+    codes = torch.randint(0, 1 << bits, (N, K), generator=g)
+    order = torch.randperm(K, generator=g)
+    g_idx = torch.empty(K, dtype=torch.int32)
+    g_idx[order] = (torch.arange(K) // G).int()
+    zeros = torch.full((N, K // G), 1 << (bits - 1)) if symmetric else torch.randint(1, 1 << bits, (N, K // G), generator=g)
+    scales = (torch.rand(K // G, N, generator=g) + 0.01).half()
+    qweight = torch.tensor([_write_packed(codes[n].tolist(), bits) for n in range(N)], dtype=torch.int32).T
+    qzeros = torch.tensor([_write_packed((zeros[:, gi] - 1).tolist(), bits) for gi in range(K // G)], dtype=torch.int32)
+    t = {"p.qweight": qweight.contiguous(), "p.qzeros": qzeros, "p.scales": scales, "p.g_idx": g_idx}
+    scheme = QuantScheme(method="gptq", bits=bits, group_size=G, symmetric=symmetric, act_order=True)
+    qw = from_gptq_tensors("p", t, scheme)
+    assert qw.perm is not None
+    assert torch.equal(qw.dequantize(torch.float32), _reference_dequant(t, "p", bits))
+    x = torch.randn(3, K)
+    assert torch.allclose(linear(x, qw), x @ _reference_dequant(t, "p", bits).T, atol=1e-4)
+    back = to_gptq_tensors(qw, "p")  # written back as it was read
+    assert set(back) == set(t) and all(torch.equal(back[k], t[k]) for k in t)
+
+
 def test_published_constants():
     # Symmetric v1 checkpoints store zero 2^(b-1) - 1 in every field: the familiar 0x77777777 at 4 bits.
     W = _weight(N=32, K=64)
@@ -222,9 +248,9 @@ def test_import_errors():
     scheme = QuantScheme(method="gptq", bits=4, group_size=32, symmetric=False)
     W = _weight(N=32, K=64)
     t = to_gptq_tensors(_quantize_without_zero_zero(W, scheme), "p")
-    # a permuted g_idx (act-order without static groups)
-    bad = dict(t, **{"p.g_idx": t["p.g_idx"].flip(0)})
-    with pytest.raises(QinferError, match="static groups"):
+    # a g_idx whose groups do not each hold G channels
+    bad = dict(t, **{"p.g_idx": torch.zeros(64, dtype=torch.int32)})
+    with pytest.raises(QinferError, match="does not put 32 input channels in each of 2 groups"):
         from_gptq_tensors("p", bad, scheme)
     # a stored zero of 15 = real zero 16: what v1 writers produce for a zero point of 0
     bad = dict(t, **{"p.qzeros": t["p.qzeros"] | 0xF})

@@ -1,5 +1,7 @@
 """The CPU one-row int8 path (bit widths the int4 kernel does not take) against exact products."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -49,6 +51,23 @@ def test_dispatch():
     for x in (torch.randn(3, 256).bfloat16(), torch.randn(1, 256)):  # many rows; fp32
         assert not int8_cpu.supported(x, w8)
         assert torch.equal(linear(x, w8), dequant_linear_ref(x, w8))
+
+
+@pytest.mark.parametrize("bits,rows", [(4, 1), (4, 5), (8, 1), (3, 1), (3, 4)])
+def test_permuted_columns_multiply_the_permuted_input(bits, rows):
+    # an imported act-order weight stores its columns in group order (format: perm); every path (int4 kernel,
+    # int8 path, reference) must compute x @ W^T with W in input-channel order
+    weight = _weight(64, 256, bits, 32, False)
+    perm = torch.randperm(256, generator=torch.Generator().manual_seed(3)).to(torch.int32)
+    permuted = dataclasses.replace(weight, perm=perm)
+    W = permuted.dequantize(torch.float64)
+    assert torch.equal(W[:, perm.long()], weight.dequantize(torch.float64))  # stored column j is channel perm[j]
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
+    exact = x.double() @ W.T
+    got = linear(x, permuted)
+    assert float((got.double() - exact).norm() / exact.norm()) < 4e-3
+    ref = linear(x, weight)  # the same codes without the permutation are a different product
+    assert float((ref.double() - exact).norm() / exact.norm()) > 0.5
 
 
 def test_converted_codes_are_cached_per_weight_and_released():
