@@ -21,7 +21,7 @@ import torch
 from qinfer.format import QuantizedWeight
 from qinfer.kernels.linear import per_weight
 
-_BLOCKS: dict[int, tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_BLOCKS: dict[int, tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None, torch.Tensor]] = {}
 
 
 def supported(x: torch.Tensor, weight: QuantizedWeight) -> bool:
@@ -33,20 +33,21 @@ def supported(x: torch.Tensor, weight: QuantizedWeight) -> bool:
     )
 
 
-def _blocks(weight: QuantizedWeight) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per group: int8 codes - o [N, G]; and scales [N, K/G], zero terms s * (z - o) [N, K/G], unit scales [N]."""
+def _blocks(weight: QuantizedWeight) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Per group: int8 codes - o [N, G]; and scales [K/G, N], zero terms s * (z - o) [N, K/G] (None when
+    symmetric: z = o), unit scales [N]."""
     return per_weight(_BLOCKS, weight, _convert)
 
 
-def _convert(weight: QuantizedWeight) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+def _convert(weight: QuantizedWeight) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None, torch.Tensor]:
     N, K = weight.shape
     G = K if weight.group_size == -1 else weight.group_size
     offset = 1 << (weight.bits - 1)
     codes = (weight.codes().to(torch.int16) - offset).to(torch.int8)  # [N, K]
-    scale = weight.scale.float()  # [N, K/G]
-    zero = torch.full_like(scale, offset) if weight.zero is None else weight.zero.float()
+    scale = weight.scale.float().T.contiguous()  # [K/G, N]: group g's scales are one contiguous row
+    zero_terms = None if weight.zero is None else (scale.T * (weight.zero.float() - offset))  # symmetric: none
     blocks = [codes[:, g : g + G].contiguous() for g in range(0, K, G)]
-    return blocks, scale, scale * (zero - offset), torch.ones(N, dtype=torch.bfloat16)
+    return blocks, scale, zero_terms, torch.ones(N, dtype=torch.bfloat16)
 
 
 def int8_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -54,9 +55,12 @@ def int8_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | N
     blocks, scale, zero_terms, ones = _blocks(weight)
     row = x.reshape(1, -1)
     G = blocks[0].shape[1]
-    y = zero_terms @ -row.float().view(-1, G).sum(-1)  # [N]
+    y = None
     for g, block in enumerate(blocks):
-        y += torch.ops.aten._weight_int8pack_mm(row[:, g * G : (g + 1) * G], block, ones)[0].float() * scale[:, g]
+        part = torch.ops.aten._weight_int8pack_mm(row[:, g * G : (g + 1) * G], block, ones)[0] * scale[g]  # fp32
+        y = part if y is None else y.add_(part)
+    if zero_terms is not None:
+        y -= zero_terms @ row.float().view(-1, G).sum(-1)
     if bias is not None:
         y += bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
