@@ -2,9 +2,8 @@
 
 PyTorch converts float8 to other dtypes one element at a time (~2 ns each here), so dequantizing an
 FP8 weight on every call cost 10x a bf16 GEMV. An E4M3 code is exactly an fp16 number scaled by 2^8 once its
-bits move: sign to bit 15, the 4-bit exponent and 3-bit mantissa to bits 13..7 (fp16's exponent bias 15
-against E4M3's 7, so every code's value drops by 2^-8; E4M3 subnormals land on fp16 subnormals, exactly).
-Three integer passes make that fp16 weight, and ATen's fp16 GEMV (fp32 accumulation) multiplies it.
+bits move (``qinfer.format.e4m3_as_fp16``, three integer passes); ATen's fp16 GEMV (fp32 accumulation)
+multiplies that fp16 weight.
 
 The row is divided by its largest magnitude before it is rounded to fp16, so it cannot overflow fp16 and
 keeps fp16's 11-bit mantissa (bf16 has 8); each output is then at most ``K * 448 / 2^8`` in magnitude (fp16
@@ -18,13 +17,11 @@ fp32 rows and many rows (a prefill) take the reference: a fp16 GEMM was 6x slowe
 import torch
 import torch.nn.functional as F
 
-from qinfer.format import FP8_MAX, Fp8Weight
+from qinfer.format import FP8_MAX, FP8_SHIFT, Fp8Weight, e4m3_as_fp16
 
-SHIFT = 2.0**8  # E4M3 value = fp16 value of the moved bits * SHIFT
-MAX_K = int(torch.finfo(torch.float16).max * SHIFT / FP8_MAX)  # longest row whose outputs fit fp16
+MAX_K = int(torch.finfo(torch.float16).max * FP8_SHIFT / FP8_MAX)  # longest row whose outputs fit fp16
 # activations whose own rounding is no finer than fp16's; fp32 rows keep the reference's fp32 product
 HALF_DTYPES = (torch.bfloat16, torch.float16)
-_SIGN_AND_MAGNITUDE = (0x80 << 8 | 0x7F << 7) - (1 << 16)  # bits 15 and 13..7, as an int16
 
 
 def supported(x: torch.Tensor, weight: Fp8Weight) -> bool:
@@ -32,22 +29,12 @@ def supported(x: torch.Tensor, weight: Fp8Weight) -> bool:
     return x.device.type == "cpu" and one_row and weight.shape[1] <= MAX_K and x.dtype in HALF_DTYPES
 
 
-def e4m3_as_fp16(codes: torch.Tensor) -> torch.Tensor:
-    """float8_e4m3fn ``codes`` as fp16 numbers ``value / SHIFT``, exactly, in 3 vectorised integer passes
-    (``codes.float()`` converts one element at a time). For finite codes: qinfer saturates every E4M3 it
-    writes, so none holds NaN (a NaN code would read as 480 / SHIFT)."""
-    bits = codes.view(torch.int8).to(torch.int16)  # sign-extended: bit 15 holds the sign
-    bits.bitwise_left_shift_(7)
-    bits.bitwise_and_(_SIGN_AND_MAGNITUDE)
-    return bits.view(torch.float16)
-
-
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     # x: [..., K] holding one row; returns [..., N] in x's dtype; caller checked supported(x, weight)
     row = x.reshape(1, -1).float()
     norm = row.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)
     y = F.linear((row / norm).half(), e4m3_as_fp16(weight.weight)).float()  # [1, N]
-    y = y * (weight.scale.reshape(1, -1) * (norm * SHIFT))
+    y = y * (weight.scale.reshape(1, -1) * (norm * FP8_SHIFT))
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])

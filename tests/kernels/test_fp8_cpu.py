@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from qinfer.format import Fp8Weight, QuantScheme
+from qinfer.errors import QinferError
+from qinfer.format import FP8_SHIFT, Fp8Weight, QuantScheme, e4m3_as_fp16
 from qinfer.kernels import fp8_cpu, linear
 from qinfer.kernels.quant_linear import dequant_linear_ref
 from qinfer.quantizers.fp8 import fp8_quantize
@@ -24,8 +25,26 @@ def test_every_finite_code_moves_to_fp16_exactly():
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     finite = codes.float().isfinite()  # E4M3 has no inf; its two NaN codes are never written
     weight = Fp8Weight(codes[finite].reshape(2, -1), torch.ones(2, 1))
-    assert torch.equal(fp8_cpu.e4m3_as_fp16(weight.weight).float() * fp8_cpu.SHIFT, weight.weight.float())
+    assert torch.equal(e4m3_as_fp16(weight.weight).float() * FP8_SHIFT, weight.weight.float())
     assert int((weight.weight.float().abs() < 2.0**-6).sum()) == 16  # the subnormals (and zeros) were in it
+    # the format's dequantize goes through the same bit move: equal, bit for bit, to weight.float() * scale
+    g = torch.Generator().manual_seed(0)
+    for scale in (torch.rand(2, 1, generator=g) * 1e-3, torch.rand(1, generator=g) * 7):
+        w = Fp8Weight(weight.weight, scale)
+        for dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(w.dequantize(dtype), (w.weight.float() * scale).to(dtype))
+            assert torch.equal(w.rows(torch.tensor([1, 0, 1]), dtype), (w.weight.float() * scale).to(dtype)[[1, 0, 1]])
+
+
+def test_a_stored_weight_with_nan_codes_is_refused():
+    scheme = QuantScheme(method="fp8", bits=8, format="fp8", group_size=-1)
+    weight = _weight(16, 32)
+    codes = weight.weight.view(torch.uint8).clone()
+    codes[3, 5] = 0xFF  # -NaN
+    entries = {"p.weight": codes.view(torch.float8_e4m3fn), "p.scale": weight.scale}
+    with pytest.raises(QinferError, match="p.weight holds NaN codes"):
+        Fp8Weight.from_tensors("p", entries, scheme)
+    assert Fp8Weight.from_tensors("p", {"p.weight": weight.weight, "p.scale": weight.scale}, scheme).shape == (16, 32)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 8e-3), (torch.float16, 2e-3)])
