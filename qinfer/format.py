@@ -359,16 +359,17 @@ class QuantizedWeight:
     def dequantize(self, dtype: torch.dtype = torch.float16) -> torch.Tensor:
         """``W [N, K]`` with its columns in input-channel order."""
         zero = 1 << (self.bits - 1) if self.zero is None else self.zero
-        return self._unpermute(dequantize_codes(self.codes(), self.scale, zero, self.group_size).to(dtype))
+        return self.unpermute(dequantize_codes(self.codes(), self.scale, zero, self.group_size).to(dtype))
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
         """``dequantize(dtype)[index]`` (``[*index.shape, K]``) from the rows ``index`` alone: a tied
         embedding's lookup."""
         zero = 1 << (self.bits - 1) if self.zero is None else self.zero[index]
         codes = unpack(self.qweight[index], self.bits, self.shape[1])
-        return self._unpermute(dequantize_codes(codes, self.scale[index], zero, self.group_size).to(dtype))
+        return self.unpermute(dequantize_codes(codes, self.scale[index], zero, self.group_size).to(dtype))
 
-    def _unpermute(self, stored: torch.Tensor) -> torch.Tensor:
+    def unpermute(self, stored: torch.Tensor) -> torch.Tensor:
+        """``stored [..., K]`` (one value per stored column) with its last dimension in input-channel order."""
         if self.perm is None:
             return stored
         out = torch.empty_like(stored)

@@ -84,7 +84,7 @@ def get_tensor(tensors: dict[str, torch.Tensor], key: str, dtype: torch.dtype | 
 
 
 def static_group_index(K: int, group_size: int) -> torch.Tensor:
-    """``g_idx[k] = k // G`` (int32 ``[K]``), all zeros per channel: the only grouping qinfer's format has."""
+    """``g_idx[k] = k // G`` (int32 ``[K]``), all zeros per channel: static groups, the stored columns' grouping."""
     G = K if group_size == -1 else group_size
     return torch.arange(K, dtype=torch.int32) // G
 
@@ -103,23 +103,3 @@ def group_order(g_idx: torch.Tensor, K: int, group_size: int, name: str) -> torc
     if not torch.equal(g[perm], static):
         raise QinferError(f"{name}: g_idx does not put {G} input channels in each of {K // G} groups")
     return perm.to(torch.int32)
-
-
-def group_index(perm: torch.Tensor | None, K: int, group_size: int) -> torch.Tensor:
-    """``g_idx`` (int32 ``[K]``) of a weight whose stored column ``j`` holds channel ``perm[j]``: ``j // G``."""
-    static = static_group_index(K, group_size)
-    if perm is None:
-        return static
-    g_idx = torch.empty_like(static)
-    g_idx[perm.long()] = static
-    return g_idx
-
-
-def channel_order_codes(weight) -> torch.Tensor:
-    """A :class:`~qinfer.format.QuantizedWeight`'s codes ``[N, K]`` with columns in input-channel order."""
-    codes = weight.codes()
-    if weight.perm is None:
-        return codes
-    out = torch.empty_like(codes)
-    out[:, weight.perm.long()] = codes
-    return out

@@ -59,12 +59,11 @@ import torch
 from qinfer.errors import QinferError
 from qinfer.format import QuantizedWeight, QuantScheme, group_count, pack, unpack
 from qinfer.interop.common import (
-    channel_order_codes,
     exact_fp16,
     get_tensor,
-    group_index,
     group_order,
     pack_words,
+    static_group_index,
     stream_to_words,
     unpack_words,
     words_to_stream,
@@ -146,12 +145,12 @@ def to_gptq_tensors(weight: QuantizedWeight, prefix: str) -> dict[str, torch.Ten
             f"{prefix}: zero point 0 (row {n}, group {g}) has no encoding in GPTQ v1, which stores zero - 1; "
             "export asymmetric weights to compressed-tensors, or quantize symmetrically"
         )
-    stream = weight.qweight if weight.perm is None else pack(channel_order_codes(weight), b)
+    stream = weight.qweight if weight.perm is None else pack(weight.unpermute(weight.codes()), b)  # channel order
     return {
         f"{prefix}.qweight": stream_to_words(stream).T.contiguous(),
         f"{prefix}.qzeros": pack_words((zero - 1).T, b),
         f"{prefix}.scales": weight.scale.T.contiguous(),
-        f"{prefix}.g_idx": group_index(weight.perm, K, weight.group_size),
+        f"{prefix}.g_idx": weight.unpermute(static_group_index(K, weight.group_size)),  # channel perm[j]: j // G
     }
 
 
