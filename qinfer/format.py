@@ -439,13 +439,12 @@ class Fp8Weight:
         return "tensor" if self.scale.dim() == 1 else "channel"
 
     def dequantize(self, dtype: torch.dtype = torch.float16) -> torch.Tensor:
-        # weight.float() * scale, bit for bit: value / 2^8 exactly in fp16, times scale * 2^8 (exact), one rounding
-        return (e4m3_as_fp16(self.weight).float() * (self.scale * FP8_SHIFT)).to(dtype)
+        return e4m3_times(self.weight, self.scale).to(dtype)
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
         """``dequantize(dtype)[index]`` (``[*index.shape, K]``) from the rows ``index`` alone."""
         scale = self.scale if self.scale.dim() == 1 else self.scale[index]
-        return (e4m3_as_fp16(self.weight[index]).float() * (scale * FP8_SHIFT)).to(dtype)
+        return e4m3_times(self.weight[index], scale).to(dtype)
 
     def to(self, device: torch.device | str) -> Fp8Weight:
         return Fp8Weight(self.weight.to(device), self.scale.to(device))
@@ -482,6 +481,12 @@ def e4m3_as_fp16(codes: torch.Tensor) -> torch.Tensor:
     bits.bitwise_left_shift_(7)
     bits.bitwise_and_(_SIGN_AND_MAGNITUDE)
     return bits.view(torch.float16)
+
+
+def e4m3_times(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``codes.float() * scale`` in float32, bit for bit: the codes as value / 2^8 (exact, fp16), times
+    ``scale * 2^8`` (exact), one rounding; without PyTorch's one-element-at-a-time float8 conversion."""
+    return e4m3_as_fp16(codes).float() * (scale * FP8_SHIFT)
 
 
 def packed_weight(prefix: str, tensors: dict[str, torch.Tensor], scheme: QuantScheme) -> QuantizedWeight | Fp8Weight | None:

@@ -16,7 +16,7 @@ from that write's absmax times ``UNCALIBRATED_HEADROOM``, so later tokens rarely
 import torch
 
 from qinfer.arch import ModelConfig
-from qinfer.format import FP8_SHIFT, e4m3_as_fp16
+from qinfer.format import e4m3_times
 
 KV_DTYPES = {"bf16": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 QMAX = {"int8": 127.0, "fp8": 448.0}
@@ -76,6 +76,6 @@ class KVCache:
         return y.round().to(torch.int8) if self.kv_dtype == "int8" else y.to(torch.float8_e4m3fn)
 
     def _dequantize(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        if q.dtype == torch.float8_e4m3fn:  # the same numbers: value / 2^8 exactly, times scale * 2^8
-            return (e4m3_as_fp16(q).float() * (scale[None, :, None, None] * FP8_SHIFT)).to(self.dtype)
+        if q.dtype == torch.float8_e4m3fn:  # the same numbers as q.float() * scale, without float8's slow cast
+            return e4m3_times(q, scale[None, :, None, None]).to(self.dtype)
         return (q.float() * scale[None, :, None, None]).to(self.dtype)
