@@ -17,8 +17,9 @@ attention ``4 * H * D`` per (query, visible key) pair, where a sliding-window la
 Bytes of a prefill: each weight once, ``T`` embedding rows, and the KV cache it writes.
 
 :func:`prefill_flops_by_dtype` splits a prefill's FLOPs by the dtype they multiply in, which MFU takes its
-ceilings from: a linear's from its kernel (``QLinear.matmul_dtype``: the CPU int4 kernel multiplies in fp32,
-a dense or dequantize-then-matmul linear in the activations' dtype), attention's in the model's dtype.
+ceilings from: a linear's from the kernel its rows go to (``QLinear.matmul_dtype``: the CPU int4 kernel,
+which takes fewer than 256 rows, multiplies in fp32, a dense or dequantize-then-matmul linear in the
+activations' dtype), attention's in the model's dtype.
 """
 
 from collections import Counter
@@ -102,9 +103,9 @@ def prefill_flops_by_dtype(model: Transformer, tokens: int) -> dict[torch.dtype,
     flops = Counter({model.dtype: _attention_flops(model, range(tokens))})
     for m in model.model.layers.modules():
         if isinstance(m, QLinear):
-            flops[m.matmul_dtype(model.dtype, model.device)] += 2 * m.in_features * m.out_features * tokens
-    head = model.lm_head
-    flops[head.matmul_dtype(model.dtype, model.device)] += 2 * head.in_features * head.out_features
+            flops[m.matmul_dtype(model.dtype, model.device, tokens)] += 2 * m.in_features * m.out_features * tokens
+    head = model.lm_head  # the last position only
+    flops[head.matmul_dtype(model.dtype, model.device, 1)] += 2 * head.in_features * head.out_features
     return dict(flops)
 
 

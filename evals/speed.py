@@ -11,8 +11,9 @@ Utilisation against the measured roofline (:mod:`qinfer.evals.roofline`):
                                                     context of the decode steps
     MFU = sum over dtypes of prefill FLOPs in that dtype / its peak, over the prefill time: the share of
           the measured ceilings the prefill reaches, each FLOP held to the peak of the dtype it multiplies
-          in (qinfer.evals.costs.prefill_flops_by_dtype: the CPU int4 kernel multiplies in fp32 even in a
-          bf16 model, so a 4-bit model's prefill is held to the fp32 peak, a bf16 one's to the bf16 peak)
+          in (qinfer.evals.costs.prefill_flops_by_dtype: the CPU int4 kernel, which takes prompts shorter
+          than 256 tokens, multiplies in fp32 even in a bf16 model, so such a 4-bit prefill is held to the
+          fp32 peak; longer ones, and a bf16 model's, to the bf16 peak)
 
 The prompt is fixed pseudo-random token ids: the work of a forward does not depend on which tokens.
 """

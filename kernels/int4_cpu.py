@@ -10,6 +10,12 @@ below 4-bit rounding noise; the tests bound it).
 
 The kernel's layout is converted once per weight at first use (``_convert_weight_to_int4pack_for_cpu``)
 and cached beside the weight; ``int4_linear_ref`` is the plain-torch definition it is tested against.
+
+It takes fewer than ``MAX_ROWS`` rows: a decode step or a short prompt. The kernel multiplies in fp32 and
+reads each weight once per call, which is what a few rows want; a long prefill is compute-bound, and
+there dequantizing the weight (~0.1-0.3 ms for a gemma3 linear) and handing it to oneDNN's bf16 GEMM (AMX
+or AVX-512 bf16) is 1.5-2.5x as fast from 256 rows on (``evals/RESULTS-LOG.md``), so ``quant_linear``
+sends those to the dequantize-then-matmul reference.
 """
 
 import torch
@@ -19,6 +25,7 @@ from qinfer.format import QuantizedWeight
 from qinfer.kernels.linear import per_weight
 
 GROUP_SIZES = (32, 64, 128, 256)
+MAX_ROWS = 256  # from this many rows on, dequantize + a GEMM in the activations' dtype is faster
 MATMUL_DTYPE = torch.float32  # the kernel widens activations and unpacked weights to fp32 and multiply-adds in fp32
 _PACKED: dict[int, tuple[torch.Tensor, dict[torch.dtype, torch.Tensor]]] = {}
 
@@ -27,6 +34,7 @@ def supported(x: torch.Tensor, weight: QuantizedWeight) -> bool:
     N, K = weight.shape
     return (
         x.device.type == "cpu"
+        and x.numel() < MAX_ROWS * x.shape[-1]
         and weight.bits == 4
         and weight.group_size in GROUP_SIZES
         and x.dtype in (torch.bfloat16, torch.float16, torch.float32)

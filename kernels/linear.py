@@ -23,8 +23,8 @@ _MATMUL_DTYPES: dict[type, Callable] = {}
 def register(weight_type: type, kernel: Callable, matmul_dtype: Callable | None = None) -> None:
     """Route ``linear(x, w, b)`` for ``isinstance(w, weight_type)`` to ``kernel(x, w, b)``.
 
-    ``matmul_dtype(w, x_dtype, device)`` names the dtype that kernel's multiply-adds run in; without it,
-    the activations' dtype (a dequantize-then-matmul kernel).
+    ``matmul_dtype(w, x_dtype, device, rows)`` names the dtype that kernel's multiply-adds run in for
+    ``rows`` rows of ``x``; without it, the activations' dtype (a dequantize-then-matmul kernel).
     """
     _KERNELS[weight_type] = kernel
     if matmul_dtype is not None:
@@ -71,9 +71,9 @@ def per_weight(store: dict, weight, build: Callable):
     return store[key]
 
 
-def matmul_dtype(weight, x_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype ``linear(x, weight)`` multiplies in for ``x`` of ``x_dtype`` on ``device``."""
+def matmul_dtype(weight, x_dtype: torch.dtype, device: torch.device, rows: int) -> torch.dtype:
+    """The dtype ``linear(x, weight)`` multiplies in for ``rows`` rows of ``x`` of ``x_dtype`` on ``device``."""
     for cls in type(weight).__mro__:
         if cls in _MATMUL_DTYPES:
-            return _MATMUL_DTYPES[cls](weight, x_dtype, device)
+            return _MATMUL_DTYPES[cls](weight, x_dtype, device, rows)
     return x_dtype

@@ -2,8 +2,9 @@
 
 ``dequant_linear_ref`` dequantizes the whole weight, then runs a dense matmul: correct for every format
 and device, and the definition the fast kernels are tested against, but it materialises the dense weight
-on every call. ``quant_linear`` is the entry point: the CPU int4 kernel where it applies, else for one bf16
-row on CPU the int8 kernel (other bit widths, per-channel 4-bit), else the reference;
+on every call. ``quant_linear`` is the entry point: the CPU int4 kernel where it applies (fewer than
+``int4_cpu.MAX_ROWS`` rows), else for one bf16 row on CPU the int8 kernel (other bit widths, per-channel
+4-bit), else the reference, which is also a long prefill's fast path: a GEMM in the activations' dtype;
 ``quant_linear_dtype`` says which dtype the chosen kernel multiplies in. ``fp8_linear`` is FP8's: the CPU
 one-row path where it applies (a decode step), else the reference. A weight with permuted columns
 (``perm``: an imported act-order checkpoint) hands the fast kernels ``x[..., perm]``.
@@ -40,7 +41,8 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = N
     return dequant_linear_ref(x, weight, bias)
 
 
-def quant_linear_dtype(weight: QuantizedWeight, x_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    if int4_cpu.supported(torch.empty(0, dtype=x_dtype, device=device), weight):
+def quant_linear_dtype(weight: QuantizedWeight, x_dtype: torch.dtype, device: torch.device, rows: int) -> torch.dtype:
+    x = torch.empty(1, 1, dtype=x_dtype, device=device).expand(rows, weight.shape[1])  # the shape, no memory
+    if int4_cpu.supported(x, weight):
         return int4_cpu.MATMUL_DTYPE
     return x_dtype

@@ -33,9 +33,9 @@ class QLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
-    def matmul_dtype(self, x_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-        """The dtype ``forward`` multiplies in for inputs of ``x_dtype`` on ``device`` (MFU's ceiling)."""
-        return matmul_dtype(self.weight, x_dtype, device)
+    def matmul_dtype(self, x_dtype: torch.dtype, device: torch.device, rows: int) -> torch.dtype:
+        """The dtype ``forward`` multiplies in for ``rows`` rows of ``x_dtype`` on ``device`` (MFU's ceiling)."""
+        return matmul_dtype(self.weight, x_dtype, device, rows)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, weight={type(self.weight).__name__}"

@@ -115,16 +115,18 @@ def test_content_key_is_stable_and_follows_the_weights(folders, tmp_path):
 
 def test_prefill_flops_split_by_the_dtype_each_kernel_multiplies_in(folders):
     # bf16 and FP8 (dequantize, then a bf16 matmul) models multiply in bf16 throughout; a 4-bit model's block
-    # linears go through the CPU int4 kernel, which multiplies in fp32, while its bf16 lm_head and attention
-    # stay bf16. The split always sums to prefill_flops.
+    # linears go through the CPU int4 kernel, which multiplies in fp32, for a prompt shorter than its
+    # MAX_ROWS, while its bf16 lm_head and attention stay bf16; a longer prompt's go to the dequantize-then-
+    # matmul path, bf16. The split always sums to prefill_flops.
     T = 23
     for name in ("ref", "fp8"):
         model = load_model(folders[name])
         assert prefill_flops_by_dtype(model, T) == {torch.bfloat16: prefill_flops(model, T)}
     model = load_model(folders["rtn"])
     linears = [m for m in model.model.layers.modules() if isinstance(m, QLinear)]
-    x = torch.empty(0, dtype=model.dtype)
-    assert all(int4_cpu.supported(x, m.weight) for m in linears)
+    assert all(int4_cpu.supported(torch.empty(T, m.in_features, dtype=model.dtype), m.weight) for m in linears)
     by_dtype = prefill_flops_by_dtype(model, T)
     assert by_dtype[torch.float32] == 2 * T * sum(m.in_features * m.out_features for m in linears)
     assert sum(by_dtype.values()) == prefill_flops(model, T) and by_dtype[torch.bfloat16] > 0
+    long = int4_cpu.MAX_ROWS
+    assert prefill_flops_by_dtype(model, long) == {torch.bfloat16: prefill_flops(model, long)}

@@ -47,6 +47,16 @@ def test_entry_point_uses_kernel_with_bias_and_leading_dims():
     torch.testing.assert_close(y, dequant_linear_ref(x, weight, bias), rtol=1e-4, atol=1e-4)
 
 
+def test_long_prefills_take_the_dequantize_then_matmul_path():
+    # From MAX_ROWS rows on, a GEMM on the dequantized weight in the activations' dtype; below, the kernel.
+    weight = _weight(64, 256, 64, False)
+    for rows, kernel in ((int4_cpu.MAX_ROWS - 1, True), (int4_cpu.MAX_ROWS, False)):
+        x = torch.randn(1, rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        assert int4_cpu.supported(x, weight) == kernel
+        want = int4_cpu.int4_linear(x, weight) if kernel else dequant_linear_ref(x, weight)
+        assert torch.equal(linear(x, weight), want)
+
+
 def test_unsupported_shapes_fall_back_to_reference():
     W = torch.randn(40, 96) * 0.05  # N not a multiple of 16
     weight = rtn_quantize(W, QuantScheme(method="rtn", bits=4, group_size=32))
