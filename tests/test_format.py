@@ -13,6 +13,7 @@ from qinfer.format import (
     Fp8Weight,
     QuantizedWeight,
     QuantScheme,
+    dequantize_codes,
     effective_bits,
     pack,
     unpack,
@@ -180,6 +181,24 @@ def test_dequantize_follows_the_formula():
     w = QuantizedWeight(pack(codes, 3), scale, None, 3, G, (N, K)).dequantize(torch.float32)
     for n, k in [(0, 0), (1, 31), (2, 32), (2, 63)]:
         assert w[n, k].item() == (int(codes[n, k]) - 4) * float(scale[n, k // G])
+
+
+def test_dequantize_codes_leaves_its_inputs_alone_and_passes_gradients():
+    # it works in place on its own fp32 copy: float codes (the tuning stage's levels) must come back
+    # unchanged, and the gradients are those of (q - z) * s written out per element
+    g = torch.Generator().manual_seed(2)
+    levels = torch.randint(0, 16, (4, 64), generator=g).float().requires_grad_()
+    scale = (torch.rand(4, 2, generator=g) + 0.1).requires_grad_()
+    zero = torch.randint(0, 16, (4, 2), generator=g).float()
+    before = levels.detach().clone()
+    w = dequantize_codes(levels, scale, zero, 32)
+    weights = torch.rand(4, 64, generator=g)
+    (w * weights).sum().backward()
+    assert torch.equal(levels.detach(), before)
+    group = torch.arange(64) // 32
+    assert torch.equal(w.detach(), (before - zero[:, group]) * scale.detach()[:, group])
+    torch.testing.assert_close(levels.grad, weights * scale.detach()[:, group])
+    torch.testing.assert_close(scale.grad, ((before - zero[:, group]) * weights).view(4, 2, 32).sum(-1))
 
 
 @pytest.mark.parametrize("scheme", [SCHEMES[0], SCHEMES[1], SCHEMES[2].lm_head_scheme()])
