@@ -13,7 +13,7 @@ and cached beside the weight; ``int4_linear_ref`` is the plain-torch definition 
 
 It takes fewer than ``MAX_ROWS`` rows: a decode step or a short prompt. The kernel multiplies in fp32 and
 reads each weight once per call, which is what a few rows want; a long prefill is compute-bound, and
-there dequantizing the weight (~0.1-0.3 ms for a gemma3 linear) and handing it to oneDNN's bf16 GEMM (AMX
+there dequantizing the weight (0.1-1.9 ms for a gemma3 linear) and handing it to oneDNN's bf16 GEMM (AMX
 or AVX-512 bf16) is 1.5-2.5x as fast from 256 rows on (``evals/RESULTS-LOG.md``), so ``quant_linear``
 sends those to the dequantize-then-matmul reference.
 """
