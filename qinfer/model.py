@@ -266,9 +266,12 @@ class Transformer(nn.Module):
         x = self.embed(input_ids)
         n_keys = int(input_pos[-1]) + 1 if cache is not None else 0
         masks = self.masks(input_pos, n_keys)
+        ropes = {}  # cos/sin per distinct RopeConfig (Gemma 3: two), not per layer
         for i, layer in enumerate(self.model.layers):
-            cos, sin = self.rope(i, input_pos, x.dtype)
-            x = layer(x, cos, sin, masks[self.config.sliding_window[i]], cache, input_pos)
+            rope = self.config.rope[i]
+            if rope not in ropes:
+                ropes[rope] = self.rope(i, input_pos, x.dtype)
+            x = layer(x, *ropes[rope], masks[self.config.sliding_window[i]], cache, input_pos)
         return self.model.norm(x)
 
     def forward(self, input_ids, input_pos=None, cache: KVCache | None = None, last_only: bool = False):
