@@ -28,12 +28,13 @@ from dataclasses import dataclass
 
 import torch
 
+from qinfer.kernels.linear import native_half_gemm
 from qinfer.model import Block, QLinear, RMSNorm, Transformer
 
 
 def compute_dtype(device: torch.device) -> torch.dtype:
     """The dtype calibration runs blocks in on ``device``: bf16 where it has fast bf16 matmuls, else fp32."""
-    if device.type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if device.type == "cpu" and not native_half_gemm(torch.bfloat16):
         return torch.float32
     return torch.bfloat16
 

@@ -19,13 +19,16 @@ Bytes of a prefill: each weight once, ``T`` embedding rows, and the KV cache it 
 :func:`prefill_flops_by_dtype` splits a prefill's FLOPs by the dtype they multiply in, which MFU takes its
 ceilings from: a linear's from the kernel its rows go to (``QLinear.matmul_dtype``: the CPU int4 kernel,
 which takes fewer than 256 rows, multiplies in fp32, a dense or dequantize-then-matmul linear in the
-activations' dtype), attention's in the model's dtype.
+activations' dtype, or in fp32 on a CPU without native bf16 GEMMs), attention's in the dtype a dense product
+of the prompt's rows takes (``qinfer.kernels.linear.product_dtype``: on such a CPU, SDPA in bf16 runs at its
+fp32 speed, not at the ~7x slower bf16 GEMM peak).
 """
 
 from collections import Counter
 
 import torch
 
+from qinfer.kernels.linear import product_dtype
 from qinfer.kv_cache import KVCache
 from qinfer.model import QLinear, RMSNorm, Transformer
 
@@ -100,7 +103,7 @@ def prefill_flops(model: Transformer, tokens: int) -> int:
 
 def prefill_flops_by_dtype(model: Transformer, tokens: int) -> dict[torch.dtype, int]:
     """:func:`prefill_flops` split by the dtype each FLOP multiplies in; the values sum to it."""
-    flops = Counter({model.dtype: _attention_flops(model, range(tokens))})
+    flops = Counter({product_dtype(model.dtype, model.device, tokens): _attention_flops(model, range(tokens))})
     for m in model.model.layers.modules():
         if isinstance(m, QLinear):
             flops[m.matmul_dtype(model.dtype, model.device, tokens)] += 2 * m.in_features * m.out_features * tokens

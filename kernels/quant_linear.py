@@ -4,22 +4,23 @@
 and device, and the definition the fast kernels are tested against, but it materialises the dense weight
 on every call. ``quant_linear`` is the entry point: the CPU int4 kernel where it applies (fewer than
 ``int4_cpu.MAX_ROWS`` rows), else for one bf16 row on CPU the int8 kernel (other bit widths, per-channel
-4-bit), else the reference, which is also a long prefill's fast path: a GEMM in the activations' dtype;
+4-bit), else the reference, which is also a long prefill's fast path: a GEMM in the activations' dtype
+(in fp32 on a CPU without native bf16 GEMMs: ``qinfer.kernels.linear``);
 ``quant_linear_dtype`` says which dtype the chosen kernel multiplies in. ``fp8_linear`` is FP8's: the CPU
 one-row path where it applies (a decode step), else the reference. A weight with permuted columns
 (``perm``: an imported act-order checkpoint) hands the fast kernels ``x[..., perm]``.
 """
 
 import torch
-import torch.nn.functional as F
 
 from qinfer.format import Fp8Weight, QuantizedWeight
 from qinfer.kernels import fp8_cpu, int4_cpu, int8_cpu
+from qinfer.kernels.linear import linear, product_dtype
 
 
 def dequant_linear_ref(x: torch.Tensor, weight: QuantizedWeight | Fp8Weight, bias: torch.Tensor | None = None):
     # x: [..., K]; weight: packed [N, K]; returns [..., N] in x's dtype
-    return F.linear(x, weight.dequantize(x.dtype), bias)
+    return linear(x, weight.dequantize(x.dtype), bias)
 
 
 def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None):
@@ -45,4 +46,4 @@ def quant_linear_dtype(weight: QuantizedWeight, x_dtype: torch.dtype, device: to
     x = torch.empty(1, 1, dtype=x_dtype, device=device).expand(rows, weight.shape[1])  # the shape, no memory
     if int4_cpu.supported(x, weight):
         return int4_cpu.MATMUL_DTYPE
-    return x_dtype
+    return product_dtype(x_dtype, device, rows)

@@ -1,4 +1,6 @@
+import importlib
 import shutil
+from collections import Counter
 
 import pytest
 import torch
@@ -13,6 +15,8 @@ from qinfer.loader import load_model
 from qinfer.model import QLinear
 from qinfer.quantize import CalibConfig, quantize_model
 from tests.evals.eval_fixtures import tiny_model
+
+linear_module = importlib.import_module("qinfer.kernels.linear")  # the module (the package's `linear` is the function)
 
 RTN_G32 = QuantScheme(method="rtn", bits=4, group_size=32)
 FP8 = QuantScheme(method="fp8", bits=8, group_size=-1, format="fp8")
@@ -113,20 +117,32 @@ def test_content_key_is_stable_and_follows_the_weights(folders, tmp_path):
     assert content_key(copy) != before
 
 
-def test_prefill_flops_split_by_the_dtype_each_kernel_multiplies_in(folders):
-    # bf16 and FP8 (dequantize, then a bf16 matmul) models multiply in bf16 throughout; a 4-bit model's block
-    # linears go through the CPU int4 kernel, which multiplies in fp32, for a prompt shorter than its
-    # MAX_ROWS, while its bf16 lm_head and attention stay bf16; a longer prompt's go to the dequantize-then-
-    # matmul path, bf16. The split always sums to prefill_flops.
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_prefill_flops_split_by_the_dtype_each_kernel_multiplies_in(folders, monkeypatch, native_bf16):
+    # A dense product of the prompt's rows (a bf16 model's linears; FP8's: dequantize, then the dense product)
+    # multiplies in bf16 on a CPU with native bf16 GEMMs, else in fp32; a 4-bit model's block linears go
+    # through the CPU int4 kernel, which multiplies in fp32, for a prompt shorter than its MAX_ROWS, and to
+    # the dequantize-then-dense path from there on. The attention goes with a dense product of the prompt's
+    # rows; the lm_head's one row stays bf16. The split always sums to prefill_flops.
+    monkeypatch.setattr(linear_module, "native_half_gemm", lambda dtype: native_bf16 or dtype == torch.float32)
+    dense = torch.bfloat16 if native_bf16 else torch.float32
+
+    def split(model, T, blocks_in):
+        linears = [m for m in model.model.layers.modules() if isinstance(m, QLinear)]
+        blocks = 2 * T * sum(m.in_features * m.out_features for m in linears)
+        head = 2 * model.lm_head.in_features * model.lm_head.out_features
+        expected = Counter({torch.bfloat16: head})
+        expected[dense] += prefill_flops(model, T) - blocks - head  # the attention
+        expected[blocks_in] += blocks
+        return dict(expected)
+
     T = 23
     for name in ("ref", "fp8"):
         model = load_model(folders[name])
-        assert prefill_flops_by_dtype(model, T) == {torch.bfloat16: prefill_flops(model, T)}
+        assert prefill_flops_by_dtype(model, T) == split(model, T, dense)
     model = load_model(folders["rtn"])
     linears = [m for m in model.model.layers.modules() if isinstance(m, QLinear)]
     assert all(int4_cpu.supported(torch.empty(T, m.in_features, dtype=model.dtype), m.weight) for m in linears)
-    by_dtype = prefill_flops_by_dtype(model, T)
-    assert by_dtype[torch.float32] == 2 * T * sum(m.in_features * m.out_features for m in linears)
-    assert sum(by_dtype.values()) == prefill_flops(model, T) and by_dtype[torch.bfloat16] > 0
+    assert prefill_flops_by_dtype(model, T) == split(model, T, torch.float32)
     long = int4_cpu.MAX_ROWS
-    assert prefill_flops_by_dtype(model, long) == {torch.bfloat16: prefill_flops(model, long)}
+    assert prefill_flops_by_dtype(model, long) == split(model, long, dense)

@@ -1,11 +1,15 @@
 """The linear entry point: every weight form, and no copy of the weight for strided inputs."""
 
+import importlib
+
 import pytest
 import torch
 
 from qinfer.format import QuantScheme
-from qinfer.kernels import linear
+from qinfer.kernels import int4_cpu, linear, matmul_dtype
 from qinfer.quantizers.rtn import rtn_quantize
+
+linear_module = importlib.import_module("qinfer.kernels.linear")  # the module (the package's `linear` is the function)
 
 
 def test_last_position_of_a_prefill_does_not_copy_the_weight():
@@ -62,3 +66,38 @@ def test_onednn_switch_is_restored_after_an_error():
     with pytest.raises(RuntimeError):
         linear(torch.randn(1, 64, dtype=torch.bfloat16), torch.randn(512, 63, dtype=torch.bfloat16))
     assert torch.backends.mkldnn.enabled
+
+
+@pytest.fixture
+def no_native_half(monkeypatch):
+    """A CPU whose oneDNN takes no bf16/fp16 GEMMs (AVX2 only), whatever this one is."""
+    monkeypatch.setattr(linear_module, "native_half_gemm", lambda dtype: dtype not in (torch.bfloat16, torch.float16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_without_native_half_gemms_rows_multiply_in_fp32(no_native_half, monkeypatch, dtype):
+    monkeypatch.setattr(linear_module, "_WIDEN_CHUNK", 5 * 64)  # 5 weight rows widened at a time: 4 slices
+    x, weight, bias = torch.randn(3, 8, 64, dtype=dtype), torch.randn(18, 64, dtype=dtype), torch.randn(18, dtype=dtype)
+    y = linear(x, weight, bias)
+    assert y.dtype == dtype and y.shape == (3, 8, 18)
+    expected = torch.nn.functional.linear(x.float(), weight.float(), bias.float()).to(dtype)
+    assert torch.equal(y, expected)  # every slice, and the bias, in fp32, rounded once
+
+
+def test_without_native_half_gemms_few_rows_keep_the_half_product(no_native_half):
+    x, weight = torch.randn(7, 64, dtype=torch.bfloat16), torch.randn(18, 64, dtype=torch.bfloat16)
+    assert torch.equal(linear(x, weight), torch.nn.functional.linear(x, weight))
+    cpu = torch.device("cpu")
+    assert matmul_dtype(weight, torch.bfloat16, cpu, 7) == torch.bfloat16
+    assert matmul_dtype(weight, torch.bfloat16, cpu, 8) == torch.float32
+    assert matmul_dtype(weight.float(), torch.float32, cpu, 512) == torch.float32
+
+
+def test_without_native_half_gemms_a_long_prefill_dequantizes_into_an_fp32_product(no_native_half):
+    # from int4_cpu.MAX_ROWS rows on a 4-bit weight goes to the reference: dequantize, then the dense product,
+    # which on such a CPU runs in fp32 (and MFU holds those FLOPs to the fp32 peak)
+    packed = rtn_quantize(torch.randn(32, 128), QuantScheme(method="rtn", bits=4, group_size=32))
+    x = torch.randn(int4_cpu.MAX_ROWS, 128, dtype=torch.bfloat16)
+    expected = torch.nn.functional.linear(x.float(), packed.dequantize(torch.bfloat16).float()).bfloat16()
+    assert torch.equal(linear(x, packed), expected)
+    assert matmul_dtype(packed, torch.bfloat16, torch.device("cpu"), int4_cpu.MAX_ROWS) == torch.float32
