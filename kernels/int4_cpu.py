@@ -15,7 +15,9 @@ It takes fewer than ``MAX_ROWS`` rows: a decode step or a short prompt. The kern
 reads each weight once per call, which is what a few rows want; a long prefill is compute-bound, and
 there dequantizing the weight (0.1-1.9 ms for a gemma3 linear) and handing it to oneDNN's bf16 GEMM (AMX
 or AVX-512 bf16) is 1.5-2.5x as fast from 256 rows on (``evals/RESULTS-LOG.md``), so ``quant_linear``
-sends those to the dequantize-then-matmul reference.
+sends those to the dequantize-then-matmul reference. On a CPU without native bf16 GEMMs that product runs in
+fp32 (``qinfer.kernels.linear``) and is still ~2x the kernel at 256-512 rows; a whole prefill gained nothing
+consistent from a lower threshold there, so ``MAX_ROWS`` is one constant.
 """
 
 import torch
