@@ -15,6 +15,12 @@ Per linear input (linears that share an input, like q/k/v, share one record):
 Per attention layer: the absolute maximum of the keys (after norm and RoPE, as the cache stores them) and
 values per KV head, for KV-cache quantization scales.
 
+A model with a stored BOS position (``Transformer.set_bos``; the pipeline sets one only when every calibration
+sample starts with BOS) attends to the stored keys and values there and outputs the stored hidden state, so
+nothing the quantized weights compute at that position is ever seen: its rows are left out of every statistic
+above but the K/V ranges (:func:`first_kept`). They are the rows with Gemma's massive activations, which would
+otherwise dominate ``H``.
+
 The blocks run in :func:`compute_dtype`: bf16 where the device multiplies bf16 natively (a GPU, or a CPU
 with AVX-512 or AMX, where oneDNN runs bf16 matmuls), else fp32. On an AVX2-only CPU torch's bf16 matmul
 is ~9x slower than its fp32 one (``qinfer roofline``: 20 against 177 GFLOP/s on a 2-core AMD EPYC), so
@@ -109,6 +115,17 @@ def batch_size(model: Transformer, X: torch.Tensor) -> int:
     return max(1, BATCH_BYTES // (X.shape[1] * width * X.element_size()))
 
 
+def first_kept(model: Transformer) -> int:
+    """The first position of a calibration sample that counts in the statistics: 1 where the model has a stored
+    BOS position (every sample starts with BOS then), else 0."""
+    return int(model.bos_hidden is not None)
+
+
+def bos_rows(model: Transformer, x: torch.Tensor) -> torch.Tensor | None:
+    """The ``bos`` argument of a block's forward for a batch ``x`` [B, L, C] of calibration samples."""
+    return torch.ones(x.shape[0], dtype=torch.bool, device=x.device) if first_kept(model) else None
+
+
 @torch.no_grad()
 def run_block(
     model: Transformer,
@@ -133,7 +150,7 @@ def run_block(
     for i in range(0, X.shape[0], batch):
         x = X[i : i + batch].to(model.device)
         cos, sin = model.rope(layer_idx, pos, x.dtype)
-        out[i : i + batch] = block(x, cos, sin, mask, cache, pos)
+        out[i : i + batch] = block(x, cos, sin, mask, cache, pos, bos_rows(model, x))
     return out
 
 
@@ -240,10 +257,12 @@ def capture_block(
     modules: dict[str, QLinear] = {group[0]: block.get_submodule(group[0]) for group in groups}
     stats = {name: _new_stats(m.in_features, False) for name, m in modules.items()}
     last = groups[-1][0] if partial and groups else None
+    first = first_kept(model)
 
     def hook(name):
         def fn(module, inputs):
-            _add_input(stats[name], inputs[0].detach().reshape(-1, inputs[0].shape[-1]).cpu())  # [rows, K]
+            x = inputs[0].detach()[:, first:]  # [B, L - first, K]
+            _add_input(stats[name], x.reshape(-1, x.shape[-1]).cpu())  # [rows, K]
             if name == last:
                 raise _EnoughSeen
 
@@ -308,6 +327,7 @@ def calibrate_in_stages(
     kept = torch.empty(S, L, max(heads_width, block.mlp.down_proj.in_features), dtype=KEEP_DTYPE, device=X.device)
     cache = _StatsCache(model.config.num_kv_heads)
     batch = batch_size(model, X)
+    first = first_kept(model)
 
     def stage(g: int, x: torch.Tensor, rows: slice | None, kv=None) -> torch.Tensor:
         """Group g's input for the batch x (the residual stream at the block's stage g). ``rows`` (the
@@ -316,7 +336,7 @@ def calibrate_in_stages(
             return block.attention_input(x)
         if g == 1:
             cos, sin = model.rope(layer_idx, pos, x.dtype)
-            heads = block.self_attn.heads(block.attention_input(x), cos, sin, mask, kv, pos)
+            heads = block.self_attn.heads(block.attention_input(x), cos, sin, mask, kv, pos, bos_rows(model, x))
             if rows is not None:
                 kept[rows, :, :heads_width] = heads
             return heads
@@ -336,7 +356,7 @@ def calibrate_in_stages(
         for i in range(0, S, batch):
             rows = slice(i, i + batch)
             x = stage(g, X[rows].to(model.device), rows, cache)
-            x = x.reshape(-1, x.shape[-1]).cpu()
+            x = x[:, first:].reshape(-1, x.shape[-1]).cpu()
             _add_input(s, x)
             if X_ref is not None:
                 with _holding(block, ref_weights or {}):
@@ -346,7 +366,7 @@ def calibrate_in_stages(
                         X_ref[rows] = block.after_attention(x_ref, inp)
                     elif g == 3:
                         X_ref[rows] = block.after_mlp(x_ref, inp)
-                _add_shift(s, inp.reshape(-1, inp.shape[-1]).cpu(), x)
+                _add_shift(s, inp[:, first:].reshape(-1, inp.shape[-1]).cpu(), x)
         s.H = _symmetric(s.H)
         stats = {name: s for name in group}
         all_stats.update(stats)

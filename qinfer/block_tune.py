@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 from tqdm import tqdm
 
+from qinfer.calib.capture import bos_rows, first_kept
 from qinfer.errors import QinferError
 from qinfer.format import QuantizedWeight, dequantize_codes, pack
 from qinfer.model import Transformer
@@ -135,9 +136,12 @@ def tune_block(
             for n, w in weights.items()
         }
 
+    first = first_kept(model)  # a stored BOS position: what the block computes there is never used
+
     def loss(idx: torch.Tensor) -> torch.Tensor:
-        out = functional_call(block, {**dense(), **norms}, (X[idx].float(), cos, sin, mask, None, pos))
-        return (out - Y[idx].float()).pow(2).mean()
+        x = X[idx].float()
+        out = functional_call(block, {**dense(), **norms}, (x, cos, sin, mask, None, pos, bos_rows(model, x)))
+        return (out - Y[idx].float())[:, first:].pow(2).mean()
 
     @torch.no_grad()
     def mean_loss(idx: torch.Tensor) -> float:
@@ -236,16 +240,19 @@ def tune_end_to_end(
     def log_probs(h: torch.Tensor) -> torch.Tensor:
         return F.log_softmax(h.float() @ head.T, dim=-1)
 
+    first = first_kept(model)  # a stored BOS position outputs the unquantized model's hidden state: nothing to tune
+
     def kl(idx: torch.Tensor) -> torch.Tensor:
         x = model.embed(ids[idx]).float()
+        bos = model.bos_rows(ids[idx], pos)
         for i, layer in enumerate(layers):
             cos, sin = ropes[i]
             mask = masks[model.config.sliding_window[i]]
-            x = functional_call(layer, block_params(i), (x, cos, sin, mask, None, pos))
-        lq = log_probs(functional_call(model.model.norm, {"weight": norms["norm.weight"]}, (x,)))
+            x = functional_call(layer, block_params(i), (x, cos, sin, mask, None, pos, bos))
+        lq = log_probs(functional_call(model.model.norm, {"weight": norms["norm.weight"]}, (x[:, first:],)))
         with torch.no_grad():
-            lp = log_probs(target[idx])
-        return F.kl_div(lq, lp, reduction="sum", log_target=True) / (len(idx) * L)
+            lp = log_probs(target[idx, first:])
+        return F.kl_div(lq, lp, reduction="sum", log_target=True) / (len(idx) * (L - first))
 
     @torch.no_grad()
     def eval_kl() -> float:

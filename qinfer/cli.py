@@ -187,10 +187,14 @@ def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed):
 @click.option("--fp-target-damp", type=float, default=None,
               help="--fp-target: ridge of each linear's fit to the unquantized output, as a fraction of the mean "
                    "of diag(X^T X) (default 0.3; GPTQ's own damping stays 0.01).")
+@click.option("--keep-bos/--no-keep-bos", default=True, show_default=True,
+              help="Store what the unquantized model computes at a leading BOS token (each layer's keys and values, "
+                   "as IntactKV, and the output), use it there at inference instead of the quantized model's, and "
+                   "leave that position out of the calibration statistics (models with a BOS token).")
 @click.option("--force", is_flag=True, help="Replace OUT if it is a model folder (one with config.json) or empty.")
 def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache, calib, samples, seq_len, seed,
              quantize_lm_head, lm_head_bits, tune_steps, tune_rounding, e2e_steps, tune_batch, tune_lr, tune_holdout,
-             mse_clip, true_sequential, fp_target, fp_target_damp, force):
+             mse_clip, true_sequential, fp_target, fp_target_damp, keep_bos, force):
     """Quantize MODEL into the qinfer format (safetensors + quant_config.json) at OUT."""
     from qinfer.block_tune import TuneConfig
     from qinfer.format import QuantScheme
@@ -211,7 +215,7 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
     if fp_target_damp is not None and not fp_target:
         raise QinferError("--fp-target-damp sets the ridge of --fp-target's fit: add --fp-target, or drop it")
     calib_config = CalibConfig(source=calib, samples=samples, seq_len=seq_len, seed=seed, true_sequential=true_sequential,
-                               fp_target=fp_target,
+                               fp_target=fp_target, keep_bos=keep_bos,
                                fp_target_damp=CalibConfig.fp_target_damp if fp_target_damp is None else fp_target_damp)
     tune = TuneConfig(steps=tune_steps, lr=tune_lr, batch=tune_batch, e2e_steps=e2e_steps, seed=seed,
                       rounding=tune_rounding, holdout=tune_holdout)
@@ -235,8 +239,11 @@ def export(model, out, fmt, force):
 
     report = export_folder(resolve_model(model), out, fmt, force=force)
     click.echo(f"wrote {report.out} ({fmt}, {report.linears} quantized linears)")
-    if report.dropped:
-        click.echo(f"note: {len(report.dropped)} KV-cache scales are not part of the {fmt} layout and were left out")
+    scales = [n for n in report.dropped if n.endswith("_scale")]
+    if scales:
+        click.echo(f"note: {len(scales)} KV-cache scales are not part of the {fmt} layout and were left out")
+    if len(scales) < len(report.dropped):
+        click.echo(f"note: the stored BOS position (keys, values, output) is not part of the {fmt} layout and was left out")
 
 
 @cli.command(name="eval")

@@ -14,6 +14,14 @@ holds no ``model.embed_tokens.weight``: token ``t``'s embedding is row ``t`` of 
 to the compute dtype (as llama.cpp reads ``token_embd`` from a quantized tensor). A folder that does hold a
 ``model.embed_tokens.weight`` beside its quantized lm_head uses that table instead.
 
+The BOS position. A folder may hold what the *unquantized* model computes at position 0 for ``config.json``'s
+``bos_token_id``: for every layer ``i``, ``model.layers.{i}.self_attn.bos_k`` and ``model.layers.{i}.self_attn.bos_v``,
+each ``[num_kv_heads, head_dim]``, the keys (after the key norm, if any, and RoPE, as a KV cache holds them) and
+values; and ``model.bos_hidden``, ``[hidden_size]``, the final norm's output. All in the model's dtype; all of them
+or none. Wherever position 0 of a sequence holds that token, attention reads these keys and values there and the
+model outputs this hidden state there, instead of what the quantized weights compute (IntactKV keeps the keys and
+values the same way): position 0 sees only itself, so these are the same for every such sequence.
+
 Integer weights (``format == "int"``)
 -------------------------------------
 ``b = bits`` in {2, 3, 4, 8}; ``G = group_size``, or ``G = K`` when ``group_size == -1`` (per channel).

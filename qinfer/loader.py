@@ -18,7 +18,9 @@ import torch
 from qinfer.arch import ModelConfig
 from qinfer.errors import QinferError
 from qinfer.format import QUANT_CONFIG_FILE, QuantScheme, packed_weight
-from qinfer.model import QLinear, RMSNorm, Transformer
+from qinfer.model import BosState, QLinear, RMSNorm, Transformer
+
+BOS_HIDDEN = "model.bos_hidden"  # the stored BOS position's output; its keys and values: self_attn.bos_k / bos_v
 
 _DTYPES = {
     "F64": torch.float64,
@@ -117,6 +119,7 @@ def load_model(folder: Path, dtype: torch.dtype = torch.bfloat16, device: str = 
     with torch.device("meta"):
         model = Transformer(config)
     packed = _take_packed(folder, model, tensors, device)
+    bos = _take_bos(folder, model, tensors, device, dtype)
     # A tied embedding under a quantized lm_head may be stored only as that lm_head (see qinfer.format).
     embed_from_head = (
         config.tie_word_embeddings and "lm_head.weight" in packed and "model.embed_tokens.weight" not in tensors
@@ -154,7 +157,32 @@ def load_model(folder: Path, dtype: torch.dtype = torch.bfloat16, device: str = 
         model.lm_head.weight = model.model.embed_tokens.weight
     if embed_from_head:
         model.model.embed_tokens.tie_to_packed(packed["lm_head.weight"], dtype)
+    model.set_bos(bos)
     return model.eval()
+
+
+def bos_tensors(bos: BosState) -> dict[str, torch.Tensor]:
+    """The stored form of a BOS position (qinfer.format, "The BOS position")."""
+    tensors = {BOS_HIDDEN: bos.hidden}
+    for i, (k, v) in enumerate(bos.kv):
+        tensors[f"model.layers.{i}.self_attn.bos_k"], tensors[f"model.layers.{i}.self_attn.bos_v"] = k, v
+    return tensors
+
+
+def _take_bos(folder: Path, model: Transformer, tensors: dict, device: str, dtype: torch.dtype) -> BosState | None:
+    """Pop a stored BOS position (qinfer.format) from ``tensors``, or None if the folder has none."""
+    names = [(f"model.layers.{i}.self_attn.bos_k", f"model.layers.{i}.self_attn.bos_v") for i in range(len(model.model.layers))]
+    found = [n for n in (BOS_HIDDEN, *(n for pair in names for n in pair)) if n in tensors]
+    if not found:
+        return None
+    c = model.config
+    shapes = {BOS_HIDDEN: (c.hidden_size,), **{n: (c.num_kv_heads, c.head_dim) for pair in names for n in pair}}
+    if len(found) != len(shapes) or c.bos_token_id is None or any(tuple(tensors[n].shape) != shapes[n] for n in found):
+        raise QinferError(f"{folder}: a stored BOS position needs a bos_token_id in config.json, a [{c.hidden_size}] "
+                          f"{BOS_HIDDEN} and a [{c.num_kv_heads}, {c.head_dim}] bos_k and bos_v in every layer's "
+                          "self_attn: quantize the model again")
+    take = lambda name: tensors.pop(name).to(device=device, dtype=dtype)  # noqa: E731
+    return BosState(kv=[(take(k), take(v)) for k, v in names], hidden=take(BOS_HIDDEN))
 
 
 def _take_packed(folder: Path, model: Transformer, tensors: dict, device: str) -> dict:

@@ -7,6 +7,7 @@ H query heads, Hkv key/value heads, D head dim, C hidden size.
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -133,12 +134,17 @@ class Attention(nn.Module):
         if arch.qk_norm:
             self.q_norm = _norm(config, D)
             self.k_norm = _norm(config, D)
+        self.bos_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # the BOS token's keys, values: [Hkv, D] each
 
-    def forward(self, x, cos, sin, mask, cache: KVCache | None, input_pos):
-        return self.o_proj(self.heads(x, cos, sin, mask, cache, input_pos))
+    def forward(self, x, cos, sin, mask, cache: KVCache | None, input_pos, bos=None):
+        return self.o_proj(self.heads(x, cos, sin, mask, cache, input_pos, bos))
 
-    def heads(self, x, cos, sin, mask, cache: KVCache | None, input_pos):
-        """The attention's output before ``o_proj`` (its input): [B, T, heads * head_dim]."""
+    def heads(self, x, cos, sin, mask, cache: KVCache | None, input_pos, bos=None):
+        """The attention's output before ``o_proj`` (its input): [B, T, heads * head_dim].
+
+        ``bos`` [B] bool marks the rows whose position 0 (in ``input_pos``) holds the BOS token; there the keys
+        and values are ``self.bos_kv``, when set (see :meth:`Transformer.set_bos`).
+        """
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
@@ -146,6 +152,9 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if bos is not None and self.bos_kv is not None:
+            k, v = k.clone(), v.clone()
+            k[bos, :, 0], v[bos, :, 0] = self.bos_kv[0].to(k.dtype), self.bos_kv[1].to(v.dtype)  # [Hkv, D] each
         if cache is not None:
             # keys before the first one any query may see (past a sliding window) are not read from the cache;
             # the column scan is skipped when key 0 is visible (every prefill from position 0)
@@ -186,8 +195,8 @@ class Block(nn.Module):
             self.post_feedforward_layernorm = _norm(config)
         self.sandwich = arch.sandwich_norms
 
-    def forward(self, x, cos, sin, mask, cache=None, input_pos=None):
-        x = self.after_attention(x, self.self_attn.heads(self.attention_input(x), cos, sin, mask, cache, input_pos))
+    def forward(self, x, cos, sin, mask, cache=None, input_pos=None, bos=None):
+        x = self.after_attention(x, self.self_attn.heads(self.attention_input(x), cos, sin, mask, cache, input_pos, bos))
         return self.after_mlp(x, self.mlp.hidden(self.mlp_input(x)))
 
     # The forward in stages, each ending at a linear group's input (calibration runs them one at a time):
@@ -218,6 +227,15 @@ class Decoder(nn.Module):
         self.norm = _norm(config)
 
 
+@dataclass(frozen=True)
+class BosState:
+    """What a model computes at position 0 for the BOS token: per layer the keys and values ([Hkv, D] each,
+    after the key norm and RoPE, as a KV cache holds them), and the final-norm hidden state [C]."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    hidden: torch.Tensor
+
+
 class Transformer(nn.Module):
     """Decoder-only LM. ``forward`` runs T new tokens at positions ``input_pos`` against the cache."""
 
@@ -229,6 +247,7 @@ class Transformer(nn.Module):
         self.embed_scale = math.sqrt(config.hidden_size) if config.arch.embed_scale else None
         # RoPE tables per distinct RopeConfig (Gemma 3 has two), built on first use per device.
         self._inv_freq: dict[RopeConfig, torch.Tensor] = {}
+        self.bos_hidden: torch.Tensor | None = None  # [C]: see set_bos
 
     @property
     def dtype(self) -> torch.dtype:
@@ -261,9 +280,40 @@ class Transformer(nn.Module):
         # k_pos > q_pos - w, not q_pos - k_pos < w: the difference would be a [T, S] int64 (8 GiB at 32k tokens)
         return {w: causal if w is None else causal & (k_pos > q_pos - w) for w in set(self.config.sliding_window)}
 
+    def set_bos(self, bos: "BosState | None") -> None:
+        """From now on, wherever position 0 holds ``config.bos_token_id``, attend there to ``bos.kv`` instead of
+        the keys and values the model's own weights compute, and output ``bos.hidden`` there (None: the model's own).
+
+        A decoder's first position sees only itself, so every sequence that starts with BOS has the same keys,
+        values and output there, and later tokens attend to it heavily (Gemma's attention sink, with its massive
+        activations). A quantized model keeps the unquantized model's (qinfer.format, "The BOS position"), as
+        IntactKV (Liu et al., 2024) keeps their keys and values: the quantization error never reaches the sink.
+        """
+        if bos is not None and (len(bos.kv) != len(self.model.layers) or self.config.bos_token_id is None):
+            raise ValueError(f"set_bos: one (k, v) per layer ({len(self.model.layers)}) of a model with a BOS token")
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.bos_kv = None if bos is None else bos.kv[i]
+        self.bos_hidden = None if bos is None else bos.hidden
+
+    def bos_rows(self, input_ids: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor | None:
+        """[B] bool: the rows whose position 0 holds BOS, where the stored BOS position applies (else None)."""
+        if self.bos_hidden is None or int(input_pos[0]) != 0:
+            return None
+        rows = input_ids[:, 0] == self.config.bos_token_id
+        return rows if bool(rows.any()) else None
+
+    @torch.no_grad()
+    def own_bos(self) -> "BosState":
+        """What this model's weights compute at position 0 for the BOS token."""
+        cache = KVCache(self.config, 1, 1, self.dtype, self.device)
+        ids = torch.tensor([[self.config.bos_token_id]], device=self.device)
+        hidden = self.hidden_states(ids, torch.arange(1, device=self.device), cache)  # [1, 1, C]
+        return BosState(kv=[(k[0, :, 0].clone(), v[0, :, 0].clone()) for k, v in zip(cache.k, cache.v)], hidden=hidden[0, 0])
+
     def hidden_states(self, input_ids, input_pos, cache: KVCache | None = None) -> torch.Tensor:
         """Final-norm hidden states [B, T, C] of T new tokens (``input_ids`` [B, T], ``input_pos`` [T])."""
         x = self.embed(input_ids)
+        bos = self.bos_rows(input_ids, input_pos)
         n_keys = int(input_pos[-1]) + 1 if cache is not None else 0
         masks = self.masks(input_pos, n_keys)
         ropes = {}  # cos/sin per distinct RopeConfig (Gemma 3: two), not per layer
@@ -271,8 +321,12 @@ class Transformer(nn.Module):
             rope = self.config.rope[i]
             if rope not in ropes:
                 ropes[rope] = self.rope(i, input_pos, x.dtype)
-            x = layer(x, *ropes[rope], masks[self.config.sliding_window[i]], cache, input_pos)
-        return self.model.norm(x)
+            x = layer(x, *ropes[rope], masks[self.config.sliding_window[i]], cache, input_pos, bos)
+        h = self.model.norm(x)
+        if bos is not None:
+            h = h.clone()
+            h[bos, 0] = self.bos_hidden.to(h.dtype)
+        return h
 
     def forward(self, input_ids, input_pos=None, cache: KVCache | None = None, last_only: bool = False):
         """Logits [B, T, V] (or [B, 1, V] with ``last_only``) in the model's dtype."""

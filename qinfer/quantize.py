@@ -62,8 +62,8 @@ from qinfer.calib.sources import load_calibration_documents
 from qinfer.errors import QinferError
 from qinfer.format import Fp8Weight, QuantScheme
 from qinfer.interop.folders import SIDE_FILES
-from qinfer.loader import drop_pages, load_model
-from qinfer.model import Transformer
+from qinfer.loader import bos_tensors, drop_pages, load_model
+from qinfer.model import BosState, Transformer
 from qinfer.preflight import check_calibration_size, check_shapes
 from qinfer.quantizers.fp8 import fp8_kv_scale, fp8_quantize, int8_kv_scale
 from qinfer.quantizers.gptq import fp_target, gptq_quantize_ex
@@ -107,6 +107,8 @@ class CalibConfig:
     # implies true_sequential, so that each group's target accounts for the groups before it being quantized
     fp_target_damp: float = 0.3  # ridge of that fit, x mean(diag H): the aim is a regression on the quantized
     # stream's inputs, and weakly excited directions of them otherwise take large, held-out-noisy weights
+    # keep what the unquantized model computes at the BOS position (Transformer.set_bos), and calibrate with it
+    keep_bos: bool = True
 
     def resolved(self, method: str) -> "CalibConfig":
         """These settings with the method's defaults filled in (what quantize_report.json records)."""
@@ -138,6 +140,7 @@ class QuantizeReport:
     e2e_kl: tuple[float, float] | None = None  # end-to-end tuning: KL to the unquantized model (before, after)
     compute_dtype: str = "bfloat16"  # what the blocks ran in during calibration
     embedding_bits: int | None = None  # a tied embedding read from the quantized lm_head: its bits
+    kept_bos: bool = False  # what the unquantized model computes at the BOS position is stored
 
     @property
     def effective_bits(self) -> float:
@@ -159,6 +162,8 @@ class QuantizeReport:
             if self.tune_best_steps:
                 steps = sorted(self.tune_best_steps.values())
                 text += f"; held-out check kept step {steps[len(steps) // 2]} (median over blocks)"
+        if self.kept_bos:
+            text += "\nthe BOS position's keys, values and output are the unquantized model's (stored; --no-keep-bos: not)"
         if self.embedding_bits is not None:
             text += f"\nthe tied embedding is read from the {self.embedding_bits}-bit lm_head (not stored on its own)"
         if self.e2e_kl is not None:
@@ -207,6 +212,8 @@ def quantize_model(
         check_calibration_size(model, calib, tune)
     ids = calibration_batch(folder, calib) if needs_calib else None
     dtype = compute_dtype(model.device)  # the blocks run in this while they are calibrated
+    bos = _own_bos(model, ids) if calib.keep_bos else None
+    model.set_bos(bos)  # calibration sees what inference will: the stored BOS position
     X = embed_samples(model, ids, dtype) if needs_calib else None
     # Tuning and --fp-target aim at the unquantized model's outputs: carry that stream beside the quantized one.
     X_ref = X.clone() if tune.active or calib.fp_target else None
@@ -302,6 +309,9 @@ def quantize_model(
     else:
         tensors["model.embed_tokens.weight"] = model.model.embed_tokens.weight.contiguous()
     tensors["model.norm.weight"] = model.model.norm.weight.contiguous()
+    if bos is not None:
+        tensors.update(bos_tensors(bos))
+    report.kept_bos = bos is not None
     _lm_head(model, X, scheme, tensors, report)
     del X
     with atomic_dir(out, force=force) as tmp:
@@ -316,6 +326,15 @@ def quantize_model(
     report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     (out / "quantize_report.json").write_text(json.dumps(_report_json(report, scheme, calib, tune), indent=2))
     return report
+
+
+def _own_bos(model: Transformer, ids: torch.Tensor | None) -> BosState | None:
+    """What the unquantized model computes at the BOS position, if it has a BOS token and every calibration
+    sample starts with it (else None: calibration could not leave that position out of its statistics)."""
+    bos = model.config.bos_token_id
+    if bos is None or (ids is not None and not bool((ids[:, 0] == bos).all())):
+        return None
+    return model.own_bos()
 
 
 def _linear_weights(block: torch.nn.Module, groups: tuple[tuple[str, ...], ...]) -> dict[str, torch.Tensor]:
@@ -415,5 +434,6 @@ def _report_json(report: QuantizeReport, scheme: QuantScheme, calib: CalibConfig
         "e2e_kl": report.e2e_kl,
         "embedding_bits": report.embedding_bits,
         "compute_dtype": report.compute_dtype,
+        "kept_bos": report.kept_bos,
         "code": code_fingerprint(),
     }

@@ -31,3 +31,33 @@ def test_cached_decode_matches_full_forward(kind, tmp_path):
         for t in range(9, 16):
             steps.append(model(ids[:, t : t + 1], torch.tensor([t]), cache))
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_a_stored_bos_position_stands_in_for_the_models_own(kind, tmp_path):
+    """set_bos: where position 0 holds BOS, the model attends to the stored keys and values there and outputs
+    the stored hidden state; other rows, and a model given its own BOS position, are unchanged."""
+    make_model(kind, tmp_path)
+    source = load_model(tmp_path, dtype=torch.float32)
+    model = load_model(tmp_path, dtype=torch.float32)
+    bos = model.config.bos_token_id
+    with torch.no_grad():
+        for p in model.model.layers.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        for m in (source, model):  # Gemma's BOS (0) is its padding token, whose embedding is zero
+            m.model.embed_tokens.weight[bos] = torch.randn(m.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(2, 97, (2, 12))
+    ids[0, 0] = bos  # row 1 does not start with BOS
+    with torch.no_grad():
+        own, source_logits = model(ids), source(ids)
+        model.set_bos(model.own_bos())
+        torch.testing.assert_close(model(ids), own, atol=1e-5, rtol=1e-5)
+        model.set_bos(source.own_bos())
+        got = model(ids)
+        cache = KVCache(model.config, batch=2, max_len=16, dtype=torch.float32)
+        steps = [model(ids[:, :5], torch.arange(5), cache)]
+        steps += [model(ids[:, t : t + 1], torch.tensor([t]), cache) for t in range(5, 12)]
+    torch.testing.assert_close(got[0, 0], source_logits[0, 0], atol=1e-5, rtol=1e-5)  # the stored output
+    assert (got[0, 1:] - own[0, 1:]).abs().max() > 1e-3  # later tokens attend to the stored K/V
+    torch.testing.assert_close(got[1], own[1])  # no BOS: the model's own
+    torch.testing.assert_close(torch.cat(steps, dim=1), got, atol=1e-4, rtol=1e-4)  # the same through a KV cache

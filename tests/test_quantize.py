@@ -47,6 +47,16 @@ def logits_error(src, out, ids):
     return float((a - b).norm() / a.norm())
 
 
+def with_bos_embedding(folder, tmp_path):
+    """A copy of the model whose BOS (token 0) embedding is not zero, as Gemma's padding token 0 has it."""
+    out = tmp_path / "bos"
+    shutil.copytree(folder, out)
+    tensors = load_file(out / "model.safetensors")
+    tensors["model.embed_tokens.weight"][0] = torch.randn(tensors["model.embed_tokens.weight"].shape[1])
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
 def with_salient_channels(folder, tmp_path):
     """A copy of the model whose norms amplify a few channels 10x: the activation outliers of real LLMs
     that make round-to-nearest lose accuracy, and that AWQ and GPTQ are designed to handle."""
@@ -113,6 +123,7 @@ def test_blocks_calibrated_in_fp32_or_bf16_give_the_same_format(tiny, tmp_path, 
     a, b = (load_file(out / "model.safetensors") for out in outs)
     assert {k: (v.dtype, v.shape) for k, v in a.items()} == {k: (v.dtype, v.shape) for k, v in b.items()}
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    ids[:, 0] = 0  # BOS, as every calibration sample and prompt starts
     between = logits_error(outs[0], outs[1], ids)
     assert between < min(logits_error(tiny, outs[0], ids), logits_error(tiny, outs[1], ids))
 
@@ -134,6 +145,36 @@ def test_output_folder_is_complete_and_loads_packed(tiny, tmp_path, calib_file):
     assert set(model.kv_scales) == {0, 1, 2}
     assert 4.0 < report.effective_bits < 8.5
     assert report.bytes_after < report.bytes_before
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_the_bos_position_is_stored_from_the_unquantized_model(tiny, tmp_path, calib_file, method):
+    """By default the unquantized model's BOS position is stored and loaded; --no-keep-bos leaves it out; a
+    folder with part of it is refused."""
+    tiny = with_bos_embedding(tiny, tmp_path)
+    scheme = QuantScheme(method=method, bits=4, group_size=32)
+    report = quantize_model(tiny, tmp_path / "q", scheme, CalibConfig(str(calib_file), 8, 32))
+    expected = load_model(tiny, dtype=torch.bfloat16).own_bos()  # quantize loads the model in bf16
+    tensors = load_file(tmp_path / "q" / "model.safetensors")
+    torch.testing.assert_close(tensors["model.bos_hidden"], expected.hidden, atol=0, rtol=0)
+    for i, (k, v) in enumerate(expected.kv):
+        torch.testing.assert_close(tensors[f"model.layers.{i}.self_attn.bos_k"], k, atol=0, rtol=0)
+        torch.testing.assert_close(tensors[f"model.layers.{i}.self_attn.bos_v"], v, atol=0, rtol=0)
+    assert report.kept_bos and "BOS position" in report.summary()
+    model = load_model(tmp_path / "q", dtype=torch.float32)
+    torch.testing.assert_close(model.bos_hidden, expected.hidden.float())
+    ids = torch.tensor([[0, 5, 6, 7]])
+    with torch.no_grad():
+        logits = model(ids)
+        model.set_bos(None)
+        assert not torch.equal(logits[0, 1:], model(ids)[0, 1:])  # the stored position is used
+    report = quantize_model(tiny, tmp_path / "n", scheme, CalibConfig(str(calib_file), 8, 32, keep_bos=False))
+    assert not report.kept_bos and not any("bos" in n for n in load_file(tmp_path / "n" / "model.safetensors"))
+    assert load_model(tmp_path / "n").bos_hidden is None
+    del tensors["model.layers.1.self_attn.bos_v"]
+    save_file(tensors, tmp_path / "q" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(QinferError, match="BOS position"):
+        load_model(tmp_path / "q")
 
 
 @pytest.mark.parametrize("scheme", [

@@ -11,7 +11,9 @@ Both directions write atomically (temp folder + rename).
 
 Not carried across: qinfer's per-KV-head cache scales (``self_attn.k_scale`` / ``v_scale``) have no
 equivalent in the GPTQ layout and a different shape from compressed-tensors' per-tensor ``kv_cache_scheme``,
-so export leaves them out and says so.
+so export leaves them out and says so. Nor is a stored BOS position (``self_attn.bos_k`` / ``bos_v``,
+``model.bos_hidden``: qinfer.format), which no other reader applies: there the exported model computes the BOS
+position with its quantized weights.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def foreign_quant_method(folder: Path) -> str | None:
 
 def export_folder(src: Path, out: Path, fmt: str, force: bool = False) -> ConvertReport:
     """Write the qinfer-quantized folder ``src`` to ``out`` in ``fmt`` ("gptq" or "compressed-tensors")."""
-    from qinfer.loader import read_folder_tensors
+    from qinfer.loader import BOS_HIDDEN, read_folder_tensors
 
     src, out = Path(src), Path(out)
     if fmt not in EXPORT_FORMATS:
@@ -103,7 +105,7 @@ def export_folder(src: Path, out: Path, fmt: str, force: bool = False) -> Conver
         if "model.embed_tokens.weight" not in tensors:  # qinfer's tied embedding (qinfer.format): a bf16 table
             tensors["model.embed_tokens.weight"] = head.dequantize(torch.bfloat16)
     for name in list(tensors):
-        if name.endswith(("self_attn.k_scale", "self_attn.v_scale")):
+        if name.endswith(("self_attn.k_scale", "self_attn.v_scale", "self_attn.bos_k", "self_attn.bos_v")) or name == BOS_HIDDEN:
             report.dropped.append(name)
             tensors.pop(name)
     result.update(tensors)

@@ -186,3 +186,31 @@ def _inputs(model, layer_idx, X, name) -> torch.Tensor:
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
+
+
+def test_a_stored_bos_position_is_left_out_of_the_statistics(tiny_model):
+    """With a stored BOS position the blocks attend to its keys and values, and no statistic but the K/V
+    ranges counts position 0: what the quantized weights compute there is never used."""
+    model = tiny_model
+    groups = tuple(g.linears for g in model.config.arch.linear_groups)
+    ids = torch.randint(2, 300, (6, 16))
+    ids[:, 0] = model.config.bos_token_id
+    X = embed_samples(model, ids, torch.float32)
+    X[:, 0] = torch.randn(X.shape[-1], generator=torch.Generator().manual_seed(0))  # (Gemma's BOS embedding is zero)
+    bos = model.own_bos()
+    bos.kv[1] = (bos.kv[1][0] + 1.0, bos.kv[1][1] - 1.0)  # not what block 1 computes: its use shows
+    model.set_bos(bos)
+    try:
+        inputs = {g[0]: _inputs(model, 1, X, g[0]).reshape(6, 16, -1) for g in groups}  # with the stored K/V
+        full = capture_block(model, 1, X, groups)
+        staged = calibrate_in_stages(model, 1, X.clone(), lambda g, stats: None)
+    finally:
+        model.set_bos(None)
+    plain = _inputs(model, 1, X, "self_attn.o_proj").reshape(6, 16, -1)
+    assert _rel(inputs["self_attn.o_proj"], plain) > 1e-3  # the attention read the stored K/V
+    for name, x in inputs.items():
+        x = x[:, 1:].reshape(-1, x.shape[-1])
+        for stats in (full, staged):
+            s = stats.linears[name]
+            assert s.n == 6 * 15
+            assert _rel(s.H, x.T @ x) < 1e-2 and _rel(s.abs_sum, x.abs().sum(0)) < 1e-2
