@@ -41,7 +41,8 @@ def src(tmp_path_factory):
 def quantized(src, tmp_path_factory):
     root = tmp_path_factory.mktemp("quantized")
     for name, scheme in SCHEMES.items():
-        quantize_model(src, root / name, scheme, CalibConfig(samples=2, seq_len=16))
+        # without the stored BOS position, which no other layout has: an export computes what the folder does
+        quantize_model(src, root / name, scheme, CalibConfig(samples=2, seq_len=16, keep_bos=False))
     return root
 
 
@@ -148,6 +149,16 @@ def test_import_folder_writes_qinfer_format(quantized, tmp_path):
     assert "quantization_config" not in json.loads((tmp_path / "back" / "config.json").read_text())
     assert (tmp_path / "back" / "tokenizer.json").exists()
     assert torch.equal(logits(tmp_path / "back"), logits(quantized / "int4-sym"))
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors"])
+def test_export_leaves_the_stored_bos_position_out(src, tmp_path, fmt):
+    quantize_model(src, tmp_path / "q", SCHEMES["int4-sym"], CalibConfig(samples=2, seq_len=16))
+    assert load_model(tmp_path / "q").bos_hidden is not None
+    report = export_folder(tmp_path / "q", tmp_path / "out", fmt)
+    assert not [k for k in read_folder_tensors(tmp_path / "out") if "bos" in k]
+    assert "model.bos_hidden" in report.dropped and "model.layers.2.self_attn.bos_v" in report.dropped
+    assert load_model(resolve_model(str(tmp_path / "out"))).bos_hidden is None
 
 
 def test_cli_export_and_generate_from_export(quantized, tmp_path):
