@@ -18,8 +18,8 @@ values per KV head, for KV-cache quantization scales.
 A model with a stored BOS position (``Transformer.set_bos``; the pipeline sets one only when every calibration
 sample starts with BOS) attends to the stored keys and values there and outputs the stored hidden state, so
 nothing the quantized weights compute at that position is ever seen: its rows are left out of every statistic
-above but the K/V ranges (:func:`first_kept`). They are the rows with Gemma's massive activations, which would
-otherwise dominate ``H``.
+above but the K/V ranges (:func:`first_kept`). In Gemma 3 they are the attention sink's, whose residual stream
+is several times any other token's.
 
 The blocks run in :func:`compute_dtype`: bf16 where the device multiplies bf16 natively (a GPU, or a CPU
 with AVX-512 or AMX, where oneDNN runs bf16 matmuls), else fp32. On an AVX2-only CPU torch's bf16 matmul
