@@ -161,6 +161,11 @@ def load_model(folder: Path, dtype: torch.dtype = torch.bfloat16, device: str = 
     return model.eval()
 
 
+def is_bos_tensor(name: str) -> bool:
+    """Whether ``name`` is one of a stored BOS position's tensors (qinfer.format)."""
+    return name == BOS_HIDDEN or name.endswith(("self_attn.bos_k", "self_attn.bos_v"))
+
+
 def bos_tensors(bos: BosState) -> dict[str, torch.Tensor]:
     """The stored form of a BOS position (qinfer.format, "The BOS position")."""
     tensors = {BOS_HIDDEN: bos.hidden}

@@ -66,7 +66,7 @@ def foreign_quant_method(folder: Path) -> str | None:
 
 def export_folder(src: Path, out: Path, fmt: str, force: bool = False) -> ConvertReport:
     """Write the qinfer-quantized folder ``src`` to ``out`` in ``fmt`` ("gptq" or "compressed-tensors")."""
-    from qinfer.loader import BOS_HIDDEN, read_folder_tensors
+    from qinfer.loader import is_bos_tensor, read_folder_tensors
 
     src, out = Path(src), Path(out)
     if fmt not in EXPORT_FORMATS:
@@ -105,7 +105,7 @@ def export_folder(src: Path, out: Path, fmt: str, force: bool = False) -> Conver
         if "model.embed_tokens.weight" not in tensors:  # qinfer's tied embedding (qinfer.format): a bf16 table
             tensors["model.embed_tokens.weight"] = head.dequantize(torch.bfloat16)
     for name in list(tensors):
-        if name.endswith(("self_attn.k_scale", "self_attn.v_scale", "self_attn.bos_k", "self_attn.bos_v")) or name == BOS_HIDDEN:
+        if name.endswith(("self_attn.k_scale", "self_attn.v_scale")) or is_bos_tensor(name):
             report.dropped.append(name)
             tensors.pop(name)
     result.update(tensors)

@@ -11,7 +11,7 @@ from qinfer.evals.costs import decode_bytes, decode_flops, prefill_flops, prefil
 from qinfer.evals.forward import make_cache
 from qinfer.format import QuantScheme
 from qinfer.kernels import int4_cpu
-from qinfer.loader import load_model
+from qinfer.loader import is_bos_tensor, load_model
 from qinfer.model import QLinear
 from qinfer.quantize import CalibConfig, quantize_model
 from tests.evals.eval_fixtures import tiny_model
@@ -38,7 +38,7 @@ def _stored_bytes(folder) -> int:
     total = 0
     for path in folder.glob("*.safetensors"):
         with safe_open(str(path), "pt") as f:
-            keys = [k for k in f.keys() if not k.endswith(("bos_k", "bos_v", "bos_hidden"))]
+            keys = [k for k in f.keys() if not is_bos_tensor(k)]
             total += sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in keys)
     return total
 
