@@ -20,7 +20,8 @@
         "label": "<row name>", "spec": "<MODEL argument>", "path": "<resolved folder>",
         "content_key": "<sha256 hex>", "is_baseline": <bool>,
         "size_bytes": <int, safetensors bytes>, "effective_bits": <float, bits per linear weight>,
-        "text": {"ppl", "nll", "kl", "top1_agreement": <float>, "tokens", "window", "stride": <int>},
+        "text": {"ppl", "nll", "kl", "top1_agreement": <float>, "tokens", "window", "stride": <int>,
+                 "nll_delta", "nll_delta_se", "kl_se": <float, or null with fewer than two blocks of text>},
         "tasks": {"<task>": {"accuracy": <float>, "accuracy_norm": <float>, "n": <int>}, ...},
         "speed": null | {
           "prompt_tokens", "decode_steps", "repeats": <int>, "kv_cache",
@@ -33,10 +34,13 @@
       }, ...]
     }
 
-``nll`` and ``kl`` are nats per scored token; ``kl`` is KL(baseline || model); ``effective_bits`` counts
-scales and zeros. ``pareto.png`` plots perplexity (lower is better) against decode tokens/s (against
-size on disk when speed was not measured); ``roofline.png`` places each model's decode and prefill
-on the measured roofline (only with speed).
+``nll`` and ``kl`` are nats per scored token; ``kl`` is KL(baseline || model); ``nll_delta`` is the mean of
+nll(model) - nll(baseline) per token, so ppl / ppl_baseline = exp(nll_delta); ``nll_delta_se`` and ``kl_se`` are
+standard errors over the text (:mod:`qinfer.evals.divergence`); ``effective_bits`` counts scales and zeros.
+The tables show ``vs base %`` = 100 (exp(nll_delta) - 1) and, after ``±``, one standard error of it and of
+KL. ``pareto.png`` plots perplexity (lower is better) against decode tokens/s (against size on disk when
+speed was not measured); ``roofline.png`` places each model's decode and prefill on the measured roofline
+(only with speed).
 """
 
 import json
@@ -46,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+from qinfer.evals.divergence import SE_BLOCKS, SE_MIN_BLOCK
 from qinfer.evals.roofline import Roofline
 
 SCHEMA_VERSION = 1
@@ -83,9 +88,22 @@ def _mean(values) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def _with_se(value: str, se: float | None, fmt: str) -> str:
+    return value if se is None else f"{value} ±{se:{fmt}}"
+
+
+def _vs_base(text) -> str:
+    """100 (ppl / ppl_baseline - 1) ± one standard error (by the delta method: d exp(x) = exp(x) dx)."""
+    ratio = text.ppl_ratio
+    if ratio is None:
+        return "-"
+    se = None if text.nll_delta_se is None else 100 * ratio * text.nll_delta_se
+    return _with_se(f"{100 * (ratio - 1):+.1f}", se, ".1f")
+
+
 def _rows(results) -> tuple[list[str], list[list[str]]]:
     """Header and cells of the summary table (shared by the terminal and markdown)."""
-    header = ["model", "size MiB", "bits/w", "ppl", "KL nats", "top-1 %", "acc %", "acc_norm %",
+    header = ["model", "size MiB", "bits/w", "ppl", "vs base %", "KL nats", "top-1 %", "acc %", "acc_norm %",
               "prefill tok/s", "TTFT s", "decode tok/s", "TPOT ms", "MBU %", "MFU %"]
     rows = []
     for r in results:
@@ -94,7 +112,8 @@ def _rows(results) -> tuple[list[str], list[list[str]]]:
         s = r.speed
         rows.append([
             r.label + (" (baseline)" if r.is_baseline else ""),
-            f"{r.size_bytes / _MIB:.1f}", f"{r.effective_bits:.3f}", f"{r.text.ppl:.3f}", f"{r.text.kl:.4f}",
+            f"{r.size_bytes / _MIB:.1f}", f"{r.effective_bits:.3f}", f"{r.text.ppl:.3f}", _vs_base(r.text),
+            _with_se(f"{r.text.kl:.4f}", r.text.kl_se, ".4f"),
             f"{100 * r.text.top1_agreement:.1f}",
             "-" if acc is None else f"{100 * acc:.1f}", "-" if acc_norm is None else f"{100 * acc_norm:.1f}",
             *(["-"] * 6 if s is None else [
@@ -127,6 +146,9 @@ def results_markdown(data: dict, results) -> str:
         "",
         f"Text: {s['text_description']} (window {s['window']}, stride {s['stride']}); "
         f"KL is KL(baseline ‖ model) in nats per token against **{s['baseline']}** (bf16 KV cache); "
+        "vs base is the perplexity's change against it; ± is one standard error over the text "
+        f"(batch means over {SE_BLOCKS} blocks of at least {SE_MIN_BLOCK} tokens: it covers the choice of text, "
+        "not of calibration samples); "
         f"models run with a {s['kv_cache']} KV cache. Tasks: {', '.join(s['tasks']) or 'none'}, "
         f"{s['limit']} examples each, zero-shot; acc is the mean over tasks. "
         + (f"Speed at batch 1: {s['prompt_tokens']}-token prompt, {s['decode_steps']} decode steps, median of "

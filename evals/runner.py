@@ -26,7 +26,7 @@ from qinfer.evals import result_cache
 from qinfer.evals.accuracy import HELDOUT, load_text, task_accuracy, text_tokens
 from qinfer.evals.bigbench import SUGGESTED
 from qinfer.evals.checkpoint import content_key, effective_bits, size_on_disk
-from qinfer.evals.divergence import TextMetrics, text_metrics
+from qinfer.evals.divergence import SE_BLOCKS, SE_MIN_BLOCK, TextMetrics, text_metrics
 from qinfer.evals.forward import window_logits
 from qinfer.evals.roofline import Roofline, measure_roofline
 from qinfer.evals.speed import SpeedResult, measure_speed
@@ -132,7 +132,8 @@ def run_eval(config: EvalConfig) -> list[ModelResult]:
             "use a longer text or a smaller --window"
         )
     text_fields = dict(baseline=baseline.key, baseline_kv=BASELINE_KV, kv=config.kv_cache, window=config.window,
-                       stride=config.stride, tokens=hashlib.sha256(tokens.numpy().tobytes()).hexdigest())
+                       stride=config.stride, tokens=hashlib.sha256(tokens.numpy().tobytes()).hexdigest(),
+                       se=[SE_BLOCKS, SE_MIN_BLOCK])
     texts = _text_part(config, models, baseline, text, tokens, text_fields)
     roofline = measure_roofline(eval_device()) if config.speed else None
     results = []

@@ -61,6 +61,11 @@ def test_a_perturbed_model_has_positive_kl(env):
     base, r = run_eval(EvalConfig(models=(env["model"], str(other)), text=env["text"], **SMALL))
     assert r.text.kl > 1e-4 and r.text.ppl != base.text.ppl
     assert 0.0 <= r.text.top1_agreement <= 1.0
+    assert r.text.ppl_ratio == pytest.approx(r.text.ppl / base.text.ppl, rel=1e-9)
+    assert r.text.nll_delta_se > 0 and r.text.kl_se > 0 and base.text.nll_delta_se == 0.0
+    se = 100 * r.text.ppl_ratio * r.text.nll_delta_se  # the table's "vs base %" cell: change ± standard error
+    (row,) = [line for line in format_table([base, r]).splitlines() if line.startswith("other")]
+    assert f"{100 * (r.text.ppl_ratio - 1):+.1f} ±{se:.1f}" in row and f"{r.text.kl:.4f} ±{r.text.kl_se:.4f}" in row
 
 
 def test_a_quantized_kv_cache_shows_up_as_kl_even_on_the_baseline_weights(env):
@@ -128,7 +133,8 @@ def test_results_json_follows_the_documented_schema(env):
     (m,) = data["models"]
     assert set(m) == {"label", "spec", "path", "content_key", "is_baseline", "size_bytes", "effective_bits", "text",
                       "tasks", "speed"}
-    assert set(m["text"]) == {"ppl", "nll", "kl", "top1_agreement", "tokens", "window", "stride"}
+    assert set(m["text"]) == {"ppl", "nll", "kl", "top1_agreement", "tokens", "window", "stride", "nll_delta",
+                              "nll_delta_se", "kl_se"}
     assert set(m["tasks"]["truths"]) == {"accuracy", "accuracy_norm", "n"}
     assert set(m["speed"]) == {
         "prompt_tokens", "decode_steps", "repeats", "kv_cache", "compute_dtype", "ttft_s", "prefill_tok_s", "tpot_s",

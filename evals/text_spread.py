@@ -1,0 +1,107 @@
+"""How far a model's comparison with the reference moves with the text: a check on ``qinfer eval``'s ``±``.
+
+``qinfer eval`` gives each model's perplexity change against the baseline and its KL with a standard error by
+batch means (:mod:`qinfer.evals.divergence`: :data:`~qinfer.evals.divergence.SE_BLOCKS` blocks of at least
+:data:`~qinfer.evals.divergence.SE_MIN_BLOCK` tokens). That is only right if blocks of that length are nearly
+independent. This scores the models once over a long text and prints, per model::
+
+    python -m qinfer.evals.text_spread gemma3-270m OUT [OUT ...] [--max-tokens 32768] [--segment 2048]
+
+- the whole text's change and KL with their standard errors for several block lengths, ``qinfer eval``'s
+  marked: where the errors stop growing with the block, the blocks are long enough; and
+- the text cut into segments as long as an eval's text (``--segment`` tokens, as ``--max-tokens`` would read;
+  the tail that does not fill one is left out): each segment's change, their standard deviation (what the
+  result of a ``--max-tokens SEGMENT`` eval moves by with the passage it happens to read), and the median
+  of the standard errors ``qinfer eval`` would report for a segment, which match that deviation if the ``±``
+  is honest.
+
+Diagnostic only: nothing is written, nothing cached.
+"""
+
+import math
+import statistics
+
+import click
+import torch
+
+from qinfer.errors import QinferError
+from qinfer.evals.accuracy import HELDOUT, load_text, text_tokens
+from qinfer.evals.divergence import TokenSeries, batch_means_se, se_block, token_series
+from qinfer.evals.forward import window_logits
+from qinfer.loader import load_model
+from qinfer.sources import resolve_model
+from qinfer.tokenizer import Tokenizer
+
+BLOCKS = (1, 32, 128, 512, 2048)  # besides qinfer eval's own
+
+
+@click.command()
+@click.argument("model")
+@click.argument("quantized", nargs=-1, required=True)
+@click.option("--text", default=HELDOUT, show_default=True, help="'heldout' or a UTF-8 text file, as for qinfer eval.")
+@click.option("--max-tokens", type=int, default=32768, show_default=True)
+@click.option("--segment", type=int, default=2048, show_default=True, help="Tokens per segment (an eval's --max-tokens).")
+@click.option("--window", type=int, default=512, show_default=True)
+@click.option("--stride", type=int, default=256, show_default=True)
+def main(model, quantized, text, max_tokens, segment, window, stride):
+    try:
+        _report(model, quantized, text, max_tokens, segment, window, stride)
+    except QinferError as e:  # a bad path or checkpoint: one line, as the qinfer commands give it
+        raise click.ClickException(str(e)) from None
+
+
+def _change(delta: torch.Tensor) -> float:
+    """The perplexity change in percent that a mean nll difference means."""
+    return 100 * (math.exp(float(delta.mean())) - 1)
+
+
+def _change_se(delta: torch.Tensor, block: int) -> float | None:
+    se = batch_means_se(delta, block)
+    return None if se is None else 100 * math.exp(float(delta.mean())) * se
+
+
+@torch.no_grad()
+def _report(model, quantized, text, max_tokens, segment, window, stride):
+    folder = resolve_model(model)
+    folders = [resolve_model(q) for q in quantized]  # every path checked before any work
+    if segment < window:
+        raise QinferError(f"--segment ({segment}) must be at least one --window ({window})")
+    tok = Tokenizer.from_folder(folder)
+    tokens = text_tokens(tok, load_text(text)[0], max_tokens)
+    if tokens.numel() < 2 * segment:
+        raise QinferError(f"the text has {tokens.numel()} tokens, fewer than two --segment of {segment}")
+    base = window_logits(load_model(folder), "bf16", tok.bos_id)
+    fns = {q: window_logits(load_model(f), "bf16", tok.bos_id) for q, f in zip(quantized, folders)}
+    series = token_series(base, fns, tokens, window, stride)
+    for label, s in series.items():
+        _print_model(label, s, segment)
+
+
+def _print_model(label: str, s: TokenSeries, segment: int) -> None:
+    delta, n = s.nll - s.baseline_nll, s.nll.numel()
+    click.echo(f"{label}: {n} scored tokens, perplexity {_change(delta):+.2f}% against the reference, "
+               f"KL {float(s.kl.mean()):.4f}")
+    for block in sorted({*BLOCKS, se_block(n)}):
+        se, kl_se = _change_se(delta, block), batch_means_se(s.kl, block)
+        if se is not None:
+            click.echo(f"  standard errors with blocks of {block:5d} tokens ({n // block} blocks): "
+                       f"±{se:.2f} points, KL ±{kl_se:.4f}" + (" (qinfer eval's)" if block == se_block(n) else ""))
+    per = segment - 1  # a --max-tokens SEGMENT text scores all its tokens but the first
+    count = n // per
+    cuts = [delta[i * per:(i + 1) * per] for i in range(count)]
+    kls = [s.kl[i * per:(i + 1) * per] for i in range(count)]
+    changes = [_change(c) for c in cuts]
+    own = [se for c in cuts if (se := _change_se(c, se_block(per))) is not None]
+    own_kl = [se for k in kls if (se := batch_means_se(k, se_block(per))) is not None]
+    click.echo(f"  {count} segments of {segment} tokens: " + ", ".join(f"{c:+.1f}%" for c in changes))
+    click.echo(f"    standard deviation across them {statistics.stdev(changes):.2f} points, KL "
+               f"{statistics.stdev(float(k.mean()) for k in kls):.4f}; median standard error a segment reports for "
+               f"itself (blocks of {se_block(per)}) {_median(own, '.2f')} points, KL {_median(own_kl, '.4f')}")
+
+
+def _median(values: list[float], fmt: str) -> str:
+    return "-" if not values else f"{statistics.median(values):{fmt}}"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+import math
+import re
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from qinfer.evals.accuracy import load_text, text_tokens
+from qinfer.evals.divergence import text_metrics
+from qinfer.evals.forward import window_logits
+from qinfer.evals.text_spread import main
+from qinfer.loader import load_model
+from qinfer.tokenizer import Tokenizer
+from tests.test_quantize import calib_file, tiny  # noqa: F401 (fixtures)
+
+WHOLE = re.compile(r"^(\S+): (\d+) scored tokens, perplexity (\S+)% against the reference, KL (\S+)$", re.M)
+SEGMENTS = re.compile(r"^  (\d+) segments of (\d+) tokens: (.*)$", re.M)
+WINDOW = dict(window=32, stride=16)
+
+
+def _perturbed(tiny, tmp_path):  # noqa: F811
+    out = tmp_path / "perturbed"
+    shutil.copytree(tiny, out)
+    tensors = load_file(out / "model.safetensors")
+    for name in [n for n in tensors if n.startswith("model.layers.1.") and n.endswith("proj.weight")]:
+        w = tensors[name].float()
+        noise = torch.randn(w.shape, generator=torch.Generator().manual_seed(0))
+        tensors[name] = (w + 2 * w.std() * noise).to(tensors[name].dtype)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def _metrics(tiny, other, calib_file, max_tokens, block=None):  # noqa: F811
+    tok = Tokenizer.from_folder(tiny)
+    tokens = text_tokens(tok, load_text(str(calib_file))[0], max_tokens)
+    fns = [window_logits(load_model(f), "bf16", tok.bos_id) for f in (tiny, other)]
+    return text_metrics(fns[0], {"m": fns[1]}, tokens, progress=False, block=block, **WINDOW)["m"]
+
+
+def test_text_spread_scores_the_whole_text_and_its_segments_as_eval_would(tiny, tmp_path, calib_file):  # noqa: F811
+    other = _perturbed(tiny, tmp_path)
+    args = [str(tiny), str(other), "--text", str(calib_file), "--max-tokens", "300", "--segment", "64",
+            "--window", "32", "--stride", "16"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    (whole,) = WHOLE.findall(result.stdout)
+    assert whole[0] == str(other) and int(whole[1]) == 299
+    m = _metrics(tiny, other, calib_file, 300, block=32)
+    assert float(whole[2]) == pytest.approx(100 * (m.ppl_ratio - 1), abs=0.006)
+    assert float(whole[3]) == pytest.approx(m.kl, abs=6e-5) and m.kl > 1e-3
+    # the standard errors are qinfer eval's, at each block length (299 tokens: 9 blocks of 32, none of 512)
+    line = f"blocks of    32 tokens (9 blocks): ±{100 * m.ppl_ratio * m.nll_delta_se:.2f} points, KL ±{m.kl_se:.4f}"
+    assert line in result.stdout and "blocks of   512" not in result.stdout
+    ((count, length, changes),) = SEGMENTS.findall(result.stdout)
+    assert (int(count), int(length)) == (299 // 63, 64)
+    changes = [float(c.rstrip("%")) for c in changes.split(", ")]
+    assert len(changes) == 4
+    # the first segment is exactly what an eval of the first 64 tokens scores (the same windows, the same contexts)
+    first = _metrics(tiny, other, calib_file, 64)
+    assert changes[0] == pytest.approx(100 * (first.ppl_ratio - 1), abs=0.06)
+    assert math.isfinite(sum(changes))
+
+
+@pytest.mark.parametrize("extra, message", [(["--segment", "16"], "at least one --window"),
+                                             (["--max-tokens", "100"], "fewer than two --segment")])
+def test_text_spread_bad_input_is_one_line(tiny, tmp_path, calib_file, extra, message):  # noqa: F811
+    args = [str(tiny), str(tiny), "--text", str(calib_file), "--segment", "64", "--window", "32", "--stride", "16",
+            *extra]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1 and message in result.output
