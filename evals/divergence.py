@@ -19,11 +19,12 @@ spread of the ``m`` block means ``b_j`` about the overall mean, ``sqrt(sum_j (b_
 Neighbouring tokens' errors are correlated (a passage that is hard for a quantized model stays hard for a
 while), so a per-token standard error understates it; the blocks are made as long as the text allows while
 keeping :data:`SE_BLOCKS` of them, and never shorter than :data:`SE_MIN_BLOCK` tokens (:func:`se_block`):
-on 2048 tokens, 15 blocks of 128; on 32768, 16 of 2047. Measured on gemma3-270m (``python -m
-qinfer.evals.text_spread``, results log 2026-11-27), a 2048-token text's standard error of the perplexity
-change matched the spread over 16 passages of that length for GPTQ and AWQ and understated it by 1.5x for
-RTN, and understated KL's by 1.3-1.6x: correlation reaches further than one text of that length can show.
-It only covers the choice of text: a model quantized again on other calibration samples moves as well.
+on 2048 tokens, 15 blocks of 128; on 32768, 16 of 2047. On a short text that is a floor, not an estimate:
+some passages are harder for a quantized model than others over spans longer than such a text. Measured on
+gemma3-270m's held-out book (``python -m qinfer.evals.text_spread``, results log 2026-11-27, six 4-bit
+models), the perplexity changes of 16 passages of 2048 tokens spread by 0.9-1.8x (median 1.4x) the standard
+error each passage reports for itself, and their KLs by 1.3-2.7x (median 2.0x). It covers only the choice
+of text: a model quantized again on other calibration samples moves as well.
 
 Memory: the baseline's logits are computed once per window and shared by all models (no second
 baseline forward per model), and log-softmaxes are taken ``chunk`` positions at a time, so at most a
