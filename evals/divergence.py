@@ -63,6 +63,16 @@ class TextMetrics:
         """ppl / ppl_baseline (None in results measured before ``nll_delta`` was kept)."""
         return None if self.nll_delta is None else math.exp(self.nll_delta)
 
+    @property
+    def ppl_change(self) -> float | None:
+        """The perplexity's change against the baseline, in percent."""
+        return None if self.nll_delta is None else 100 * (self.ppl_ratio - 1)
+
+    @property
+    def ppl_change_se(self) -> float | None:
+        """Its standard error in percentage points (the delta method: d exp(x) = exp(x) dx)."""
+        return None if self.nll_delta_se is None else 100 * self.ppl_ratio * self.nll_delta_se
+
 
 SE_BLOCKS = 16  # blocks of the batch-means standard errors, when the text is long enough ...
 SE_MIN_BLOCK = 128  # ... for blocks of at least this many tokens
@@ -96,6 +106,10 @@ class TokenSeries:
     baseline_nll: torch.Tensor  # float64: the baseline's, at the same position
     kl: torch.Tensor  # float64: KL(baseline || model) there
     agree: torch.Tensor  # bool: both put the same token first
+
+    def __getitem__(self, positions: slice) -> "TokenSeries":
+        """The same figures over a stretch of the positions (``series[a:b]``)."""
+        return TokenSeries(self.nll[positions], self.baseline_nll[positions], self.kl[positions], self.agree[positions])
 
     def metrics(self, window: int, stride: int, block: int | None = None) -> TextMetrics:
         """The means, with standard errors over blocks of ``block`` tokens (default: :func:`se_block`)."""

@@ -93,12 +93,8 @@ def _with_se(value: str, se: float | None, fmt: str) -> str:
 
 
 def _vs_base(text) -> str:
-    """100 (ppl / ppl_baseline - 1) ± one standard error (by the delta method: d exp(x) = exp(x) dx)."""
-    ratio = text.ppl_ratio
-    if ratio is None:
-        return "-"
-    se = None if text.nll_delta_se is None else 100 * ratio * text.nll_delta_se
-    return _with_se(f"{100 * (ratio - 1):+.1f}", se, ".1f")
+    """100 (ppl / ppl_baseline - 1) ± one standard error."""
+    return "-" if text.ppl_change is None else _with_se(f"{text.ppl_change:+.1f}", text.ppl_change_se, ".1f")
 
 
 def _rows(results) -> tuple[list[str], list[list[str]]]:

@@ -18,7 +18,6 @@ independent. This scores the models once over a long text and prints, per model:
 Diagnostic only: nothing is written, nothing cached.
 """
 
-import math
 import statistics
 
 import click
@@ -26,7 +25,7 @@ import torch
 
 from qinfer.errors import QinferError
 from qinfer.evals.accuracy import HELDOUT, load_text, text_tokens
-from qinfer.evals.divergence import TokenSeries, batch_means_se, se_block, token_series
+from qinfer.evals.divergence import TokenSeries, se_block, token_series
 from qinfer.evals.forward import window_logits
 from qinfer.loader import load_model
 from qinfer.sources import resolve_model
@@ -50,16 +49,6 @@ def main(model, quantized, text, max_tokens, segment, window, stride):
         raise click.ClickException(str(e)) from None
 
 
-def _change(delta: torch.Tensor) -> float:
-    """The perplexity change in percent that a mean nll difference means."""
-    return 100 * (math.exp(float(delta.mean())) - 1)
-
-
-def _change_se(delta: torch.Tensor, block: int) -> float | None:
-    se = batch_means_se(delta, block)
-    return None if se is None else 100 * math.exp(float(delta.mean())) * se
-
-
 @torch.no_grad()
 def _report(model, quantized, text, max_tokens, segment, window, stride):
     folder = resolve_model(model)
@@ -74,28 +63,27 @@ def _report(model, quantized, text, max_tokens, segment, window, stride):
     fns = {q: window_logits(load_model(f), "bf16", tok.bos_id) for q, f in zip(quantized, folders)}
     series = token_series(base, fns, tokens, window, stride)
     for label, s in series.items():
-        _print_model(label, s, segment)
+        _print_model(label, s, segment, window, stride)
 
 
-def _print_model(label: str, s: TokenSeries, segment: int) -> None:
-    delta, n = s.nll - s.baseline_nll, s.nll.numel()
-    click.echo(f"{label}: {n} scored tokens, perplexity {_change(delta):+.2f}% against the reference, "
-               f"KL {float(s.kl.mean()):.4f}")
+def _print_model(label: str, s: TokenSeries, segment: int, window: int, stride: int) -> None:
+    n = s.nll.numel()
+    whole = s.metrics(window, stride)  # exactly what qinfer eval reports for this text
+    click.echo(f"{label}: {n} scored tokens, perplexity {whole.ppl_change:+.2f}% against the reference, "
+               f"KL {whole.kl:.4f}")
     for block in sorted({*BLOCKS, se_block(n)}):
-        se, kl_se = _change_se(delta, block), batch_means_se(s.kl, block)
-        if se is not None:
+        m = s.metrics(window, stride, block)
+        if m.ppl_change_se is not None:
             click.echo(f"  standard errors with blocks of {block:5d} tokens ({n // block} blocks): "
-                       f"±{se:.2f} points, KL ±{kl_se:.4f}" + (" (qinfer eval's)" if block == se_block(n) else ""))
+                       f"±{m.ppl_change_se:.2f} points, KL ±{m.kl_se:.4f}"
+                       + (" (qinfer eval's)" if block == se_block(n) else ""))
     per = segment - 1  # a --max-tokens SEGMENT text scores all its tokens but the first
-    count = n // per
-    cuts = [delta[i * per:(i + 1) * per] for i in range(count)]
-    kls = [s.kl[i * per:(i + 1) * per] for i in range(count)]
-    changes = [_change(c) for c in cuts]
-    own = [se for c in cuts if (se := _change_se(c, se_block(per))) is not None]
-    own_kl = [se for k in kls if (se := batch_means_se(k, se_block(per))) is not None]
-    click.echo(f"  {count} segments of {segment} tokens: " + ", ".join(f"{c:+.1f}%" for c in changes))
-    click.echo(f"    standard deviation across them {statistics.stdev(changes):.2f} points, KL "
-               f"{statistics.stdev(float(k.mean()) for k in kls):.4f}; median standard error a segment reports for "
+    cuts = [s[i * per:(i + 1) * per].metrics(window, stride) for i in range(n // per)]  # what eval reports for each
+    own = [m.ppl_change_se for m in cuts if m.ppl_change_se is not None]
+    own_kl = [m.kl_se for m in cuts if m.kl_se is not None]
+    click.echo(f"  {len(cuts)} segments of {segment} tokens: " + ", ".join(f"{m.ppl_change:+.1f}%" for m in cuts))
+    click.echo(f"    standard deviation across them {statistics.stdev(m.ppl_change for m in cuts):.2f} points, KL "
+               f"{statistics.stdev(m.kl for m in cuts):.4f}; median standard error a segment reports for "
                f"itself (blocks of {se_block(per)}) {_median(own, '.2f')} points, KL {_median(own_kl, '.4f')}")
 
 
