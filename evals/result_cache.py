@@ -10,13 +10,12 @@ Files are written atomically; an unreadable one counts as a miss and is overwrit
 
 import functools
 import hashlib
-import importlib
 import json
 from pathlib import Path
 
 import torch
 
-from qinfer.cache import cache_dir, write_atomic
+from qinfer.cache import cache_dir, source_fingerprint, write_atomic
 
 # Bump when a measurement changes meaning, so old cached numbers are not mixed with new ones.
 CACHE_VERSION = 2
@@ -29,12 +28,7 @@ RUNTIME_MODULES = ("qinfer.model", "qinfer.kv_cache", "qinfer.loader", "qinfer.f
 @functools.cache
 def code_fingerprint() -> str:
     """sha256 over the source of :data:`RUNTIME_MODULES` and of every module in ``qinfer.kernels``."""
-    kernels = Path(importlib.import_module("qinfer.kernels").__file__).parent
-    files = [Path(importlib.import_module(m).__file__) for m in RUNTIME_MODULES] + sorted(kernels.glob("*.py"))
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f.name.encode() + b"\0" + f.read_bytes())
-    return h.hexdigest()
+    return source_fingerprint(RUNTIME_MODULES, "qinfer.kernels")
 
 
 def cache_key(part: str, **fields) -> str:

@@ -1,6 +1,7 @@
 """Where pulled models and data live: ``$QINFER_CACHE`` or ``~/.cache/qinfer``."""
 
 import hashlib
+import importlib
 import os
 import shutil
 import tempfile
@@ -101,4 +102,15 @@ def sha256_file(path: Path) -> str:
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):
             h.update(chunk)
+    return h.hexdigest()
+
+
+def source_fingerprint(modules: tuple[str, ...], package: str) -> str:
+    """sha256 over the source files of ``modules`` and of every module in ``package`` (by file name and bytes):
+    a cached result keyed on it is redone after any change to the code that produced it."""
+    folder = Path(importlib.import_module(package).__file__).parent
+    files = [Path(importlib.import_module(m).__file__) for m in modules] + sorted(folder.glob("*.py"))
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
     return h.hexdigest()

@@ -31,8 +31,6 @@ norms are tuned towards that stream's block-i output. That doubles the activatio
 """
 
 import functools
-import hashlib
-import importlib
 import json
 import resource
 import shutil
@@ -46,7 +44,7 @@ from tqdm import tqdm
 
 from qinfer.awq_pipeline import apply_awq, scale_group
 from qinfer.block_tune import E2E_EVAL_SAMPLES, TuneConfig, rounding_residual, tune_block, tune_end_to_end
-from qinfer.cache import atomic_dir, check_output
+from qinfer.cache import atomic_dir, check_output, source_fingerprint
 from qinfer.calib.capture import (
     block_in,
     calibrate_in_stages,
@@ -87,12 +85,7 @@ QUANTIZE_MODULES = (
 @functools.cache
 def code_fingerprint() -> str:
     """sha256 over the source of :data:`QUANTIZE_MODULES` and of every module in ``qinfer.quantizers``."""
-    quantizers = Path(importlib.import_module("qinfer.quantizers").__file__).parent
-    files = [Path(importlib.import_module(m).__file__) for m in QUANTIZE_MODULES] + sorted(quantizers.glob("*.py"))
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f.name.encode() + b"\0" + f.read_bytes())
-    return h.hexdigest()
+    return source_fingerprint(QUANTIZE_MODULES, "qinfer.quantizers")
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,11 @@
-"""Atomic output folders: a finished folder or none, and --force never replaces what is not a model."""
+"""Atomic output folders: a finished folder or none, and --force never replaces what is not a model; the
+source fingerprints cached results are keyed on."""
+
+import sys
 
 import pytest
 
-from qinfer.cache import atomic_dir, check_output
+from qinfer.cache import atomic_dir, check_output, source_fingerprint
 from qinfer.errors import QinferError
 
 
@@ -56,3 +59,23 @@ def test_check_output(tmp_path):
         check_output(afile / "out", force=False)  # a file where a folder would have to be
     assert (other / "notes.txt").read_text() == "keep me" and afile.read_text() == "keep me"
     assert not [p for p in tmp_path.rglob(".*probe*")]
+
+
+def test_source_fingerprint_follows_every_file_it_covers(tmp_path, monkeypatch, request):
+    # a module and a package of two on a fresh path: an edit to any of them, or a new module in the package,
+    # changes the fingerprint; nothing else does
+    (tmp_path / "fp_mod.py").write_text("A = 1\n")
+    (tmp_path / "fp_pkg").mkdir()
+    (tmp_path / "fp_pkg" / "__init__.py").write_text("")
+    (tmp_path / "fp_pkg" / "one.py").write_text("B = 2\n")
+    (tmp_path / "other.py").write_text("C = 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    request.addfinalizer(lambda: [sys.modules.pop(name, None) for name in ("fp_mod", "fp_pkg")])
+    seen = [source_fingerprint(("fp_mod",), "fp_pkg")]
+    assert source_fingerprint(("fp_mod",), "fp_pkg") == seen[0]  # the same files, the same fingerprint
+    (tmp_path / "other.py").write_text("C = 4\n")
+    assert source_fingerprint(("fp_mod",), "fp_pkg") == seen[0]
+    for path, text in (("fp_mod.py", "A = 2\n"), ("fp_pkg/one.py", "B = 3\n"), ("fp_pkg/two.py", "D = 1\n")):
+        (tmp_path / path).write_text(text)
+        seen.append(source_fingerprint(("fp_mod",), "fp_pkg"))
+    assert len(set(seen)) == 4
