@@ -2,7 +2,8 @@
 
 ``dequant_linear_ref`` dequantizes the whole weight, then runs a dense matmul: correct for every format
 and device, and the definition the fast kernels are tested against, but it materialises the dense weight
-on every call. ``quant_linear`` is the entry point: the CPU int4 kernel where it applies (fewer than
+on every call. ``quant_linear`` is the entry point: on a GPU the Triton dequant-matmul (``int_triton``);
+on CPU the int4 kernel where it applies (fewer than
 ``int4_cpu.MAX_ROWS`` rows), else for one bf16 row on CPU the int8 kernel (other bit widths, per-channel
 4-bit), else the reference, which is also a long prefill's fast path: a GEMM in the activations' dtype
 (in fp32 on a CPU without native bf16 GEMMs: ``qinfer.kernels.linear``);
@@ -24,11 +25,19 @@ def dequant_linear_ref(x: torch.Tensor, weight: QuantizedWeight | Fp8Weight, bia
 
 
 def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None):
+    if _on_triton(x):
+        from qinfer.kernels import int_triton  # triton is imported only where its kernels run
+
+        return int_triton.dequant_matmul(_stored_order(x, weight), weight, bias)
     if int4_cpu.supported(x, weight):
         return int4_cpu.int4_linear(_stored_order(x, weight), weight, bias)
     if int8_cpu.supported(x, weight):
         return int8_cpu.int8_linear(_stored_order(x, weight), weight, bias)
     return dequant_linear_ref(x, weight, bias)
+
+
+def _on_triton(x: torch.Tensor) -> bool:
+    return x.device.type == "cuda"
 
 
 def _stored_order(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
@@ -44,6 +53,8 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = N
 
 def quant_linear_dtype(weight: QuantizedWeight, x_dtype: torch.dtype, device: torch.device, rows: int) -> torch.dtype:
     x = torch.empty(1, 1, dtype=x_dtype, device=device).expand(rows, weight.shape[1])  # the shape, no memory
+    if _on_triton(x):
+        return torch.float32  # int_triton sums fp32 products (tf32 tensor cores for half inputs, exact there)
     if int4_cpu.supported(x, weight):
         return int4_cpu.MATMUL_DTYPE
     return product_dtype(x_dtype, device, rows)

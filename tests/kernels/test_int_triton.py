@@ -1,0 +1,110 @@
+"""The Triton dequant-matmul against its plain-torch reference: on a GPU where there is one, else in Triton's
+interpreter on CPU (tests/conftest.py sets ``TRITON_INTERPRET=1`` there); and a quantized model run through it."""
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from qinfer.format import QuantizedWeight, QuantScheme
+from qinfer.kernels import int_triton
+from qinfer.kernels.quant_linear import dequant_linear_ref
+from qinfer.loader import load_model
+from qinfer.quantizers.rtn import rtn_quantize
+from tests.tiny_models import make_model
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# relative error per output row against the fp32 reference: fp32 differs only in summation order (and on a GPU
+# by W's rounding to tf32, 2^-11); a half output adds its own rounding (bf16 2^-9, fp16 2^-12 relative)
+TOL = {torch.float32: 1e-5 if DEVICE == "cpu" else 1e-3, torch.bfloat16: 6e-3, torch.float16: 1e-3}
+quant_linear_module = importlib.import_module("qinfer.kernels.quant_linear")
+
+
+def _weight(N, K, bits, group_size, symmetric, seed=0) -> QuantizedWeight:
+    W = torch.randn(N, K, generator=torch.Generator().manual_seed(seed)) * 0.05
+    scheme = QuantScheme(method="rtn", bits=bits, group_size=group_size, symmetric=symmetric)
+    return rtn_quantize(W, scheme).to(DEVICE)
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float(((got.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1)).max())
+
+
+@pytest.mark.parametrize("M", [1, 5, 123])  # 1 and 5: the GEMV kernel; 123: the GEMM, a ragged last tile
+@pytest.mark.parametrize(
+    "bits,N,K,group_size,symmetric",
+    [
+        (4, 100, 384, 128, False),
+        (4, 48, 96, 32, True),
+        (3, 70, 200, -1, False),  # codes straddle bytes; K per channel, not a power of two
+        (3, 36, 192, 64, True),
+        (2, 52, 160, 32, False),
+        (8, 40, 136, -1, True),
+    ],
+)
+def test_kernel_matches_reference(M, bits, N, K, group_size, symmetric):
+    weight = _weight(N, K, bits, group_size, symmetric)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    got = int_triton.dequant_matmul(x, weight)
+    ref = int_triton.dequant_matmul_ref(x, weight)
+    assert got.shape == (M, N) and got.dtype == torch.float32
+    assert _rel_err(got, ref) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M", [1, 33])
+def test_half_activations(dtype, M):
+    weight = _weight(96, 256, 4, 64, False, seed=2)
+    x = torch.randn(M, 256, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
+    got = int_triton.dequant_matmul(x, weight)
+    assert got.dtype == dtype
+    assert _rel_err(got, int_triton.dequant_matmul_ref(x.float(), weight)) < TOL[dtype]
+
+
+def test_reference_is_the_format_dequantization():
+    # the kernel's reference and the model's reference path (W dequantized by the format, then a matmul) agree
+    for bits, group_size, symmetric in ((4, 64, False), (3, -1, True), (8, 32, False)):
+        weight = _weight(64, 256, bits, group_size, symmetric, seed=4)
+        x = torch.randn(7, 256, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+        torch.testing.assert_close(int_triton.dequant_matmul_ref(x, weight), dequant_linear_ref(x, weight),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_bias_leading_dims_and_strided_input():
+    weight = _weight(40, 128, 4, 32, True, seed=6)
+    x = torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(7)).to(DEVICE)[..., ::2]  # not contiguous
+    bias = torch.randn(40).to(DEVICE)
+    got = int_triton.dequant_matmul(x, weight, bias)
+    assert got.shape == (2, 3, 40)
+    assert _rel_err(got.view(6, 40), int_triton.dequant_matmul_ref(x, weight, bias).view(6, 40)) < TOL[torch.float32]
+
+
+def test_bad_input_is_refused():
+    weight = _weight(16, 64, 4, 32, False)
+    with pytest.raises(ValueError, match="features"):
+        int_triton.dequant_matmul(torch.randn(2, 32, device=DEVICE), weight)
+    with pytest.raises(ValueError, match="fp32, bf16 or fp16"):
+        int_triton.dequant_matmul(torch.randn(2, 64, device=DEVICE).double(), weight)
+
+
+def test_a_quantized_model_runs_through_the_kernel(tmp_path, monkeypatch):
+    # the model's linears sent to the Triton kernel (as on a GPU) give the CPU path's logits
+    make_model("gemma3", tmp_path / "tiny")
+    args = ["quantize", str(tmp_path / "tiny"), "--method", "rtn", "--group-size", "32", "-o", str(tmp_path / "q")]
+    proc = subprocess.run([sys.executable, "-m", "qinfer", *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    model = load_model(tmp_path / "q", dtype=torch.float32)
+    prompts = [torch.arange(20)[None] * 13 % 320, torch.tensor([[1, 17, 42, 99, 7]])]  # the GEMM; the GEMV
+    with torch.no_grad():
+        want = [model(ids) for ids in prompts]
+        calls = []
+        kernel = int_triton.dequant_matmul
+        monkeypatch.setattr(quant_linear_module, "_on_triton", lambda x: True)
+        rows = lambda x: x.numel() // x.shape[-1]  # noqa: E731
+        monkeypatch.setattr(int_triton, "dequant_matmul", lambda x, *a: calls.append(rows(x)) or kernel(x, *a))
+        got = [model(ids) for ids in prompts]
+    assert calls == [20] * 21 + [5] * 21  # every quantized linear of the 3 blocks, each prompt (lm_head stays dense)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
