@@ -2,11 +2,16 @@
 interpreter on CPU (tests/conftest.py sets ``TRITON_INTERPRET=1`` there); and a quantized model run through it."""
 
 import importlib
+import json
+import os
 import subprocess
 import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
+import triton
 
 from qinfer.format import QuantizedWeight, QuantScheme
 from qinfer.kernels import int_triton
@@ -108,3 +113,43 @@ def test_a_quantized_model_runs_through_the_kernel(tmp_path, monkeypatch):
     assert calls == [20] * 21 + [5] * 21  # every quantized linear of the 3 blocks, each prompt (lm_head stays dense)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+_COMPILE = textwrap.dedent("""
+    import json, sys, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from qinfer.kernels import int_triton as it
+
+    ints = {k: "i32" for k in ("M", "N", "K", "stride_xm", "stride_qn", "stride_sn", "stride_ym")}
+    for cap, x, bits, G, zero in json.loads(sys.argv[1]):
+        gemm = dict(INPUT_PRECISION="ieee" if x == "*fp32" else "tf32", **it._GEMM_BLOCKS)
+        for fn, extra in ((it._gemm_kernel, gemm), (it._gemv_kernel, it._GEMV_BLOCKS)):
+            consts = dict(G=G, BITS=bits, HAS_ZERO=zero, **extra)
+            sig = {"x_ptr": x, "qw_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*u8", "y_ptr": "*fp32", **ints}
+            sig |= {k: "constexpr" for k in consts}
+            where = {(list(sig).index(k),): v for k, v in consts.items()}
+            kernel = triton.compile(ASTSource(fn, sig, constexprs=where), target=GPUTarget("cuda", cap, 32))
+            assert kernel.asm["cubin"], (cap, x, bits, fn)
+            print(cap, x, bits, fn.__name__, "shared", kernel.metadata.shared)
+""")
+# (compute capability, x, bits, G, asymmetric): Turing, Ampere, Hopper; each width once, 3 bits (codes that
+# straddle bytes) and fp32 inputs (IEEE tl.dot) on every architecture
+_TARGETS = [
+    (cap, x, bits, G, zero)
+    for cap in (75, 80, 90)
+    for x, bits, G, zero in (("*bf16", 4, 128, True), ("*fp32", 3, 200, False))
+] + [(80, "*fp16", 2, 32, True), (80, "*bf16", 8, 136, False)]
+
+
+def test_kernels_compile_for_nvidia_gpus(tmp_path):
+    # No GPU here: compile the kernels to cubins (Triton's own LLVM and ptxas), which checks what the
+    # interpreter does not (types, tl.dot's shapes and precisions, shared memory)
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("this triton wheel carries no ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(_TARGETS)], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(proc.stdout.splitlines()) == 2 * len(_TARGETS)
