@@ -1,4 +1,4 @@
-"""Triton dequant-matmul for integer weights in the qinfer format (GPUs; on CPU under ``TRITON_INTERPRET=1``).
+"""Triton dequant-matmul for integer weights in the qinfer format: the GPU path of ``quant_linear``.
 
 ``dequant_matmul(x, weight)`` computes ``y = x @ W^T`` for ``x [M, K]`` (the weight's stored column order) and
 a packed ``W [N, K]`` of 2, 3, 4 or 8 bits, any group size, symmetric or not, reading the format's tensors as
@@ -18,11 +18,12 @@ codes share bytes, whose repeated loads a GPU serves from its L1 cache. Two kern
   fp16's 10), so tensor cores may multiply it as tf32 while W's rounding to tf32 (relative 2^-11) stays below
   the reference path's rounding to bf16 (2^-8). An fp32 ``x`` multiplies in IEEE fp32.
 - ``_gemv_kernel`` (fewer rows, a decode step): one row and ``BLOCK_N`` outputs per program, a broadcast
-  multiply and a row sum per K tile; ``tl.dot`` needs 16 rows, which a decode step does not have.
+  multiply and a row sum per K tile; a tensor-core tile has 16 rows (mma's M), 15 of them padding here.
 
 ``dequant_matmul_ref`` is the same product in plain torch (the whole weight dequantized in fp32). Block sizes
 are fixed, not autotuned (autotuning several configurations needs a GPU driver, which this project's
-machines do not have); the kernels are checked against the reference in Triton's interpreter on CPU.
+machines do not have). No GPU has run them: the tests check them against the reference in Triton's
+interpreter on CPU (``TRITON_INTERPRET=1``) and compile them to cubins for Turing, Ampere and Hopper.
 """
 
 import torch
@@ -31,7 +32,7 @@ import triton.language as tl
 
 from qinfer.format import QuantizedWeight
 
-GEMM_MIN_ROWS = 16  # tl.dot's smallest M; fewer rows take the GEMV kernel
+GEMM_MIN_ROWS = 16  # a tensor-core tile's rows; fewer rows take the GEMV kernel
 _GEMM_BLOCKS = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64)
 _GEMV_BLOCKS = dict(BLOCK_N=64, BLOCK_K=128)
 
