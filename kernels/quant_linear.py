@@ -2,14 +2,13 @@
 
 ``dequant_linear_ref`` dequantizes the whole weight, then runs a dense matmul: correct for every format
 and device, and the definition the fast kernels are tested against, but it materialises the dense weight
-on every call. ``quant_linear`` is the entry point: on a GPU the Triton dequant-matmul (``int_triton``);
-on CPU the int4 kernel where it applies (fewer than
-``int4_cpu.MAX_ROWS`` rows), else for one bf16 row on CPU the int8 kernel (other bit widths, per-channel
-4-bit), else the reference, which is also a long prefill's fast path: a GEMM in the activations' dtype
-(in fp32 on a CPU without native bf16 GEMMs: ``qinfer.kernels.linear``);
-``quant_linear_dtype`` says which dtype the chosen kernel multiplies in. ``fp8_linear`` is FP8's: the CPU
-one-row path where it applies (a decode step), else the reference. A weight with permuted columns
-(``perm``: an imported act-order checkpoint) hands the fast kernels ``x[..., perm]``.
+on every call. ``quant_linear`` is the entry point: on a GPU the Triton dequant-matmul (``triton_matmul``);
+on CPU the int4 kernel where it applies (fewer than ``int4_cpu.MAX_ROWS`` rows), else for one bf16 row the
+int8 kernel (other bit widths, per-channel 4-bit), else the reference, which is also a long prefill's fast
+path: a GEMM in the activations' dtype (in fp32 on a CPU without native bf16 GEMMs: ``qinfer.kernels.linear``);
+``quant_linear_dtype`` says which dtype the chosen kernel multiplies in. ``fp8_linear`` is FP8's: on a GPU
+the same Triton kernel; on CPU the one-row path where it applies (a decode step), else the reference. A
+weight with permuted columns (``perm``: an imported act-order checkpoint) hands the fast kernels ``x[..., perm]``.
 """
 
 import torch
@@ -26,9 +25,9 @@ def dequant_linear_ref(x: torch.Tensor, weight: QuantizedWeight | Fp8Weight, bia
 
 def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None):
     if _on_triton(x):
-        from qinfer.kernels import int_triton  # triton is imported only where its kernels run
+        from qinfer.kernels import triton_matmul  # triton is imported only where its kernels run
 
-        return int_triton.dequant_matmul(_stored_order(x, weight), weight, bias)
+        return triton_matmul.dequant_matmul(_stored_order(x, weight), weight, bias)
     if int4_cpu.supported(x, weight):
         return int4_cpu.int4_linear(_stored_order(x, weight), weight, bias)
     if int8_cpu.supported(x, weight):
@@ -46,6 +45,10 @@ def _stored_order(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
 
 
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None):
+    if _on_triton(x):
+        from qinfer.kernels import triton_matmul
+
+        return triton_matmul.dequant_matmul(x, weight, bias)
     if fp8_cpu.supported(x, weight):
         return fp8_cpu.fp8_linear(x, weight, bias)
     return dequant_linear_ref(x, weight, bias)
@@ -54,7 +57,13 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = N
 def quant_linear_dtype(weight: QuantizedWeight, x_dtype: torch.dtype, device: torch.device, rows: int) -> torch.dtype:
     x = torch.empty(1, 1, dtype=x_dtype, device=device).expand(rows, weight.shape[1])  # the shape, no memory
     if _on_triton(x):
-        return torch.float32  # int_triton sums fp32 products (tf32 tensor cores for half inputs, exact there)
+        return torch.float32  # triton_matmul sums fp32 products (tf32 tensor cores for half inputs, exact there)
     if int4_cpu.supported(x, weight):
         return int4_cpu.MATMUL_DTYPE
+    return product_dtype(x_dtype, device, rows)
+
+
+def fp8_linear_dtype(weight: Fp8Weight, x_dtype: torch.dtype, device: torch.device, rows: int) -> torch.dtype:
+    if device.type == "cuda":
+        return torch.float32  # triton_matmul, as for integer weights
     return product_dtype(x_dtype, device, rows)
