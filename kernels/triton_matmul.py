@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qinfer.format import Fp8Weight, QuantizedWeight
+from qinfer.format import Fp8Weight, QuantizedWeight, dequantize_codes
 
 GEMM_MIN_ROWS = 16  # a tensor-core tile's rows; fewer rows take the GEMV kernel
 _GEMM_BLOCKS = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64)
@@ -145,11 +145,9 @@ def dequant_matmul_ref(x: torch.Tensor, weight: QuantizedWeight | Fp8Weight, bia
     """The same product in plain torch: W dequantized in fp32 (stored column order), an fp32 matmul."""
     if isinstance(weight, Fp8Weight):
         w = weight.dequantize(torch.float32)  # [N, K]
-    else:
-        N, K = weight.shape
-        G = K if weight.group_size == -1 else weight.group_size
-        zero = (1 << (weight.bits - 1)) if weight.zero is None else weight.zero.float().repeat_interleave(G, 1)
-        w = (weight.codes().float() - zero) * weight.scale.float().repeat_interleave(G, 1)  # [N, K]
+    else:  # the format's own dequantization, in stored column order (no unpermute)
+        zero = 1 << (weight.bits - 1) if weight.zero is None else weight.zero
+        w = dequantize_codes(weight.codes(), weight.scale, zero, weight.group_size)  # [N, K] fp32
     y = x.float() @ w.T
     if bias is not None:
         y += bias.float()
