@@ -24,7 +24,7 @@ def dequant_linear_ref(x: torch.Tensor, weight: QuantizedWeight | Fp8Weight, bia
 
 
 def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None):
-    if _on_triton(x):
+    if _on_triton(x.device):
         from qinfer.kernels import triton_matmul  # triton is imported only where its kernels run
 
         return triton_matmul.dequant_matmul(_stored_order(x, weight), weight, bias)
@@ -35,8 +35,8 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
     return dequant_linear_ref(x, weight, bias)
 
 
-def _on_triton(x: torch.Tensor) -> bool:
-    return x.device.type == "cuda"
+def _on_triton(device: torch.device) -> bool:
+    return device.type == "cuda"
 
 
 def _stored_order(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
@@ -45,7 +45,7 @@ def _stored_order(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
 
 
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None):
-    if _on_triton(x):
+    if _on_triton(x.device):
         from qinfer.kernels import triton_matmul
 
         return triton_matmul.dequant_matmul(x, weight, bias)
@@ -55,15 +55,15 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = N
 
 
 def quant_linear_dtype(weight: QuantizedWeight, x_dtype: torch.dtype, device: torch.device, rows: int) -> torch.dtype:
-    x = torch.empty(1, 1, dtype=x_dtype, device=device).expand(rows, weight.shape[1])  # the shape, no memory
-    if _on_triton(x):
+    if _on_triton(device):
         return torch.float32  # triton_matmul sums fp32 products (tf32 tensor cores for half inputs, exact there)
+    x = torch.empty(1, 1, dtype=x_dtype, device=device).expand(rows, weight.shape[1])  # the shape, no memory
     if int4_cpu.supported(x, weight):
         return int4_cpu.MATMUL_DTYPE
     return product_dtype(x_dtype, device, rows)
 
 
 def fp8_linear_dtype(weight: Fp8Weight, x_dtype: torch.dtype, device: torch.device, rows: int) -> torch.dtype:
-    if device.type == "cuda":
+    if _on_triton(device):
         return torch.float32  # triton_matmul, as for integer weights
     return product_dtype(x_dtype, device, rows)
