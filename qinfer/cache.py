@@ -37,14 +37,22 @@ def check_output(out: Path, force: bool, source: Path | None = None) -> None:
 
 
 def check_writable(folder: Path, what: str | None = None, option: str = "-o") -> None:
-    """Make ``folder`` (and its parents) and check a file can be made in it, or refuse in one line."""
-    folder = Path(folder)
+    """Check ``folder`` can be made (with its parents) and written in, or refuse in one line. Folders it had to
+    make are removed again, so a run that fails later leaves nothing behind; the run makes them when it writes."""
+    folder = Path(folder).absolute()
+    made = [p for p in (folder, *folder.parents) if not p.exists()]
     try:
         folder.mkdir(parents=True, exist_ok=True)
         Path(tempfile.mkdtemp(prefix=".probe-", dir=folder)).rmdir()
     except OSError as e:
         raise QinferError(f"cannot write {what or folder}: {e.strerror or e}; choose an {option} in a folder you can "
                           "write to") from None
+    finally:
+        for p in made:  # deepest first
+            try:
+                p.rmdir()
+            except OSError:
+                break
 
 
 @contextmanager

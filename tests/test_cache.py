@@ -34,7 +34,8 @@ def test_atomic_dir_replacing_a_file_leaves_nothing_behind(tmp_path):
 
 
 def test_check_output(tmp_path):
-    check_output(tmp_path / "new" / "out", force=False)  # parents are made
+    check_output(tmp_path / "new" / "out", force=False)  # parents can be made: checked, and not left behind
+    assert not (tmp_path / "new").exists()
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
