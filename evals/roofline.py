@@ -17,14 +17,18 @@ figure is the median of several repetitions after a warm-up run. GB/s are 1e9 by
 ``device="cuda"`` runs the same measurements with ``torch.cuda.synchronize`` around each; the tests
 exercise the CPU path only.
 
-Cache: ``qinfer.cache.cache_dir() / "roofline-<device>.json"``, reused while the CPU (or GPU) name, torch
-version and thread count match the current process (any of them changes the roofline) and it timed
-``MATMUL_OP``, re-measured with ``force=True``.
+Cache: ``qinfer.cache.cache_dir() / "roofline-<device>.json"``, reused while the machine, torch version and
+thread count match the current process (any of them changes the roofline) and it timed ``MATMUL_OP``,
+re-measured with ``force=True``. The machine is more than the CPU's name, which virtual machines often
+shorten ("AMD EPYC" for an AVX-512 part and an AVX2 one alike): its family, model and stepping, CPU count
+and vector extensions (a GPU's compute capability, memory and SM count), so a cache folder carried to other
+hardware is measured again. Two hosts alike in all of these still share a roofline: ``--force`` then.
 """
 
 import argparse
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -65,6 +69,7 @@ class Roofline:
     buffer_bytes: int  # size of the buffer the bandwidth was measured on
     matmul_n: Mapping[str, int]  # side of the square matmul each peak was measured on
     matmul_op: str = MATMUL_OP  # the operation the peaks time
+    machine: str = ""  # _machine(device): what the cache must match beyond cpu_name ("" in older caches)
 
     def __post_init__(self):
         if self.device not in DEVICES:
@@ -98,6 +103,7 @@ class Roofline:
             "buffer_bytes": self.buffer_bytes,
             "matmul_n": dict(self.matmul_n),
             "matmul_op": self.matmul_op,
+            "machine": self.machine,
         }
 
     @classmethod
@@ -240,6 +246,7 @@ def _measure(device: str, seconds: float) -> Roofline:
         peak_tflops=peaks,
         threads=torch.get_num_threads(),
         cpu_name=_device_name(device),
+        machine=_machine(device),
         torch_version=torch.__version__,
         timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         buffer_bytes=BUFFER_BYTES,
@@ -279,16 +286,41 @@ def _matmul_size(dtype: torch.dtype, device: str, sync: Callable[[], None]) -> i
     return n
 
 
+def _cpuinfo() -> list[tuple[str, str]]:
+    """``/proc/cpuinfo`` as (key, value) pairs; none off Linux."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return []
+    return [tuple(part.strip() for part in line.partition(":")[::2]) for line in text.splitlines()]
+
+
 def _device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
-    try:
-        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass  # not Linux: fall back to what the platform module knows
-    return platform.processor() or platform.machine() or "unknown CPU"
+    for key, value in _cpuinfo():
+        if key == "model name":
+            return value
+    return platform.processor() or platform.machine() or "unknown CPU"  # not Linux
+
+
+_ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def _machine(device: str) -> str:
+    """What tells this machine from another of the same name (see the module docstring)."""
+    if device == "cuda":
+        p = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return f"{p.name}; sm_{p.major}{p.minor}; {p.total_memory >> 20} MiB; {p.multi_processor_count} SMs"
+    ids, flags = {}, set()
+    for key, value in _cpuinfo():  # off Linux: the name, the CPU count and the architecture
+        if key in ("cpu family", "model", "stepping"):
+            ids.setdefault(key, value)
+        elif key == "flags" and not flags:
+            flags = set(value.split())
+    isa = ",".join(f for f in _ISA_FLAGS if f in flags) or platform.machine()
+    family = " ".join(f"{key} {value}" for key, value in ids.items())
+    return f"{_device_name('cpu')}; {family}; {os.cpu_count()} CPUs; {isa}"
 
 
 def _describes_this_process(roofline: Roofline) -> bool:
@@ -296,6 +328,7 @@ def _describes_this_process(roofline: Roofline) -> bool:
         roofline.threads == torch.get_num_threads()
         and roofline.torch_version == torch.__version__
         and roofline.cpu_name == _device_name(roofline.device)
+        and roofline.machine == _machine(roofline.device)
         and set(roofline.peak_tflops) == set(DTYPES)
         and roofline.matmul_op == MATMUL_OP
     )

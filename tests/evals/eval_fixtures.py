@@ -42,7 +42,7 @@ def install_roofline() -> rl.Roofline:
     """A roofline cached for this process, so evals with speed do not spend seconds measuring one."""
     roofline = rl.Roofline(
         device="cpu", bandwidth_gbs=20.0, peak_tflops={"bf16": 0.5, "fp32": 0.25}, threads=torch.get_num_threads(),
-        cpu_name=rl._device_name("cpu"), torch_version=torch.__version__, timestamp="2026-01-01T00:00:00+00:00",
+        cpu_name=rl._device_name("cpu"), machine=rl._machine("cpu"), torch_version=torch.__version__, timestamp="2026-01-01T00:00:00+00:00",
         buffer_bytes=1 << 30, matmul_n={"bf16": 2048, "fp32": 1024},
     )
     rl.save_roofline(roofline, rl.roofline_path("cpu"))

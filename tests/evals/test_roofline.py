@@ -23,7 +23,7 @@ from qinfer.evals.roofline import (
 def _roofline(**changes) -> Roofline:
     fields = dict(
         device="cpu", bandwidth_gbs=20.0, peak_tflops={"bf16": 0.5, "fp32": 0.25}, threads=torch.get_num_threads(),
-        cpu_name=rl._device_name("cpu"), torch_version=torch.__version__, timestamp="2026-01-01T00:00:00+00:00",
+        cpu_name=rl._device_name("cpu"), machine=rl._machine("cpu"), torch_version=torch.__version__, timestamp="2026-01-01T00:00:00+00:00",
         buffer_bytes=1 << 30, matmul_n={"bf16": 2048, "fp32": 1024},
     )
     return Roofline(**{**fields, **changes})
@@ -87,13 +87,37 @@ def test_cache_is_used_while_it_describes_this_process(monkeypatch):
     assert load_roofline(roofline_path("cpu")) == fresh
     save_roofline(_roofline(torch_version="0.0.1"), roofline_path("cpu"))  # stale: another torch
     assert measure_roofline() == fresh and calls == ["cpu", "cpu"]
+    # another machine under the same CPU name (an AVX-512 part, where this may be AVX2), or a cache
+    # written before machines were told apart: measured again
+    for machine in (rl._machine("cpu").replace("CPUs", "CPUs, another"), None):
+        old = _roofline().to_json()
+        if machine is None:
+            del old["machine"]
+        else:
+            old["machine"] = machine
+        roofline_path("cpu").write_text(json.dumps(old))
+        calls.clear()
+        assert measure_roofline() == fresh and calls == ["cpu"]
+    calls.clear()
     roofline_path("cpu").write_text("garbage")
-    assert measure_roofline() == fresh and len(calls) == 3
+    assert measure_roofline() == fresh and len(calls) == 1
     legacy = _roofline().to_json()
     del legacy["matmul_op"]  # written before the peaks timed x @ w.T: the old a @ b peak is re-measured
     roofline_path("cpu").write_text(json.dumps(legacy))
     assert load_roofline(roofline_path("cpu")).matmul_op == "a @ b"
-    assert measure_roofline() == fresh and len(calls) == 4
+    assert measure_roofline() == fresh and len(calls) == 2
+
+
+def test_machines_of_one_name_are_told_apart(monkeypatch):
+    def cpuinfo(flags):
+        text = f"processor\t: 0\nmodel name\t: AMD EPYC\ncpu family\t: 25\nmodel\t\t: 1\nflags\t\t: fpu {flags}\n"
+        return lambda: [tuple(p.strip() for p in line.partition(":")[::2]) for line in text.splitlines()]
+
+    monkeypatch.setattr(rl, "_cpuinfo", cpuinfo("avx2 avx512f avx512_bf16"))
+    name, avx512 = rl._device_name("cpu"), rl._machine("cpu")
+    monkeypatch.setattr(rl, "_cpuinfo", cpuinfo("avx2"))
+    assert rl._device_name("cpu") == name == "AMD EPYC"
+    assert rl._machine("cpu") != avx512 and "avx512_bf16" in avx512 and "cpu family 25 model 1" in avx512
 
 
 def test_measurement_runs_and_gives_a_valid_roofline(monkeypatch):
