@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from qinfer.cache import check_writable
+from qinfer.cache import available_memory, check_writable
 from qinfer.errors import QinferError
 from qinfer.evals import result_cache
 from qinfer.evals.accuracy import HELDOUT, load_text, task_accuracy, text_tokens
@@ -29,7 +29,7 @@ from qinfer.evals.checkpoint import content_key, effective_bits, size_on_disk
 from qinfer.evals.divergence import SE_BLOCKS, SE_MIN_BLOCK, TextMetrics, text_metrics
 from qinfer.evals.forward import window_logits
 from qinfer.evals.roofline import Roofline, measure_roofline
-from qinfer.evals.speed import SpeedResult, measure_speed
+from qinfer.evals.speed import SpeedResult, measure_speeds
 from qinfer.evals.tasks import MCResult, load_task
 from qinfer.kv_cache import KV_DTYPES
 from qinfer.loader import load_model
@@ -136,9 +136,11 @@ def run_eval(config: EvalConfig) -> list[ModelResult]:
                        se=[SE_BLOCKS, SE_MIN_BLOCK])
     texts = _text_part(config, models, baseline, text, tokens, text_fields)
     roofline = measure_roofline(eval_device()) if config.speed else None
+    all_tasks = {m.label: _task_part(config, m, examples) for m in models}
+    speeds = _speed_part(config, models, roofline) if roofline is not None else {}
     results = []
     for m in models:
-        tasks, speed = _model_parts(config, m, examples, roofline)
+        tasks, speed = all_tasks[m.label], speeds.get(m.label)
         results.append(ModelResult(
             label=m.label, spec=m.spec, path=str(m.folder), content_key=m.key, is_baseline=m.folder == baseline.folder,
             size_bytes=size_on_disk(m.folder), effective_bits=effective_bits(m.folder), text=texts[m.label],
@@ -205,34 +207,60 @@ def _text_part(config, models: list[_Model], baseline: _Model, text: str, tokens
     return {**out, **measured}
 
 
-def _model_parts(config, m: _Model, examples: dict, roofline: Roofline | None):
-    """(task results, speed result) of one model, loading it only if something is not cached."""
-    task_keys = {task: result_cache.cache_key("task", model=m.key, task=task, limit=config.limit, kv=config.kv_cache)
-                 for task in examples}
+def _task_part(config, m: _Model, examples: dict) -> dict[str, MCResult]:
+    """The task results of one model, loading it only if some are not cached."""
+    keys = {task: result_cache.cache_key("task", model=m.key, task=task, limit=config.limit, kv=config.kv_cache)
+            for task in examples}
     tasks = {}
-    for task, key in task_keys.items():
+    for task, key in keys.items():
         value = result_cache.load("task", key) if config.cache else None
         if value is not None:
             tasks[task] = MCResult(**value)
-    speed_key = None
-    speed = None
-    if roofline is not None:
-        speed_key = result_cache.cache_key(
-            "speed", model=m.key, kv=config.kv_cache, prompt=config.prompt_tokens, steps=config.decode_steps,
-            repeats=config.repeats, threads=torch.get_num_threads(), roofline=roofline.to_json(),
-        )
-        value = result_cache.load("speed", speed_key) if config.cache else None
-        speed = None if value is None else SpeedResult(**value)
-    if len(tasks) == len(examples) and (roofline is None or speed is not None):
-        return tasks, speed
-    model, tok = _load(m.folder), Tokenizer.from_folder(m.folder)
-    for task, key in task_keys.items():
-        if task not in tasks:
-            tasks[task] = task_accuracy(model, tok, examples[task], config.kv_cache, f"{m.label}: {task}",
-                                        progress=config.progress)
-            result_cache.store("task", key, dataclasses.asdict(tasks[task]))
-    if roofline is not None and speed is None:
-        speed = measure_speed(model, roofline, config.kv_cache, config.prompt_tokens, config.decode_steps,
-                              config.repeats, desc=f"{m.label}: speed", progress=config.progress)
-        result_cache.store("speed", speed_key, dataclasses.asdict(speed))
-    return {task: tasks[task] for task in examples}, speed
+    if len(tasks) < len(examples):
+        model, tok = _load(m.folder), Tokenizer.from_folder(m.folder)
+        for task, key in keys.items():
+            if task not in tasks:
+                tasks[task] = task_accuracy(model, tok, examples[task], config.kv_cache, f"{m.label}: {task}",
+                                            progress=config.progress)
+                result_cache.store("task", key, dataclasses.asdict(tasks[task]))
+    return {task: tasks[task] for task in examples}
+
+
+def _speed_part(config, models: list[_Model], roofline: Roofline) -> dict[str, SpeedResult]:
+    """Each model's speed: cached, or measured beside the other uncached models in rounds
+    (:func:`qinfer.evals.speed.measure_speeds`), as many at once as half the available memory holds."""
+    keys = {m.label: result_cache.cache_key(
+        "speed", model=m.key, kv=config.kv_cache, prompt=config.prompt_tokens, steps=config.decode_steps,
+        repeats=config.repeats, threads=torch.get_num_threads(), roofline=roofline.to_json(),
+    ) for m in models}
+    speeds = {}
+    for m in models:
+        value = result_cache.load("speed", keys[m.label]) if config.cache else None
+        if value is not None:
+            speeds[m.label] = SpeedResult(**value)
+    todo = [m for m in models if m.label not in speeds]
+    if len(todo) > 1:
+        _log(config, f"speed of {', '.join(m.label for m in todo)}, one run of each in turn, {config.repeats} rounds")
+    for batch in _memory_batches(todo):
+        measured = measure_speeds([_load(m.folder) for m in batch], roofline, config.kv_cache, config.prompt_tokens,
+                                  config.decode_steps, config.repeats, desc="speed", progress=config.progress)
+        for m, speed in zip(batch, measured):
+            speeds[m.label] = speed
+            result_cache.store("speed", keys[m.label], dataclasses.asdict(speed))
+    return speeds
+
+
+def _memory_batches(models: list[_Model]) -> list[list[_Model]]:
+    """``models`` in consecutive groups whose weights (their size on disk) fit in half the available memory
+    together; one model a group where that memory is unknown."""
+    available = available_memory()
+    budget = 0 if available is None else available // 2
+    batches, used = [], 0
+    for m in models:
+        size = size_on_disk(m.folder)
+        if not batches or used + size > budget:
+            batches.append([])
+            used = 0
+        batches[-1].append(m)
+        used += size
+    return batches

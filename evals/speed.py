@@ -5,6 +5,10 @@ prefill plus picking the first token), then ``decode_steps`` calls of ``decode_s
 token by argmax. TPOT is the run's mean time per decode step. Each figure reported is the median over
 ``repeats`` runs, after one short warm-up run that pages the weights in and starts the thread pool.
 
+Several models (:func:`measure_speeds`) are measured in rounds, each round one run of every model in turn,
+not all of one model's runs and then the next's: a shared machine that slows down for a minute then slows
+every model alike, and their ratios are measured side by side.
+
 Utilisation against the measured roofline (:mod:`qinfer.evals.roofline`):
 
     MBU = decode_bytes / TPOT / read bandwidth      bytes per step from qinfer.evals.costs, at the mean
@@ -20,6 +24,7 @@ The prompt is fixed pseudo-random token ids: the work of a forward does not depe
 
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -75,6 +80,51 @@ def _run(model: Transformer, prompt: torch.Tensor, steps: int, kv_dtype: str) ->
     return ttft, (time.perf_counter() - t0) / steps, cache
 
 
+def _checked_prompt(model: Transformer, prompt_tokens: int, decode_steps: int) -> torch.Tensor:
+    """The fixed pseudo-random prompt of ``prompt_tokens`` ids, after checking the run fits the model."""
+    if prompt_tokens + decode_steps > model.config.max_position_embeddings:
+        raise QinferError(
+            f"a {prompt_tokens}-token prompt + {decode_steps} decode steps exceed the model's context of "
+            f"{model.config.max_position_embeddings} tokens"
+        )
+    if set(prefill_flops_by_dtype(model, prompt_tokens)) - set(_DTYPE_NAMES):
+        raise QinferError(f"no roofline ceiling for compute dtype {model.dtype}; load the model in bf16 or fp32")
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, model.config.vocab_size, (1, prompt_tokens), generator=generator).to(model.device)
+
+
+def measure_speeds(
+    models: Sequence[Transformer],
+    roofline: Roofline,
+    kv_dtype: str = "bf16",
+    prompt_tokens: int = 512,
+    decode_steps: int = 16,
+    repeats: int = 3,
+    desc: str = "speed",
+    progress: bool = True,
+) -> list[SpeedResult]:
+    """The speed of each of ``models``, measured in rounds (see the module docstring)."""
+    if prompt_tokens < 1 or decode_steps < 1 or repeats < 1:
+        raise QinferError(
+            f"speed needs a prompt, decode steps and repeats of at least 1 (got {prompt_tokens}, {decode_steps}, {repeats})"
+        )
+    prompts = [_checked_prompt(model, prompt_tokens, decode_steps) for model in models]
+    for model, prompt in zip(models, prompts):
+        _run(model, prompt[:, :_WARMUP_PROMPT], _WARMUP_STEPS, kv_dtype)
+    times: list[list[tuple[float, float]]] = [[] for _ in models]
+    caches: list[KVCache | None] = [None] * len(models)
+    with tqdm(total=repeats * len(models), desc=desc, unit="run", disable=not progress) as bar:
+        for _ in range(repeats):
+            for i, (model, prompt) in enumerate(zip(models, prompts)):
+                ttft, tpot, caches[i] = _run(model, prompt, decode_steps, kv_dtype)
+                times[i].append((ttft, tpot))
+                bar.update()
+    return [
+        _result(model, runs, cache, roofline, kv_dtype, prompt_tokens, decode_steps)
+        for model, runs, cache in zip(models, times, caches)
+    ]
+
+
 def measure_speed(
     model: Transformer,
     roofline: Roofline,
@@ -85,35 +135,24 @@ def measure_speed(
     desc: str = "speed",
     progress: bool = True,
 ) -> SpeedResult:
-    if prompt_tokens < 1 or decode_steps < 1 or repeats < 1:
-        raise QinferError(
-            f"speed needs a prompt, decode steps and repeats of at least 1 (got {prompt_tokens}, {decode_steps}, {repeats})"
-        )
-    if prompt_tokens + decode_steps > model.config.max_position_embeddings:
-        raise QinferError(
-            f"a {prompt_tokens}-token prompt + {decode_steps} decode steps exceed the model's context of "
-            f"{model.config.max_position_embeddings} tokens"
-        )
-    by_dtype = prefill_flops_by_dtype(model, prompt_tokens)
-    if set(by_dtype) - set(_DTYPE_NAMES):
-        raise QinferError(f"no roofline ceiling for compute dtype {model.dtype}; load the model in bf16 or fp32")
-    by_dtype = {_DTYPE_NAMES[d]: n for d, n in by_dtype.items()}
-    generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, model.config.vocab_size, (1, prompt_tokens), generator=generator).to(model.device)
-    _run(model, prompt[:, :_WARMUP_PROMPT], _WARMUP_STEPS, kv_dtype)
-    runs = [_run(model, prompt, decode_steps, kv_dtype) for _ in tqdm(range(repeats), desc=desc, unit="run",
-                                                                       disable=not progress)]
+    return measure_speeds([model], roofline, kv_dtype, prompt_tokens, decode_steps, repeats, desc, progress)[0]
+
+
+def _result(model: Transformer, runs: list[tuple[float, float]], cache: KVCache, roofline: Roofline, kv_dtype: str,
+            prompt_tokens: int, decode_steps: int) -> SpeedResult:
+    """One model's figures from its runs' (TTFT, TPOT); ``cache`` is the one its last run filled (its bytes
+    per position and its scales, as the runs used them)."""
+    by_dtype = {_DTYPE_NAMES[d]: n for d, n in prefill_flops_by_dtype(model, prompt_tokens).items()}
     ttft = statistics.median(r[0] for r in runs)
     tpot = statistics.median(r[1] for r in runs)
     context = prompt_tokens + (decode_steps - 1) / 2  # the steps see prompt_tokens .. prompt_tokens + steps - 1
-    cache = runs[-1][2]  # the cache as the runs used it: its bytes per position and its scales
     step_bytes = decode_bytes(model, cache, round(context))
     step_flops = decode_flops(model, round(context))
     fill_flops = prefill_flops(model, prompt_tokens)
     return SpeedResult(
         prompt_tokens=prompt_tokens,
         decode_steps=decode_steps,
-        repeats=repeats,
+        repeats=len(runs),
         kv_cache=kv_dtype,
         compute_dtype=max(by_dtype, key=by_dtype.get),
         ttft_s=ttft,

@@ -18,6 +18,17 @@ def cache_dir() -> Path:
     return path
 
 
+def available_memory() -> int | None:
+    """Bytes the kernel could hand out now without swapping (``MemAvailable``), or None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def check_output(out: Path, force: bool, source: Path | None = None) -> None:
     """Refuse an output folder before any work is done: one that exists (without ``force``); with ``force``,
     anything but a model folder (config.json) or an empty one, so a mistyped ``-o`` never replaces a home folder

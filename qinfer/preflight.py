@@ -4,9 +4,9 @@ in memory) stops in seconds with one line instead of failing, or being killed, m
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
+from qinfer.cache import available_memory
 from qinfer.calib.capture import KEEP_DTYPE, compute_dtype
 from qinfer.errors import QinferError
 from qinfer.format import QuantScheme, check_int_shape
@@ -29,17 +29,6 @@ def check_shapes(model: Transformer, scheme: QuantScheme) -> None:
         head = scheme.lm_head_scheme()
         if head.format == "int":
             check_int_shape(tuple(model.lm_head.weight.shape), head.bits, head.group_size, "lm_head")
-
-
-def available_memory() -> int | None:
-    """Bytes the kernel could hand out now without swapping (``MemAvailable``), or None where unknown."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def calibration_bytes(model: Transformer, calib: CalibConfig, tune: TuneConfig) -> int:

@@ -196,3 +196,28 @@ def test_an_imported_model_is_labelled_by_the_folder_given(env):
         models=(env["model"], str(env["root"] / "q"), str(env["root"] / "q-ct") + "/"), text=env["text"], **SMALL))
     assert (native.label, imported.label) == ("q", "q-ct")  # not the converted copy's cache folder
     assert imported.text.kl == native.text.kl  # the same weights, read back exactly
+
+
+@pytest.mark.parametrize("memory, rounds_together", [(1 << 40, True), (1, False), (None, False)])
+def test_speeds_are_measured_in_rounds_when_the_models_fit_together(env, monkeypatch, memory, rounds_together):
+    from qinfer.evals import speed
+
+    install_roofline()
+    other = _perturbed_copy(env["model"], env["root"] / "other")
+    monkeypatch.setattr(runner, "available_memory", lambda: memory)
+    order, real = [], speed._run
+
+    def recording(model, prompt, steps, kv_dtype):
+        order.append(id(model))
+        return real(model, prompt, steps, kv_dtype)
+
+    monkeypatch.setattr(speed, "_run", recording)
+    results = run_eval(EvalConfig(models=(env["model"], str(other)), text=env["text"], **{**SMALL, **SPEED}))
+    a, b = order[0], order[-1]
+    assert a != b and len(order) == 2 * (1 + SPEED["repeats"])  # a warm-up and the runs, each model
+    if rounds_together:  # warm-ups, then one run of each per round
+        assert order == [a, b] + [a, b] * SPEED["repeats"]
+    else:  # memory for one model at a time (or unknown): each model's runs together, as before
+        assert order == [a] * (1 + SPEED["repeats"]) + [b] * (1 + SPEED["repeats"])
+    for r in results:
+        assert r.speed.repeats == SPEED["repeats"] and r.speed.tpot_s > 0 and r.speed.decode_bytes > 0
