@@ -231,7 +231,7 @@ def _speed_part(config, models: list[_Model], roofline: Roofline) -> dict[str, S
     (:func:`qinfer.evals.speed.measure_speeds`), as many at once as half the available memory holds."""
     keys = {m.label: result_cache.cache_key(
         "speed", model=m.key, kv=config.kv_cache, prompt=config.prompt_tokens, steps=config.decode_steps,
-        repeats=config.repeats, threads=torch.get_num_threads(), roofline=roofline.to_json(),
+        repeats=config.repeats, threads=torch.get_num_threads(), roofline=roofline.to_json(), order="rounds",
     ) for m in models}
     speeds = {}
     for m in models:
