@@ -125,19 +125,6 @@ def measure_speeds(
     ]
 
 
-def measure_speed(
-    model: Transformer,
-    roofline: Roofline,
-    kv_dtype: str = "bf16",
-    prompt_tokens: int = 512,
-    decode_steps: int = 16,
-    repeats: int = 3,
-    desc: str = "speed",
-    progress: bool = True,
-) -> SpeedResult:
-    return measure_speeds([model], roofline, kv_dtype, prompt_tokens, decode_steps, repeats, desc, progress)[0]
-
-
 def _result(model: Transformer, runs: list[tuple[float, float]], cache: KVCache, roofline: Roofline, kv_dtype: str,
             prompt_tokens: int, decode_steps: int) -> SpeedResult:
     """One model's figures from its runs' (TTFT, TPOT); ``cache`` is the one its last run filled (its bytes
