@@ -1,4 +1,5 @@
-"""Where pulled models and data live: ``$QINFER_CACHE`` or ``~/.cache/qinfer``."""
+"""Where pulled models and data live: ``$QINFER_CACHE`` or ``~/.cache/qinfer``; and the writing around it:
+atomic files and folders, output checks, the free memory, fingerprints of the code a cached result came from."""
 
 import hashlib
 import importlib
@@ -50,8 +51,8 @@ def check_output(out: Path, force: bool, source: Path | None = None) -> None:
 def check_writable(folder: Path, what: str | None = None, option: str = "-o") -> None:
     """Check ``folder`` can be made (with its parents) and written in, or refuse in one line. Folders it had to
     make are removed again, so a run that fails later leaves nothing behind; the run makes them when it writes."""
-    folder = Path(folder).absolute()
-    made = [p for p in (folder, *folder.parents) if not p.exists()]
+    folder = Path(folder)
+    made = [p for p in (folder.absolute(), *folder.absolute().parents) if not p.exists()]
     try:
         folder.mkdir(parents=True, exist_ok=True)
         Path(tempfile.mkdtemp(prefix=".probe-", dir=folder)).rmdir()
