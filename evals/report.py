@@ -162,7 +162,7 @@ def results_markdown(data: dict, results) -> str:
     if data["roofline"] is not None:
         rf = data["roofline"]
         peaks = ", ".join(f"{k} {v:.3g} TFLOP/s" for k, v in rf["peak_tflops"].items())
-        parts += ["", f"Roofline: {rf['cpu_name']}, {rf['threads']} threads, read bandwidth "
+        parts += ["", f"Roofline: {rf.get('machine') or rf['cpu_name']}, {rf['threads']} threads, read bandwidth "
                   f"{rf['bandwidth_gbs']:.1f} GB/s, matmul peaks {peaks}."]
     return "\n".join(parts) + "\n"
 

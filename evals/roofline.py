@@ -204,7 +204,7 @@ def attainable_tflops(arithmetic_intensity: float, roofline: Roofline, dtype: st
 def format_roofline(roofline: Roofline) -> str:
     """A small table of ``roofline`` for people."""
     head = (
-        f"roofline of {roofline.cpu_name} ({roofline.device}, {roofline.threads} threads, "
+        f"roofline of {roofline.machine or roofline.cpu_name} ({roofline.device}, {roofline.threads} threads, "
         f"torch {roofline.torch_version}), measured {roofline.timestamp}"
     )
     rows = [f"  {'read bandwidth':<16}{roofline.bandwidth_gbs:10.1f} GB/s      "

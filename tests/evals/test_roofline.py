@@ -153,6 +153,7 @@ def test_table_and_main(capsys):
     r = _roofline()
     text = format_roofline(r)
     assert "20.0 GB/s" in text and "0.500 TFLOP/s" in text and "ridge at 25.0 FLOP/byte" in text
+    assert text.startswith(f"roofline of {rl._machine('cpu')} (cpu, ")
     save_roofline(r, roofline_path("cpu"))
     rl.main([])
     assert capsys.readouterr().out.strip() == text

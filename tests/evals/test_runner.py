@@ -149,6 +149,7 @@ def test_results_json_follows_the_documented_schema(env):
     assert m["speed"]["compute_dtype"] == max(by_dtype, key=by_dtype.get)
     assert ModelResult.from_json(m) == result  # the JSON holds the whole result
     assert (out / "results.md").read_text().count("| m (baseline) |") == 1
+    assert f"Roofline: {roofline.machine}, " in (out / "results.md").read_text()  # the machine, not only its name
     for png in ("pareto.png", "roofline.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "m (baseline)" in format_table([result])
