@@ -136,8 +136,7 @@ def run_eval(config: EvalConfig) -> list[ModelResult]:
                        se=[SE_BLOCKS, SE_MIN_BLOCK])
     texts = _text_part(config, models, baseline, text, tokens, text_fields)
     roofline = measure_roofline(eval_device()) if config.speed else None
-    all_tasks = {m.label: _task_part(config, m, examples) for m in models}
-    speeds = _speed_part(config, models, roofline) if roofline is not None else {}
+    all_tasks, speeds = _model_parts(config, models, examples, roofline)
     results = []
     for m in models:
         tasks, speed = all_tasks[m.label], speeds.get(m.label)
@@ -207,47 +206,49 @@ def _text_part(config, models: list[_Model], baseline: _Model, text: str, tokens
     return {**out, **measured}
 
 
-def _task_part(config, m: _Model, examples: dict) -> dict[str, MCResult]:
-    """The task results of one model, loading it only if some are not cached."""
-    keys = {task: result_cache.cache_key("task", model=m.key, task=task, limit=config.limit, kv=config.kv_cache)
-            for task in examples}
-    tasks = {}
-    for task, key in keys.items():
-        value = result_cache.load("task", key) if config.cache else None
-        if value is not None:
-            tasks[task] = MCResult(**value)
-    if len(tasks) < len(examples):
-        model, tok = _load(m.folder), Tokenizer.from_folder(m.folder)
-        for task, key in keys.items():
-            if task not in tasks:
-                tasks[task] = task_accuracy(model, tok, examples[task], config.kv_cache, f"{m.label}: {task}",
-                                            progress=config.progress)
-                result_cache.store("task", key, dataclasses.asdict(tasks[task]))
-    return {task: tasks[task] for task in examples}
-
-
-def _speed_part(config, models: list[_Model], roofline: Roofline) -> dict[str, SpeedResult]:
-    """Each model's speed: cached, or measured beside the other uncached models in rounds
-    (:func:`qinfer.evals.speed.measure_speeds`), as many at once as half the available memory holds."""
-    keys = {m.label: result_cache.cache_key(
+def _model_parts(config, models: list[_Model], examples: dict, roofline: Roofline | None):
+    """({label: task results}, {label: speed}) of every model: from the cache, or measured with each model
+    loaded once, as many at a time as half the available memory holds; the speeds of the models loaded together
+    are measured in rounds (:func:`qinfer.evals.speed.measure_speeds`). No speeds without a ``roofline``."""
+    task_keys = {m.label: {task: result_cache.cache_key("task", model=m.key, task=task, limit=config.limit,
+                                                        kv=config.kv_cache) for task in examples} for m in models}
+    speed_keys = {} if roofline is None else {m.label: result_cache.cache_key(
         "speed", model=m.key, kv=config.kv_cache, prompt=config.prompt_tokens, steps=config.decode_steps,
         repeats=config.repeats, threads=torch.get_num_threads(), roofline=roofline.to_json(), order="rounds",
     ) for m in models}
+    tasks = {m.label: {} for m in models}
+    for label, keys in task_keys.items():
+        for task, key in keys.items():
+            value = result_cache.load("task", key) if config.cache else None
+            if value is not None:
+                tasks[label][task] = MCResult(**value)
     speeds = {}
-    for m in models:
-        value = result_cache.load("speed", keys[m.label]) if config.cache else None
+    for label, key in speed_keys.items():
+        value = result_cache.load("speed", key) if config.cache else None
         if value is not None:
-            speeds[m.label] = SpeedResult(**value)
-    todo = [m for m in models if m.label not in speeds]
-    if len(todo) > 1:
-        _log(config, f"speed of {', '.join(m.label for m in todo)}, one run of each in turn, {config.repeats} rounds")
+            speeds[label] = SpeedResult(**value)
+    untimed = [label for label in speed_keys if label not in speeds]
+    todo = [m for m in models if len(tasks[m.label]) < len(examples) or m.label in untimed]
     for batch in _memory_batches(todo):
-        measured = measure_speeds([_load(m.folder) for m in batch], roofline, config.kv_cache, config.prompt_tokens,
-                                  config.decode_steps, config.repeats, desc="speed", progress=config.progress)
-        for m, speed in zip(batch, measured):
-            speeds[m.label] = speed
-            result_cache.store("speed", keys[m.label], dataclasses.asdict(speed))
-    return speeds
+        loaded = [_load(m.folder) for m in batch]
+        for m, model in zip(batch, loaded):
+            missing = [task for task in examples if task not in tasks[m.label]]
+            tok = Tokenizer.from_folder(m.folder) if missing else None
+            for task in missing:
+                tasks[m.label][task] = task_accuracy(model, tok, examples[task], config.kv_cache, f"{m.label}: {task}",
+                                                     progress=config.progress)
+                result_cache.store("task", task_keys[m.label][task], dataclasses.asdict(tasks[m.label][task]))
+        timed = [(m, model) for m, model in zip(batch, loaded) if m.label in untimed]
+        if len(timed) > 1:
+            _log(config, f"speed of {', '.join(m.label for m, _ in timed)}, one run of each in turn, "
+                         f"{config.repeats} rounds")
+        if timed:
+            measured = measure_speeds([model for _, model in timed], roofline, config.kv_cache, config.prompt_tokens,
+                                      config.decode_steps, config.repeats, desc="speed", progress=config.progress)
+            for (m, _), speed in zip(timed, measured):
+                speeds[m.label] = speed
+                result_cache.store("speed", speed_keys[m.label], dataclasses.asdict(speed))
+    return {label: {task: found[task] for task in examples} for label, found in tasks.items()}, speeds
 
 
 def _memory_batches(models: list[_Model]) -> list[list[_Model]]:
