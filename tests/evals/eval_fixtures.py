@@ -38,12 +38,18 @@ def install_tasks(names=("truths",)) -> None:
     (root / "index.json").write_text(json.dumps({name: [] for name in names}))
 
 
+def fake_roofline(**changes) -> rl.Roofline:
+    """A roofline that describes this process (so a cache holding it is reused), with round numbers."""
+    fields = dict(
+        device="cpu", bandwidth_gbs=20.0, peak_tflops={"bf16": 0.5, "fp32": 0.25}, threads=torch.get_num_threads(),
+        cpu_name=rl._device_name("cpu"), machine=rl._machine("cpu"), torch_version=torch.__version__,
+        timestamp="2026-01-01T00:00:00+00:00", buffer_bytes=1 << 30, matmul_n={"bf16": 2048, "fp32": 1024},
+    )
+    return rl.Roofline(**{**fields, **changes})
+
+
 def install_roofline() -> rl.Roofline:
     """A roofline cached for this process, so evals with speed do not spend seconds measuring one."""
-    roofline = rl.Roofline(
-        device="cpu", bandwidth_gbs=20.0, peak_tflops={"bf16": 0.5, "fp32": 0.25}, threads=torch.get_num_threads(),
-        cpu_name=rl._device_name("cpu"), machine=rl._machine("cpu"), torch_version=torch.__version__, timestamp="2026-01-01T00:00:00+00:00",
-        buffer_bytes=1 << 30, matmul_n={"bf16": 2048, "fp32": 1024},
-    )
+    roofline = fake_roofline()
     rl.save_roofline(roofline, rl.roofline_path("cpu"))
     return roofline

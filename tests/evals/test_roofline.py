@@ -6,7 +6,6 @@ import torch
 from qinfer.errors import QinferError
 from qinfer.evals import roofline as rl
 from qinfer.evals.roofline import (
-    Roofline,
     RooflinePoint,
     attainable_tflops,
     format_roofline,
@@ -18,19 +17,11 @@ from qinfer.evals.roofline import (
     roofline_path,
     save_roofline,
 )
-
-
-def _roofline(**changes) -> Roofline:
-    fields = dict(
-        device="cpu", bandwidth_gbs=20.0, peak_tflops={"bf16": 0.5, "fp32": 0.25}, threads=torch.get_num_threads(),
-        cpu_name=rl._device_name("cpu"), machine=rl._machine("cpu"), torch_version=torch.__version__, timestamp="2026-01-01T00:00:00+00:00",
-        buffer_bytes=1 << 30, matmul_n={"bf16": 2048, "fp32": 1024},
-    )
-    return Roofline(**{**fields, **changes})
+from tests.evals.eval_fixtures import fake_roofline
 
 
 def test_mbu_mfu_and_the_roof_are_exact():
-    r = _roofline()
+    r = fake_roofline()
     assert mbu(2e9, 0.2, r) == 0.5  # 10 GB/s of 20
     assert mfu({"fp32": 1e12}, 4.0, r) == 1.0  # 0.25 TFLOP/s of 0.25
     assert mfu({"bf16": 1e12}, 4.0, r) == 0.5
@@ -43,7 +34,7 @@ def test_mbu_mfu_and_the_roof_are_exact():
 
 
 def test_helpers_reject_bad_input():
-    r = _roofline()
+    r = fake_roofline()
     with pytest.raises(QinferError, match="no measured peak for dtype 'fp8'.*bf16, fp32"):
         mfu({"fp8": 1.0}, 1.0, r)
     with pytest.raises(QinferError, match="FLOPs keyed by dtype"):
@@ -56,19 +47,19 @@ def test_helpers_reject_bad_input():
 
 def test_roofline_is_validated_and_read_only():
     with pytest.raises(QinferError, match="bandwidth_gbs"):
-        _roofline(bandwidth_gbs=-1.0)
+        fake_roofline(bandwidth_gbs=-1.0)
     with pytest.raises(QinferError, match="peak_tflops"):
-        _roofline(peak_tflops={"int3": 1.0})
+        fake_roofline(peak_tflops={"int3": 1.0})
     with pytest.raises(QinferError, match="device"):
-        _roofline(device="tpu")
+        fake_roofline(device="tpu")
     with pytest.raises(TypeError):
-        _roofline().peak_tflops["bf16"] = 1e9
+        fake_roofline().peak_tflops["bf16"] = 1e9
     with pytest.raises(QinferError, match="kind"):
         RooflinePoint("x", 1.0, 1.0, "training")
 
 
 def test_json_round_trip(tmp_path):
-    r = _roofline()
+    r = fake_roofline()
     save_roofline(r, tmp_path / "r.json")
     assert load_roofline(tmp_path / "r.json") == r
     assert json.loads((tmp_path / "r.json").read_text())["peak_tflops"] == {"bf16": 0.5, "fp32": 0.25}
@@ -78,19 +69,19 @@ def test_json_round_trip(tmp_path):
 
 
 def test_cache_is_used_while_it_describes_this_process(monkeypatch):
-    fresh = _roofline(bandwidth_gbs=99.0)
+    fresh = fake_roofline(bandwidth_gbs=99.0)
     calls = []
     monkeypatch.setattr(rl, "_measure", lambda device, seconds: calls.append(device) or fresh)
-    save_roofline(_roofline(), roofline_path("cpu"))
-    assert measure_roofline() == _roofline() and calls == []
+    save_roofline(fake_roofline(), roofline_path("cpu"))
+    assert measure_roofline() == fake_roofline() and calls == []
     assert measure_roofline(force=True) == fresh and calls == ["cpu"]
     assert load_roofline(roofline_path("cpu")) == fresh
-    save_roofline(_roofline(torch_version="0.0.1"), roofline_path("cpu"))  # stale: another torch
+    save_roofline(fake_roofline(torch_version="0.0.1"), roofline_path("cpu"))  # stale: another torch
     assert measure_roofline() == fresh and calls == ["cpu", "cpu"]
     # another machine under the same CPU name (an AVX-512 part, where this may be AVX2), or a cache
     # written before machines were told apart: measured again
     for machine in (rl._machine("cpu").replace("CPUs", "CPUs, another"), None):
-        old = _roofline().to_json()
+        old = fake_roofline().to_json()
         if machine is None:
             del old["machine"]
         else:
@@ -101,7 +92,7 @@ def test_cache_is_used_while_it_describes_this_process(monkeypatch):
     calls.clear()
     roofline_path("cpu").write_text("garbage")
     assert measure_roofline() == fresh and len(calls) == 1
-    legacy = _roofline().to_json()
+    legacy = fake_roofline().to_json()
     del legacy["matmul_op"]  # written before the peaks timed x @ w.T: the old a @ b peak is re-measured
     roofline_path("cpu").write_text(json.dumps(legacy))
     assert load_roofline(roofline_path("cpu")).matmul_op == "a @ b"
@@ -144,13 +135,13 @@ def test_plot_writes_a_png(tmp_path):
         RooflinePoint("prefill 512", 300.0, 0.2, "prefill"),
     ]
     for name, pts in (("points.png", points), ("empty.png", [])):
-        path = plot_roofline(_roofline(), pts, tmp_path / "sub" / name)
+        path = plot_roofline(fake_roofline(), pts, tmp_path / "sub" / name)
         data = path.read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
 def test_table_and_main(capsys):
-    r = _roofline()
+    r = fake_roofline()
     text = format_roofline(r)
     assert "20.0 GB/s" in text and "0.500 TFLOP/s" in text and "ridge at 25.0 FLOP/byte" in text
     assert text.startswith(f"roofline of {rl._machine('cpu')} (cpu, ")
