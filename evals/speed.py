@@ -80,7 +80,7 @@ def _run(model: Transformer, prompt: torch.Tensor, steps: int, kv_dtype: str) ->
     return ttft, (time.perf_counter() - t0) / steps, cache
 
 
-def _checked_prompt(model: Transformer, prompt_tokens: int, decode_steps: int) -> torch.Tensor:
+def checked_prompt(model: Transformer, prompt_tokens: int, decode_steps: int) -> torch.Tensor:
     """The fixed pseudo-random prompt of ``prompt_tokens`` ids, after checking the run fits the model."""
     if prompt_tokens + decode_steps > model.config.max_position_embeddings:
         raise QinferError(
@@ -108,7 +108,7 @@ def measure_speeds(
         raise QinferError(
             f"speed needs a prompt, decode steps and repeats of at least 1 (got {prompt_tokens}, {decode_steps}, {repeats})"
         )
-    prompts = [_checked_prompt(model, prompt_tokens, decode_steps) for model in models]
+    prompts = [checked_prompt(model, prompt_tokens, decode_steps) for model in models]
     for model, prompt in zip(models, prompts):
         _run(model, prompt[:, :_WARMUP_PROMPT], _WARMUP_STEPS, kv_dtype)
     times: list[list[tuple[float, float]]] = [[] for _ in models]

@@ -1,0 +1,84 @@
+"""Where a decode step's time goes: the ops of a few decode steps under ``torch.profiler``.
+
+    python -m qinfer.evals.decode_profile MODEL [--prompt-tokens 512] [--steps 8] [--top 12] [--min-share 0.01]
+
+The setting is ``qinfer eval``'s speed run (:mod:`qinfer.evals.speed`): a fixed pseudo-random prompt prefilled
+into a bf16 KV cache, then greedy decode steps at batch 1. It prints the median step time without the profiler,
+then the ops with the most self time per step under it (calls per step beside each), and apart from them the
+ops on a vocabulary-wide tensor (over 1% of the time): the lm_head, most of a small model's bytes, and the pick
+of the next token. Self times are the calling thread's wall time in each op (an op's own worker threads are
+inside it), so the rows add up to at most the profiled step.
+
+Diagnostic only, CPU only: nothing is written, nothing cached.
+"""
+
+import statistics
+import time
+
+import click
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from qinfer.errors import QinferError
+from qinfer.evals.forward import make_cache
+from qinfer.evals.speed import checked_prompt
+from qinfer.generate import decode_step, prefill
+from qinfer.loader import load_model
+from qinfer.sources import resolve_model
+
+WARMUP_STEPS = 4
+
+
+@click.command()
+@click.argument("model")
+@click.option("--prompt-tokens", type=int, default=512, show_default=True)
+@click.option("--steps", type=int, default=8, show_default=True, help="Decode steps timed, and then profiled.")
+@click.option("--top", type=int, default=12, show_default=True, help="Ops listed, by self time.")
+@click.option("--min-share", type=float, default=0.01, show_default=True,
+              help="Vocabulary-wide ops taking less of the profiled time than this are left out.")
+def main(model, prompt_tokens, steps, top, min_share):
+    try:
+        if steps < 1 or top < 1 or prompt_tokens < 1:
+            raise QinferError("--prompt-tokens, --steps and --top must be at least 1")
+        _report(model, prompt_tokens, steps, top, min_share)
+    except QinferError as e:  # a bad path or checkpoint: one line, as the qinfer commands give it
+        raise click.ClickException(str(e)) from None
+
+
+@torch.no_grad()
+def _report(model_name: str, prompt_tokens: int, steps: int, top: int, min_share: float) -> None:
+    model = load_model(resolve_model(model_name))
+    prompt = checked_prompt(model, prompt_tokens, WARMUP_STEPS + 2 * steps)
+    cache = make_cache(model, 1, prompt.shape[1] + WARMUP_STEPS + 2 * steps, "bf16")
+    token = prefill(model, prompt, cache).argmax(dim=-1)
+    pos = prompt.shape[1]
+    for pos in range(pos, pos + WARMUP_STEPS):
+        token = decode_step(model, token, pos, cache).argmax(dim=-1)
+    times = []
+    for pos in range(pos + 1, pos + 1 + steps):
+        t0 = time.perf_counter()
+        token = decode_step(model, token, pos, cache).argmax(dim=-1)
+        times.append(time.perf_counter() - t0)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        t0 = time.perf_counter()
+        for pos in range(pos + 1, pos + 1 + steps):
+            token = decode_step(model, token, pos, cache).argmax(dim=-1)
+        profiled = time.perf_counter() - t0
+    ms = 1000 / steps  # a total in seconds -> milliseconds per step
+    print(f"{model_name}: {statistics.median(times) * 1000:.1f} ms a decode step (median of {steps}; "
+          f"{profiled * ms:.1f} under the profiler), {prompt_tokens}-token prompt, {torch.get_num_threads()} threads")
+    print(f"{'ms/step':>8} {'calls/step':>11}  op")
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    for e in events[:top]:
+        print(f"{e.self_cpu_time_total / 1e6 * ms:8.2f} {e.count / steps:11.0f}  {e.key}")
+    rest = sum(e.self_cpu_time_total for e in events[top:])
+    print(f"{rest / 1e6 * ms:8.2f} {sum(e.count for e in events[top:]) / steps:11.0f}  (all other ops)")
+    vocab, floor = model.config.vocab_size, min_share * profiled * 1e6
+    for e in prof.key_averages(group_by_input_shape=True):
+        wide = any(vocab in shape for shape in e.input_shapes if isinstance(shape, list))
+        if wide and e.self_cpu_time_total >= floor:
+            print(f"vocabulary-wide: {e.self_cpu_time_total / 1e6 * ms:.2f} ms/step in {e.key} on {e.input_shapes}")
+
+
+if __name__ == "__main__":
+    main()
