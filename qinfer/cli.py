@@ -198,7 +198,7 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
     """Quantize MODEL into the qinfer format (safetensors + quant_config.json) at OUT."""
     from qinfer.block_tune import TuneConfig
     from qinfer.format import QuantScheme
-    from qinfer.quantize import CalibConfig, quantize_model
+    from qinfer.quantize import CalibConfig, quantize_model, uses_calibration
     from qinfer.sources import resolve_model
 
     if fmt == "fp8":  # GPTQ's error feedback onto the FP8 grid, or (--method rtn) plain round to nearest
@@ -219,6 +219,12 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
                                fp_target_damp=CalibConfig.fp_target_damp if fp_target_damp is None else fp_target_damp)
     tune = TuneConfig(steps=tune_steps, lr=tune_lr, batch=tune_batch, e2e_steps=e2e_steps, seed=seed,
                       rounding=tune_rounding, holdout=tune_holdout)
+    ctx = click.get_current_context()
+    given = [f"--{name.replace('_', '-')}" for name in ("calib", "samples", "seq_len", "seed")
+             if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
+    if given and not uses_calibration(scheme, tune):
+        click.echo(f"note: --method rtn rounds to nearest and reads no calibration text: {', '.join(given)} "
+                   "not used (--kv-cache or --tune-steps would use them)", err=True)
     try:
         report = quantize_model(resolve_model(model), out, scheme, calib_config, force=force, tune=tune)
     except KeyboardInterrupt:

@@ -174,6 +174,11 @@ def calibration_batch(folder: Path, calib: CalibConfig) -> torch.Tensor:
     return torch.cat([torch.tensor([bos] * calib.samples, dtype=torch.long).reshape(calib.samples, -1), body], dim=1)
 
 
+def uses_calibration(scheme: QuantScheme, tune: TuneConfig) -> bool:
+    """Whether quantizing to ``scheme`` reads calibration text: round to nearest alone (RTN, FP8 RTN) does not."""
+    return scheme.method in ("gptq", "awq") or scheme.kv_cache != "none" or tune.active
+
+
 def quantize_model(
     folder: Path, out: Path, scheme: QuantScheme, calib: CalibConfig, force: bool = False, tune: TuneConfig | None = None
 ) -> QuantizeReport:
@@ -200,7 +205,7 @@ def quantize_model(
     reuse_freed_memory()
     model = load_model(folder, dtype=torch.bfloat16)
     check_shapes(model, scheme)  # before any calibration work
-    needs_calib = scheme.method in ("gptq", "awq") or scheme.kv_cache != "none" or tune.active
+    needs_calib = uses_calibration(scheme, tune)
     if needs_calib:
         check_calibration_size(model, calib, tune)
     ids = calibration_batch(folder, calib) if needs_calib else None

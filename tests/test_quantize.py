@@ -424,6 +424,22 @@ def test_cli_bad_options(tiny, tmp_path, args, needle):
     assert not (tmp_path / "out").exists()
 
 
+def test_cli_says_when_rtn_reads_no_calibration_text(tiny, tmp_path):
+    # RTN alone reads no text: calibration options given for it are named as unused, not silently dropped
+    missing = str(tmp_path / "missing.txt")
+    rtn = run_qinfer("quantize", str(tiny), "-o", str(tmp_path / "rtn"), "--method", "rtn", "--group-size", "32",
+                     "--calib", missing, "--samples", "8")
+    assert rtn.returncode == 0, rtn.stderr
+    notes = [line for line in rtn.stderr.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "--calib, --samples not used" in notes[0]
+    assert (tmp_path / "rtn" / "quant_config.json").exists()
+    # with KV-cache scales to calibrate, RTN reads the text: the missing file is an error, and no note
+    kv = run_qinfer("quantize", str(tiny), "-o", str(tmp_path / "kv"), "--method", "rtn", "--group-size", "32",
+                    "--kv-cache", "int8", "--seq-len", "64", "--calib", missing)
+    assert_one_line_error(kv, "missing.txt", "does not exist")
+    assert "note:" not in kv.stderr
+
+
 def test_interrupt_leaves_no_output(tmp_path, calib_file):
     make_model("llama", tmp_path / "src")
     out = tmp_path / "out"
