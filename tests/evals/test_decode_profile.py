@@ -1,23 +1,16 @@
 import re
 
-import pytest
 from click.testing import CliRunner
 
 from qinfer.evals.decode_profile import main
-from tests.tiny_models import VOCAB, make_model
+from tests.test_quantize import tiny  # noqa: F401 (fixture)
+from tests.tiny_models import VOCAB
 
 HEADER = re.compile(r"^\S+: (\S+) ms a decode step \(median of 2; (\S+) under the profiler\)", re.M)
 ROW = re.compile(r"^\s*(\d+\.\d+)\s+(\d+)  (\S.*)$", re.M)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("gemma3")
-    make_model("gemma3", folder)
-    return folder
-
-
-def test_decode_profile_lists_the_ops_and_the_lm_head(tiny):
+def test_decode_profile_lists_the_ops_and_the_lm_head(tiny):  # noqa: F811
     result = CliRunner().invoke(main, [str(tiny), "--prompt-tokens", "16", "--steps", "2", "--top", "4",
                                        "--min-share", "0"])
     assert result.exit_code == 0, result.output
@@ -33,7 +26,7 @@ def test_decode_profile_lists_the_ops_and_the_lm_head(tiny):
     assert len(lm_head) == 1 and str(VOCAB) in lm_head[0]  # one product as wide as the vocabulary a step
 
 
-def test_decode_profile_names_a_bad_model_or_a_long_prompt_in_one_line(tiny, tmp_path):
+def test_decode_profile_names_a_bad_model_or_a_long_prompt_in_one_line(tiny, tmp_path):  # noqa: F811
     for args in ([str(tmp_path / "missing")], [str(tiny), "--prompt-tokens", "100000"]):
         result = CliRunner().invoke(main, args)
         assert result.exit_code == 1 and "Traceback" not in result.output
