@@ -4,7 +4,8 @@
 PyTorch's fused SDPA, which on CPU is a flash-attention style kernel). A mask whose query rows see only a
 band of the keys (a sliding window, or a decode step past the window) is run in chunks of ``CHUNK`` query
 rows, each against only the keys its rows can see: SDPA with an explicit mask computes every [T, S] product,
-where a window of W needs about T * (W + CHUNK). A decode step (one query row, every key visible) runs as
+where a window of W needs about T * (W + CHUNK). A decode step (one query row, every key visible: the model
+passes no mask, having handed the step only the keys it sees) runs as
 two fp32 matmuls over the query heads grouped by KV head: SDPA's flash kernel is built for many query rows
 and took 3x (512 keys) to 6x (4096 keys) as long for one.
 """
@@ -18,18 +19,22 @@ CHUNK = 256  # query rows per chunk; 128-256 were fastest at gemma3's shapes (wi
 DECODE_MATMUL_MAX = 1 << 22
 
 
-def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    # q: [B, H, T, D]; k, v: [B, Hkv, S, D]; mask: [T, S] bool (True = attend); returns [B, H, T, D]
+def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    # q: [B, H, T, D]; k, v: [B, Hkv, S, D]; mask: [T, S] bool (True = attend), None = all; returns [B, H, T, D]
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = (q.float() @ k.float().transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~mask, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
     return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    # mask None: every query sees every key
     T, S = q.shape[2], k.shape[2]
-    if T == 1 and bool(mask.all()):  # a decode step that sees every cached key needs no mask
+    if mask is None and T > 1:
+        return _sdpa(q, k, v, None, scale)
+    if T == 1 and (mask is None or bool(mask.all())):  # a decode step that sees every cached key needs no mask
         return _decode(q, k, v, scale) if k.numel() <= DECODE_MATMUL_MAX else _sdpa(q, k, v, None, scale)
     if T == S and _is_causal(mask):
         return _sdpa(q, k, v, None, scale, causal=True)  # SDPA skips the blocks above the diagonal (~15% in fp32)

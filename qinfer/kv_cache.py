@@ -44,10 +44,11 @@ class KVCache:
         # per layer: (k_scale, v_scale), each [Hkv] fp32
         self.scales = {i: (k.float().to(device), v.float().to(device)) for i, (k, v) in (scales or {}).items()}
 
-    def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0):
+    def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0,
+               end: int | None = None):
         # input_pos: [T]; k, v: [B, Hkv, T, D] -> cached positions start:end, [B, Hkv, end - start, D], in the
-        # compute dtype
-        end = int(input_pos[-1]) + 1
+        # compute dtype; end is input_pos[-1] + 1 (given by a caller that has it as an int)
+        end = int(input_pos[-1]) + 1 if end is None else end
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions; position {end - 1} does not fit")
         if self.kv_dtype == "bf16":

@@ -115,16 +115,19 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, H, T, D]; cos, sin: [T, D] (the rotate-half layout: pairs (i, i + D/2))
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    """x: [B, H, T, D]; cos, sin: [T, D] from :meth:`Transformer.rope` (the rotate-half layout: pairs (i, i + D/2)).
+
+    ``sin`` carries the rotation's signs (its first half negated), so ``x * cos + rotate_half(x) * sin`` is
+    ``x * cos + roll(x, D/2) * sin``: the same numbers (a sign flip is exact) in 4 ops instead of 7.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         arch, C, D = config.arch, config.hidden_size, config.head_dim
-        self.layer_idx = layer_idx
+        self.layer_idx, self.window = layer_idx, config.sliding_window[layer_idx]
         self.n_heads, self.n_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, D
         self.scale = config.attn_scale
         self.q_proj = QLinear(C, self.n_heads * D, bias=arch.qkv_bias)
@@ -136,14 +139,15 @@ class Attention(nn.Module):
             self.k_norm = _norm(config, D)
         self.bos_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # the BOS token's keys, values: [Hkv, D] each
 
-    def forward(self, x, cos, sin, mask, cache: KVCache | None, input_pos, bos=None):
-        return self.o_proj(self.heads(x, cos, sin, mask, cache, input_pos, bos))
+    def forward(self, x, cos, sin, mask, cache: KVCache | None, input_pos, bos=None, span=None):
+        return self.o_proj(self.heads(x, cos, sin, mask, cache, input_pos, bos, span))
 
-    def heads(self, x, cos, sin, mask, cache: KVCache | None, input_pos, bos=None):
+    def heads(self, x, cos, sin, mask, cache: KVCache | None, input_pos, bos=None, span=None):
         """The attention's output before ``o_proj`` (its input): [B, T, heads * head_dim].
 
         ``bos`` [B] bool marks the rows whose position 0 (in ``input_pos``) holds the BOS token; there the keys
-        and values are ``self.bos_kv``, when set (see :meth:`Transformer.set_bos`).
+        and values are ``self.bos_kv``, when set (see :meth:`Transformer.set_bos`). ``span`` is ``(first,
+        last)`` of ``input_pos`` as ints, when the caller has them (else read from it).
         """
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
@@ -156,11 +160,11 @@ class Attention(nn.Module):
             k, v = k.clone(), v.clone()
             k[bos, :, 0], v[bos, :, 0] = self.bos_kv[0].to(k.dtype), self.bos_kv[1].to(v.dtype)  # [Hkv, D] each
         if cache is not None:
-            # keys before the first one any query may see (past a sliding window) are not read from the cache;
-            # the column scan is skipped when key 0 is visible (every prefill from position 0)
-            start = 0 if bool(mask[:, 0].any()) else int(mask.any(dim=0).int().argmax())
-            k, v = cache.update(self.layer_idx, input_pos, k, v, start)  # [B, Hkv, S - start, D]
-            mask = mask[:, start:]
+            # keys before the first one any query may see (past a sliding window) are not read from the cache
+            first, last = span or (int(input_pos[0]), int(input_pos[-1]))
+            start = 0 if self.window is None else max(0, first - self.window + 1)
+            k, v = cache.update(self.layer_idx, input_pos, k, v, start, last + 1)  # [B, Hkv, S - start, D]
+            mask = None if T == 1 else mask[:, start:]  # one query sees every key from start on
         o = attention(q, k, v, mask, self.scale)  # [B, H, T, D]
         return o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
 
@@ -195,8 +199,8 @@ class Block(nn.Module):
             self.post_feedforward_layernorm = _norm(config)
         self.sandwich = arch.sandwich_norms
 
-    def forward(self, x, cos, sin, mask, cache=None, input_pos=None, bos=None):
-        x = self.after_attention(x, self.self_attn.heads(self.attention_input(x), cos, sin, mask, cache, input_pos, bos))
+    def forward(self, x, cos, sin, mask, cache=None, input_pos=None, bos=None, span=None):
+        x = self.after_attention(x, self.self_attn.heads(self.attention_input(x), cos, sin, mask, cache, input_pos, bos, span))
         return self.after_mlp(x, self.mlp.hidden(self.mlp_input(x)))
 
     # The forward in stages, each ending at a linear group's input (calibration runs them one at a time):
@@ -237,7 +241,7 @@ class BosState:
 
 
 class Transformer(nn.Module):
-    """Decoder-only LM. ``forward`` runs T new tokens at positions ``input_pos`` against the cache."""
+    """Decoder-only LM. ``forward`` runs T new tokens at consecutive positions ``input_pos`` against the cache."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -265,12 +269,13 @@ class Transformer(nn.Module):
         return x
 
     def rope(self, layer_idx: int, input_pos: torch.Tensor, dtype: torch.dtype):
+        """(cos, signed sin) [T, D] in ``dtype`` for :func:`apply_rope`: the sin's first half negated."""
         rope = self.config.rope[layer_idx]
         if rope not in self._inv_freq:
             self._inv_freq[rope] = rope_inv_freq(rope, self.config.head_dim).to(input_pos.device)
         freqs = input_pos.float()[:, None] * self._inv_freq[rope][None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
     def masks(self, input_pos: torch.Tensor, n_keys: int) -> dict[int | None, torch.Tensor]:
         """Boolean masks [T, S] (True = may attend), one per distinct sliding window."""
@@ -314,14 +319,14 @@ class Transformer(nn.Module):
         """Final-norm hidden states [B, T, C] of T new tokens (``input_ids`` [B, T], ``input_pos`` [T])."""
         x = self.embed(input_ids)
         bos = self.bos_rows(input_ids, input_pos)
-        n_keys = int(input_pos[-1]) + 1 if cache is not None else 0
-        masks = self.masks(input_pos, n_keys)
+        span = (int(input_pos[0]), int(input_pos[-1]))  # the positions' range, read once, not per layer
+        masks = self.masks(input_pos, span[1] + 1 if cache is not None else 0)
         ropes = {}  # cos/sin per distinct RopeConfig (Gemma 3: two), not per layer
         for i, layer in enumerate(self.model.layers):
             rope = self.config.rope[i]
             if rope not in ropes:
                 ropes[rope] = self.rope(i, input_pos, x.dtype)
-            x = layer(x, *ropes[rope], masks[self.config.sliding_window[i]], cache, input_pos, bos)
+            x = layer(x, *ropes[rope], masks[self.config.sliding_window[i]], cache, input_pos, bos, span)
         h = self.model.norm(x)
         if bos is not None:
             h = h.clone()

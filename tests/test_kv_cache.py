@@ -65,21 +65,24 @@ def test_sliding_window_layers_read_only_their_window(tmp_path):
     # gemma3's tiny model: sliding window 5 on most layers, full attention on the others
     make_model("gemma3", tmp_path)
     model = load_model(tmp_path, dtype=torch.float32)
-    starts = {}
+    windows = model.config.sliding_window
+    reads = {}
 
     class Recording(KVCache):
-        def update(self, layer, input_pos, k, v, start=0):
-            starts[layer] = start
-            return super().update(layer, input_pos, k, v, start)
+        def update(self, layer, input_pos, k, v, start=0, end=None):
+            k_out, v_out = super().update(layer, input_pos, k, v, start, end)
+            reads[layer] = (start, start + k_out.shape[2])  # the cached positions handed to the layer
+            return k_out, v_out
 
     cache = Recording(model.config, 1, 16, torch.float32)
     ids = torch.randint(0, 97, (1, 12))
     with torch.no_grad():
-        model(ids[:, :11], torch.arange(11), cache)
-        model(ids[:, 11:], torch.tensor([11]), cache)
-    windows = model.config.sliding_window
-    assert {starts[i] for i, w in enumerate(windows) if w is None} == {0}
-    assert {starts[i] for i, w in enumerate(windows) if w is not None} == {11 - 5 + 1}  # the 5 newest keys
+        # a prompt in two chunks (the second's first query, position 7, sees keys 3..7), then a decode step
+        for positions, first_key in ((torch.arange(7), 0), (torch.arange(7, 11), 7 - 5 + 1), (torch.tensor([11]), 11 - 5 + 1)):
+            model(ids[:, positions], positions, cache)
+            end = int(positions[-1]) + 1
+            assert {reads[i] for i, w in enumerate(windows) if w is None} == {(0, end)}
+            assert {reads[i] for i, w in enumerate(windows) if w is not None} == {(first_key, end)}
 
 
 def test_masks_follow_their_definition(tmp_path):

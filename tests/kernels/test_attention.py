@@ -44,6 +44,16 @@ def test_attention_matches_reference(T, S, window, kv_heads):
     torch.testing.assert_close(attention(q, k, v, mask, 0.25), attention_ref(q, k, v, mask, 0.25), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("T, S", [(1, 12), (1, 300), (5, 12)])
+def test_no_mask_means_every_key_is_seen(T, S):
+    # the model passes no mask for a decode step (its one query sees every key it is handed)
+    q, k, v = _qkv(T, S)
+    everything = torch.ones(T, S, dtype=torch.bool)
+    expected = attention_ref(q, k, v, everything, 0.25)
+    torch.testing.assert_close(attention_ref(q, k, v, None, 0.25), expected, rtol=0, atol=0)
+    torch.testing.assert_close(attention(q, k, v, None, 0.25), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_causal_fast_path_is_not_taken_for_other_square_masks():
     q, k, v = _qkv(8, 8)
     mask = _mask(8, 8)
