@@ -1,22 +1,31 @@
 """Where a decode step's time goes: the ops of a few decode steps under ``torch.profiler``.
 
     python -m qinfer.evals.decode_profile MODEL [--prompt-tokens 512] [--steps 8] [--top 12] [--min-share 0.01]
+        [--compile [--rounds 3]]
 
 The setting is ``qinfer eval``'s speed run (:mod:`qinfer.evals.speed`): a fixed pseudo-random prompt prefilled
 into a bf16 KV cache, then greedy decode steps at batch 1. It prints the median step time without the profiler,
-then the ops with the most self time per step under it (calls per step beside each), and apart from them the
-ops on a vocabulary-wide tensor (over 1% of the time): the lm_head, most of a small model's bytes, and the pick
-of the next token. Self times are the calling thread's wall time in each op (an op's own worker threads are
+the op calls a step, the ops with the most self time per step under it (calls per step beside each), and apart
+from them the ops on a vocabulary-wide tensor (over 1% of the time): the lm_head, most of a small model's
+bytes, and the pick of the next token. Self times are the calling thread's wall time in each op (an op's own worker threads are
 inside it), so the rows add up to at most the profiled step.
 
-Diagnostic only, CPU only: nothing is written, nothing cached.
+``--compile`` then also times ``torch.compile(decode_step, dynamic=True)`` (inductor, one compile for every
+cache length) against the eager step: the compile's seconds, then both step times in alternating rounds from
+the same cache state, and whether their greedy tokens agree. Nothing in qinfer compiles; this measures what
+it would gain.
+
+Diagnostic only, CPU only: nothing is written, nothing cached (but inductor's own cache).
 """
 
+import copy
+import logging
 import statistics
 import time
 
 import click
 import torch
+from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile
 
 from qinfer.errors import QinferError
@@ -36,20 +45,24 @@ WARMUP_STEPS = 4
 @click.option("--top", type=int, default=12, show_default=True, help="Ops listed, by self time.")
 @click.option("--min-share", type=float, default=0.01, show_default=True,
               help="Vocabulary-wide ops taking less of the profiled time than this are left out.")
-def main(model, prompt_tokens, steps, top, min_share):
+@click.option("--compile", "compiled", is_flag=True,
+              help="Also time a torch.compile'd decode step against the eager one (minutes to compile).")
+@click.option("--rounds", type=int, default=3, show_default=True, help="With --compile: rounds of --steps each.")
+def main(model, prompt_tokens, steps, top, min_share, compiled, rounds):
     try:
-        if steps < 1 or top < 1 or prompt_tokens < 1:
-            raise QinferError("--prompt-tokens, --steps and --top must be at least 1")
-        _report(model, prompt_tokens, steps, top, min_share)
+        if steps < 1 or top < 1 or prompt_tokens < 1 or rounds < 1:
+            raise QinferError("--prompt-tokens, --steps, --top and --rounds must be at least 1")
+        _report(model, prompt_tokens, steps, top, min_share, rounds if compiled else 0)
     except QinferError as e:  # a bad path or checkpoint: one line, as the qinfer commands give it
         raise click.ClickException(str(e)) from None
 
 
 @torch.no_grad()
-def _report(model_name: str, prompt_tokens: int, steps: int, top: int, min_share: float) -> None:
+def _report(model_name: str, prompt_tokens: int, steps: int, top: int, min_share: float, rounds: int) -> None:
     model = load_model(resolve_model(model_name))
-    prompt = checked_prompt(model, prompt_tokens, WARMUP_STEPS + 2 * steps)
-    cache = make_cache(model, 1, prompt.shape[1] + WARMUP_STEPS + 2 * steps, "bf16")
+    n_steps = WARMUP_STEPS + 2 * steps + (1 + rounds * steps if rounds else 0)
+    prompt = checked_prompt(model, prompt_tokens, n_steps)
+    cache = make_cache(model, 1, prompt.shape[1] + n_steps, "bf16")
     token = prefill(model, prompt, cache).argmax(dim=-1)
     pos = prompt.shape[1]
     for pos in range(pos, pos + WARMUP_STEPS):
@@ -67,8 +80,9 @@ def _report(model_name: str, prompt_tokens: int, steps: int, top: int, min_share
     ms = 1000 / steps  # a total in seconds -> milliseconds per step
     print(f"{model_name}: {statistics.median(times) * 1000:.1f} ms a decode step (median of {steps}; "
           f"{profiled * ms:.1f} under the profiler), {prompt_tokens}-token prompt, {torch.get_num_threads()} threads")
-    print(f"{'ms/step':>8} {'calls/step':>11}  op")
     events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    print(f"{sum(e.count for e in events) / steps:.0f} op calls a step (the ops inside an op counted too)")
+    print(f"{'ms/step':>8} {'calls/step':>11}  op")
     for e in events[:top]:
         print(f"{e.self_cpu_time_total / 1e6 * ms:8.2f} {e.count / steps:11.0f}  {e.key}")
     rest = sum(e.self_cpu_time_total for e in events[top:])
@@ -78,6 +92,45 @@ def _report(model_name: str, prompt_tokens: int, steps: int, top: int, min_share
         wide = any(vocab in shape for shape in e.input_shapes if isinstance(shape, list))
         if wide and e.self_cpu_time_total >= floor:
             print(f"vocabulary-wide: {e.self_cpu_time_total / 1e6 * ms:.2f} ms/step in {e.key} on {e.input_shapes}")
+    if rounds:
+        _compare_compiled(model, token, pos + 1, cache, steps, rounds)
+
+
+def _compare_compiled(model, token: torch.Tensor, pos: int, cache, steps: int, rounds: int) -> None:
+    """The compiled decode step against the eager one: each round runs ``steps`` steps of both from the same
+    cache state (a copy each), alternating which goes first."""
+    step = torch.compile(decode_step, dynamic=True)
+    counters.clear()
+    breaks_log = logging.getLogger("torch._dynamo.variables.tensor")  # a warning per graph break: counted below
+    level, breaks_log.level = breaks_log.level, logging.ERROR
+    try:
+        t0 = time.perf_counter()
+        token = step(model, token, pos, cache).argmax(dim=-1)  # the compile, on the real cache
+        compile_s = time.perf_counter() - t0
+    finally:
+        breaks_log.setLevel(level)
+    reasons = sorted({reason.splitlines()[0] for reason in counters["graph_break"]})
+    times: dict[str, list[float]] = {"eager": [], "compiled": []}
+    agree = True
+    for r in range(rounds):
+        start = pos + 1 + r * steps
+        tokens = {}
+        for name in (("eager", "compiled") if r % 2 == 0 else ("compiled", "eager")):
+            fn, state, tok = decode_step if name == "eager" else step, copy.deepcopy(cache), token
+            tokens[name] = []
+            for p in range(start, start + steps):
+                t0 = time.perf_counter()
+                tok = fn(model, tok, p, state).argmax(dim=-1)
+                times[name].append(time.perf_counter() - t0)
+                tokens[name].append(tok)
+        agree &= all(torch.equal(a, b) for a, b in zip(tokens["eager"], tokens["compiled"]))
+        token, cache = tok, state  # go on from the last state
+    eager, compiled = (statistics.median(times[k]) * 1000 for k in ("eager", "compiled"))
+    print(f"torch.compile(decode_step, dynamic=True): {counters['stats']['unique_graphs']} graphs, "
+          f"{sum(counters['graph_break'].values())} graph breaks" + (f" ({'; '.join(reasons)})" if reasons else ""))
+    print(f"torch.compile(decode_step, dynamic=True): {compile_s:.0f} s to compile (the first step); then "
+          f"{compiled:.1f} ms a step against {eager:.1f} eager ({eager / compiled:.2f}x; medians of "
+          f"{rounds * steps} steps each, alternating rounds); greedy tokens {'the same' if agree else 'differ'}")
 
 
 if __name__ == "__main__":

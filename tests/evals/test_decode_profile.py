@@ -31,3 +31,26 @@ def test_decode_profile_names_a_bad_model_or_a_long_prompt_in_one_line(tiny, tmp
         result = CliRunner().invoke(main, args)
         assert result.exit_code == 1 and "Traceback" not in result.output
         assert len(result.output.strip().splitlines()) == 1 and result.output.startswith("Error: ")
+
+
+COMPILED = re.compile(r"^torch\.compile\(decode_step, dynamic=True\): (\d+) s to compile \(the first step\); then "
+                      r"(\S+) ms a step against (\S+) eager \((\S+)x; medians of (\d+) steps each, alternating "
+                      r"rounds\); greedy tokens (the same|differ)$", re.M)
+
+
+def test_decode_profile_compares_a_compiled_decode_step(tiny):  # noqa: F811
+    result = CliRunner().invoke(main, [str(tiny), "--prompt-tokens", "16", "--steps", "2", "--top", "2",
+                                       "--compile", "--rounds", "2"])
+    assert result.exit_code == 0, result.output
+    calls = re.search(r"^(\d+) op calls a step", result.stdout, re.M)
+    assert calls and int(calls.group(1)) > 0
+    match = COMPILED.search(result.stdout)
+    assert match, result.stdout
+    _, compiled, eager, ratio, steps, tokens = match.groups()
+    compiled, eager, ratio = float(compiled), float(eager), float(ratio)
+    assert compiled > 0 and eager > 0 and int(steps) == 4
+    # the ratio of the unrounded times; the times are printed to 0.1 ms, the ratio to 0.01
+    assert (eager - 0.05) / (compiled + 0.05) - 0.005 <= ratio <= (eager + 0.05) / (compiled - 0.05) + 0.005
+    graphs = re.search(r"^torch\.compile\(decode_step, dynamic=True\): (\d+) graphs, (\d+) graph breaks", result.stdout, re.M)
+    assert graphs and int(graphs.group(1)) >= 1  # the step was traced, not left to run eagerly
+    assert tokens == "the same"  # the compiled step computes the same model (fp32 tiny model: greedy agrees)
