@@ -8,16 +8,18 @@ import sys
 from collections.abc import Iterator
 
 from qinfer.errors import QinferError
-from qinfer.generate import GenerationStats, SamplingParams, generate
+from qinfer.generate import GenerationStats, SamplingParams, compile_error, generate
 from qinfer.model import Transformer
 from qinfer.tokenizer import StreamDecoder, Tokenizer
 
 
 class ChatSession:
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, params: SamplingParams, system: str | None = None):
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, params: SamplingParams, system: str | None = None,
+                 compiled: bool = False):
         if not tokenizer.chat_template:
             raise QinferError("this model has no chat template (a base model?): use `qinfer generate` instead")
         self.model, self.tokenizer, self.params, self.system = model, tokenizer, params, system
+        self.compiled = compiled  # decode through torch.compile (qinfer.generate.generate)
         self.messages: list[dict] = []
         self.reset()
 
@@ -32,7 +34,8 @@ class ChatSession:
         stream = StreamDecoder(self.tokenizer)
         answer = []
         try:
-            for token in generate(self.model, ids, self.params, stop_ids=self.tokenizer.eos_ids, stats=stats):
+            for token in generate(self.model, ids, self.params, stop_ids=self.tokenizer.eos_ids, stats=stats,
+                                  compiled=self.compiled):
                 piece = stream.feed(token)
                 answer.append(piece)
                 yield piece
@@ -45,6 +48,7 @@ class ChatSession:
 def repl(session: ChatSession, stdin=None, stdout=None) -> None:
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     interactive = stdin.isatty()
+    noted = False  # the note that --compile failed, written once
     if interactive:
         stdout.write("qinfer chat: /reset clears the conversation, /exit or Ctrl-D quits, Ctrl-C stops a reply\n")
     while True:
@@ -77,3 +81,6 @@ def repl(session: ChatSession, stdin=None, stdout=None) -> None:
             stdout.write(" [stopped]")
         stdout.write("\n")
         stdout.flush()
+        if session.compiled and compile_error() and not noted:
+            sys.stderr.write(f"note: --compile failed ({compile_error()}); decoding without it\n")
+            noted = True

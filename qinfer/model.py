@@ -162,7 +162,8 @@ class Attention(nn.Module):
         if cache is not None:
             # keys before the first one any query may see (past a sliding window) are not read from the cache
             first, last = span or (int(input_pos[0]), int(input_pos[-1]))
-            start = 0 if self.window is None else max(0, first - self.window + 1)
+            # sym_max: under torch.compile, no guard on which side of the window a position lies (no recompile)
+            start = 0 if self.window is None else torch.sym_max(0, first - self.window + 1)
             k, v = cache.update(self.layer_idx, input_pos, k, v, start, last + 1)  # [B, Hkv, S - start, D]
             mask = None if T == 1 else mask[:, start:]  # one query sees every key from start on
         o = attention(q, k, v, mask, self.scale)  # [B, H, T, D]
@@ -300,9 +301,10 @@ class Transformer(nn.Module):
             layer.self_attn.bos_kv = None if bos is None else bos.kv[i]
         self.bos_hidden = None if bos is None else bos.hidden
 
-    def bos_rows(self, input_ids: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor | None:
-        """[B] bool: the rows whose position 0 holds BOS, where the stored BOS position applies (else None)."""
-        if self.bos_hidden is None or int(input_pos[0]) != 0:
+    def bos_rows(self, input_ids: torch.Tensor, input_pos: torch.Tensor, first: int | None = None) -> torch.Tensor | None:
+        """[B] bool: the rows whose position 0 holds BOS, where the stored BOS position applies (else None).
+        ``first`` is ``input_pos[0]`` as an int, when the caller has it."""
+        if self.bos_hidden is None or (int(input_pos[0]) if first is None else first) != 0:
             return None
         rows = input_ids[:, 0] == self.config.bos_token_id
         return rows if bool(rows.any()) else None
@@ -315,11 +317,14 @@ class Transformer(nn.Module):
         hidden = self.hidden_states(ids, torch.arange(1, device=self.device), cache)  # [1, 1, C]
         return BosState(kv=[(k[0, :, 0].clone(), v[0, :, 0].clone()) for k, v in zip(cache.k, cache.v)], hidden=hidden[0, 0])
 
-    def hidden_states(self, input_ids, input_pos, cache: KVCache | None = None) -> torch.Tensor:
-        """Final-norm hidden states [B, T, C] of T new tokens (``input_ids`` [B, T], ``input_pos`` [T])."""
+    def hidden_states(self, input_ids, input_pos, cache: KVCache | None = None, span=None) -> torch.Tensor:
+        """Final-norm hidden states [B, T, C] of T new tokens (``input_ids`` [B, T], ``input_pos`` [T]).
+
+        ``span``: ``(input_pos[0], input_pos[-1])`` as ints, when the caller has them (a decode step: then
+        nothing in the forward reads a tensor back to the host, and a compiled step is one graph)."""
         x = self.embed(input_ids)
-        bos = self.bos_rows(input_ids, input_pos)
-        span = (int(input_pos[0]), int(input_pos[-1]))  # the positions' range, read once, not per layer
+        span = span or (int(input_pos[0]), int(input_pos[-1]))  # the positions' range, read once, not per layer
+        bos = self.bos_rows(input_ids, input_pos, span[0])
         masks = self.masks(input_pos, span[1] + 1 if cache is not None else 0)
         ropes = {}  # cos/sin per distinct RopeConfig (Gemma 3: two), not per layer
         for i, layer in enumerate(self.model.layers):
@@ -333,11 +338,11 @@ class Transformer(nn.Module):
             h[bos, 0] = self.bos_hidden.to(h.dtype)
         return h
 
-    def forward(self, input_ids, input_pos=None, cache: KVCache | None = None, last_only: bool = False):
-        """Logits [B, T, V] (or [B, 1, V] with ``last_only``) in the model's dtype."""
+    def forward(self, input_ids, input_pos=None, cache: KVCache | None = None, last_only: bool = False, span=None):
+        """Logits [B, T, V] (or [B, 1, V] with ``last_only``) in the model's dtype; ``span`` as in :meth:`hidden_states`."""
         if input_pos is None:
             input_pos = torch.arange(input_ids.shape[1], device=input_ids.device)
-        h = self.hidden_states(input_ids, input_pos, cache)
+        h = self.hidden_states(input_ids, input_pos, cache, span)
         if last_only:
             h = h[:, -1:]
         return self.lm_head(h)

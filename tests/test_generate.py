@@ -1,3 +1,7 @@
+import importlib
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -5,7 +9,10 @@ from qinfer.errors import QinferError
 from qinfer.generate import GenerationStats, SamplingParams, generate, prefill, sample
 from qinfer.kv_cache import KVCache
 from qinfer.loader import load_model
+from tests.test_cli_errors import run_qinfer
 from tests.tiny_models import make_model
+
+generate_module = importlib.import_module("qinfer.generate")
 
 
 @pytest.fixture(scope="module")
@@ -73,3 +80,62 @@ def test_prefill_in_chunks_matches_one_forward(tiny, chunk):
         expected_step = tiny(torch.cat([ids, torch.tensor([[7]])], dim=1))[:, -1]
     torch.testing.assert_close(got, whole, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(step, expected_step, rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_decoding_gives_the_eager_tokens_and_compiles_once(tiny):
+    # the tiny gemma3's sliding window (5) is crossed: the compiled step takes every position without recompiling
+    params = SamplingParams(max_tokens=10)
+    first, again = GenerationStats(), GenerationStats()
+    assert list(generate(tiny, [5, 17, 3, 42], params, stats=first, compiled=True)) == list(
+        generate(tiny, [5, 17, 3, 42], params))
+    longer = [5, 17, 3, 42, 8, 9, 10]  # another prompt length and cache size: the same compiled step
+    assert list(generate(tiny, longer, params, stats=again, compiled=True)) == list(generate(tiny, longer, params))
+    assert (first.compile_steps, again.compile_steps) == (1, 0) and first.compile_seconds > 0
+    assert not generate_module.compile_error()
+    assert "compiling the decode step" in first.summary() and "compiling" not in again.summary()
+    # the compiling step's time is kept out of the decode rate: 10 tokens = prefill's + 9 steps, 1 of them compiling
+    assert first.decode_tps == pytest.approx(8 / first.decode_seconds)
+
+
+def test_a_failing_compile_decodes_eagerly_and_says_why(tiny, monkeypatch):
+    def broken(*args):
+        raise RuntimeError("no C++ compiler found\nthe rest of a long message")
+
+    monkeypatch.setattr(generate_module, "compiled_decode_step", lambda: broken)
+    monkeypatch.setattr(generate_module, "_COMPILE_ERRORS", [])
+    params = SamplingParams(max_tokens=6)
+    stats = GenerationStats()
+    assert list(generate(tiny, [5, 17, 3], params, stats=stats, compiled=True)) == list(generate(tiny, [5, 17, 3], params))
+    assert generate_module.compile_error() == "RuntimeError: no C++ compiler found"
+    assert generate_module._COMPILE_ERRORS == [generate_module.compile_error()]  # tried once, then eager
+    assert stats.compile_steps == 1 and stats.generated_tokens == 6  # the failed attempt's time is kept apart
+
+
+def test_cli_generate_and_chat_with_compile(tmp_path):
+    make_model("llama", tmp_path)
+    plain = run_qinfer("generate", str(tmp_path), "a b", "--max-tokens", "6")
+    compiled = run_qinfer("generate", str(tmp_path), "a b", "--max-tokens", "6", "--compile")
+    assert plain.returncode == 0 and compiled.returncode == 0, compiled.stderr
+    assert compiled.stdout == plain.stdout  # greedy: the same text
+    assert "compiling the decode step" in compiled.stderr and "Traceback" not in compiled.stderr
+
+    def chat(*flags):
+        return subprocess.run([sys.executable, "-m", "qinfer", "chat", str(tmp_path), "--max-tokens", "6", *flags],
+                              input="hello\nhello again\n", capture_output=True, text=True, timeout=300)
+
+    eager, compiled = chat(), chat("--compile")
+    assert compiled.returncode == 0 and "Traceback" not in compiled.stderr, compiled.stderr
+    assert "note: --compile" in compiled.stderr
+    assert compiled.stdout == eager.stdout and len(compiled.stdout.strip().splitlines()) == 2  # two replies
+
+
+def test_cli_compile_without_a_compiler_decodes_eagerly_with_a_note(tmp_path):
+    make_model("llama", tmp_path / "m")
+    plain = run_qinfer("generate", str(tmp_path / "m"), "a b", "--max-tokens", "6")
+    # no C++ compiler for inductor (and an empty cache of its own, so nothing compiled before is reused)
+    broken = run_qinfer("generate", str(tmp_path / "m"), "a b", "--max-tokens", "6", "--compile",
+                        env={"CXX": "/bin/false", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
+    assert broken.returncode == 0 and "Traceback" not in broken.stderr, broken.stderr
+    assert broken.stdout == plain.stdout
+    notes = [line for line in broken.stderr.splitlines() if line.startswith("note: --compile failed")]
+    assert len(notes) == 1 and "compiler" in notes[0] and notes[0].endswith("decoded without it")
