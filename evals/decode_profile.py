@@ -12,8 +12,8 @@ inside it), so the rows add up to at most the profiled step.
 
 ``--compile`` then also times ``torch.compile(decode_step, dynamic=True)`` (inductor, one compile for every
 cache length) against the eager step: the compile's seconds, then both step times in alternating rounds from
-the same cache state, and whether their greedy tokens agree. Nothing in qinfer compiles; this measures what
-it would gain.
+the same cache state, and whether their greedy tokens agree: what ``qinfer generate --compile`` and ``qinfer
+chat --compile`` gain (they decode through the same compiled step, ``qinfer.generate.compiled_decode_step``).
 
 Diagnostic only, CPU only: nothing is written, nothing cached (but inductor's own cache).
 """

@@ -76,7 +76,8 @@ def _compile_option(f):
     return click.option(
         "--compile", "compiled", is_flag=True,
         help="Decode through torch.compile (inductor): about a minute to compile at the second token, then "
-             "~1.25x the decode tokens/s on gemma3-270m with 2 CPU cores; needs a C++ compiler.",
+             "1.3-1.6x the decode tokens/s with 2 CPU cores (slower for FP8 weights; see README); needs a C++ "
+             "compiler.",
     )(f)
 
 
