@@ -7,13 +7,13 @@ The setting is ``qinfer eval``'s speed run (:mod:`qinfer.evals.speed`): a fixed 
 into a bf16 KV cache, then greedy decode steps at batch 1. It prints the median step time without the profiler,
 the op calls a step, the ops with the most self time per step under it (calls per step beside each), and apart
 from them the ops on a vocabulary-wide tensor (over 1% of the time): the lm_head, most of a small model's
-bytes, and the pick of the next token. Self times are the calling thread's wall time in each op (an op's own worker threads are
-inside it), so the rows add up to at most the profiled step.
+bytes, and the pick of the next token. Self times are the calling thread's wall time in each op (an op's own
+worker threads are inside it), so the rows add up to at most the profiled step.
 
-``--compile`` then also times ``torch.compile(decode_step, dynamic=True)`` (inductor, one compile for every
-cache length) against the eager step: the compile's seconds, then both step times in alternating rounds from
-the same cache state, and whether their greedy tokens agree: what ``qinfer generate --compile`` and ``qinfer
-chat --compile`` gain (they decode through the same compiled step, ``qinfer.generate.compiled_decode_step``).
+``--compile`` then also times ``torch.compile(decode_step, dynamic=True)`` (``compiled_decode_step``, which
+``qinfer generate --compile`` and ``qinfer chat --compile`` decode through) against the eager step: the
+compile's seconds and graphs, then both step times in alternating rounds from the same cache state, and
+whether their greedy tokens agree.
 
 Diagnostic only, CPU only: nothing is written, nothing cached (but inductor's own cache).
 """
@@ -31,7 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 from qinfer.errors import QinferError
 from qinfer.evals.forward import make_cache
 from qinfer.evals.speed import checked_prompt
-from qinfer.generate import decode_step, prefill
+from qinfer.generate import compiled_decode_step, decode_step, prefill
 from qinfer.loader import load_model
 from qinfer.sources import resolve_model
 
@@ -99,7 +99,7 @@ def _report(model_name: str, prompt_tokens: int, steps: int, top: int, min_share
 def _compare_compiled(model, token: torch.Tensor, pos: int, cache, steps: int, rounds: int) -> None:
     """The compiled decode step against the eager one: each round runs ``steps`` steps of both from the same
     cache state (a copy each), alternating which goes first."""
-    step = torch.compile(decode_step, dynamic=True)
+    step = compiled_decode_step()
     counters.clear()
     breaks_log = logging.getLogger("torch._dynamo.variables.tensor")  # a warning per graph break: counted below
     level, breaks_log.level = breaks_log.level, logging.ERROR

@@ -19,7 +19,9 @@ CHUNK = 256  # query rows per chunk; 128-256 were fastest at gemma3's shapes (wi
 DECODE_MATMUL_MAX = 1 << 22
 
 
-def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+def attention_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
     # q: [B, H, T, D]; k, v: [B, Hkv, S, D]; mask: [T, S] bool (True = attend), None = all; returns [B, H, T, D]
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -29,7 +31,9 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
     # mask None: every query sees every key
     T, S = q.shape[2], k.shape[2]
     if mask is None and T > 1:

@@ -201,7 +201,8 @@ class Block(nn.Module):
         self.sandwich = arch.sandwich_norms
 
     def forward(self, x, cos, sin, mask, cache=None, input_pos=None, bos=None, span=None):
-        x = self.after_attention(x, self.self_attn.heads(self.attention_input(x), cos, sin, mask, cache, input_pos, bos, span))
+        heads = self.self_attn.heads(self.attention_input(x), cos, sin, mask, cache, input_pos, bos, span)
+        x = self.after_attention(x, heads)
         return self.after_mlp(x, self.mlp.hidden(self.mlp_input(x)))
 
     # The forward in stages, each ending at a linear group's input (calibration runs them one at a time):
@@ -301,7 +302,9 @@ class Transformer(nn.Module):
             layer.self_attn.bos_kv = None if bos is None else bos.kv[i]
         self.bos_hidden = None if bos is None else bos.hidden
 
-    def bos_rows(self, input_ids: torch.Tensor, input_pos: torch.Tensor, first: int | None = None) -> torch.Tensor | None:
+    def bos_rows(
+        self, input_ids: torch.Tensor, input_pos: torch.Tensor, first: int | None = None
+    ) -> torch.Tensor | None:
         """[B] bool: the rows whose position 0 holds BOS, where the stored BOS position applies (else None).
         ``first`` is ``input_pos[0]`` as an int, when the caller has it."""
         if self.bos_hidden is None or (int(input_pos[0]) if first is None else first) != 0:
@@ -339,7 +342,8 @@ class Transformer(nn.Module):
         return h
 
     def forward(self, input_ids, input_pos=None, cache: KVCache | None = None, last_only: bool = False, span=None):
-        """Logits [B, T, V] (or [B, 1, V] with ``last_only``) in the model's dtype; ``span`` as in :meth:`hidden_states`."""
+        """Logits [B, T, V] (or [B, 1, V] with ``last_only``) in the model's dtype; ``span`` as in
+        :meth:`hidden_states`."""
         if input_pos is None:
             input_pos = torch.arange(input_ids.shape[1], device=input_ids.device)
         h = self.hidden_states(input_ids, input_pos, cache, span)

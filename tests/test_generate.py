@@ -105,7 +105,8 @@ def test_a_failing_compile_decodes_eagerly_and_says_why(tiny, monkeypatch):
     monkeypatch.setattr(generate_module, "_COMPILE_ERRORS", [])
     params = SamplingParams(max_tokens=6)
     stats = GenerationStats()
-    assert list(generate(tiny, [5, 17, 3], params, stats=stats, compiled=True)) == list(generate(tiny, [5, 17, 3], params))
+    eager = list(generate(tiny, [5, 17, 3], params))
+    assert list(generate(tiny, [5, 17, 3], params, stats=stats, compiled=True)) == eager
     assert generate_module.compile_error() == "RuntimeError: no C++ compiler found"
     assert generate_module._COMPILE_ERRORS == [generate_module.compile_error()]  # tried once, then eager
     assert stats.compile_steps == 1 and stats.generated_tokens == 6  # the failed attempt's time is kept apart

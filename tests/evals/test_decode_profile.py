@@ -51,6 +51,7 @@ def test_decode_profile_compares_a_compiled_decode_step(tiny):  # noqa: F811
     assert compiled > 0 and eager > 0 and int(steps) == 4
     # the ratio of the unrounded times; the times are printed to 0.1 ms, the ratio to 0.01
     assert (eager - 0.05) / (compiled + 0.05) - 0.005 <= ratio <= (eager + 0.05) / (compiled - 0.05) + 0.005
-    graphs = re.search(r"^torch\.compile\(decode_step, dynamic=True\): (\d+) graphs, (\d+) graph breaks", result.stdout, re.M)
+    graphs = re.search(r"^torch\.compile\(decode_step, dynamic=True\): (\d+) graphs, (\d+) graph breaks",
+                       result.stdout, re.M)
     assert graphs and int(graphs.group(1)) >= 1  # the step was traced, not left to run eagerly
     assert tokens == "the same"  # the compiled step computes the same model (fp32 tiny model: greedy agrees)
