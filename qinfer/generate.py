@@ -169,11 +169,11 @@ def generate(
         yield tok
         if pos == max_len - 1 or should_stop():
             break
+        compiling = compiled and pos > len(prompt_ids)  # the first step stays eager (see the docstring)
         graphs, errors = counters["stats"]["unique_graphs"], len(_COMPILE_ERRORS)
         t0 = time.perf_counter()
-        logits = _step_logits(compiled and pos > len(prompt_ids), model, token, pos, cache)
-        token = sample(logits, params, generator)
-        if counters["stats"]["unique_graphs"] > graphs or len(_COMPILE_ERRORS) > errors:  # (tried to) compile
+        token = sample(_step_logits(compiling, model, token, pos, cache), params, generator)
+        if compiling and (counters["stats"]["unique_graphs"] > graphs or len(_COMPILE_ERRORS) > errors):
             stats.compile_seconds += time.perf_counter() - t0
             stats.compile_steps += 1
         else:
