@@ -8,7 +8,7 @@ import sys
 from collections.abc import Iterator
 
 from qinfer.errors import QinferError
-from qinfer.generate import GenerationStats, SamplingParams, compile_error, generate
+from qinfer.generate import GenerationStats, SamplingParams, compile_failure_note, generate
 from qinfer.model import Transformer
 from qinfer.tokenizer import StreamDecoder, Tokenizer
 
@@ -81,6 +81,6 @@ def repl(session: ChatSession, stdin=None, stdout=None) -> None:
             stdout.write(" [stopped]")
         stdout.write("\n")
         stdout.flush()
-        if session.compiled and compile_error() and not noted:
-            sys.stderr.write(f"note: --compile failed ({compile_error()}); decoding without it\n")
+        if session.compiled and compile_failure_note() and not noted:
+            sys.stderr.write(compile_failure_note() + "\n")
             noted = True

@@ -112,7 +112,7 @@ def list_models():
 @_compile_option
 def generate(model, prompt, dtype, max_tokens, temperature, top_p, top_k, seed, compiled):
     """Continue PROMPT with MODEL, streaming tokens to stdout; a timing line goes to stderr."""
-    from qinfer.generate import GenerationStats, SamplingParams, compile_error
+    from qinfer.generate import GenerationStats, SamplingParams, compile_failure_note
     from qinfer.generate import generate as run
     from qinfer.tokenizer import StreamDecoder
 
@@ -126,8 +126,8 @@ def generate(model, prompt, dtype, max_tokens, temperature, top_p, top_k, seed, 
         sys.stdout.flush()
     sys.stdout.write(stream.flush() + "\n")
     click.echo(stats.summary(), err=True)
-    if compiled and compile_error():
-        click.echo(f"note: --compile failed ({compile_error()}); decoded without it", err=True)
+    if compiled and compile_failure_note():
+        click.echo(compile_failure_note(), err=True)
 
 
 @cli.command()

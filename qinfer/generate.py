@@ -119,6 +119,11 @@ def compile_error() -> str:
     return _COMPILE_ERRORS[0] if _COMPILE_ERRORS else ""
 
 
+def compile_failure_note() -> str:
+    """The one line ``generate`` and ``chat`` print when ``--compile`` failed ("" when it has not)."""
+    return f"note: --compile failed ({compile_error()}); decoded without it" if _COMPILE_ERRORS else ""
+
+
 def _step_logits(compiled: bool, model, token, pos, cache) -> torch.Tensor:
     """A decode step's logits, through the compiled step when ``compiled`` (and compiling has not failed)."""
     if not compiled or _COMPILE_ERRORS:
