@@ -87,3 +87,24 @@ def test_dispatch_one_row_fast_many_rows_reference():
     assert torch.equal(linear(row.float(), weight), dequant_linear_ref(row.float(), weight))
     long_rows = Fp8Weight(torch.zeros(1, fp8_cpu.MAX_K + 1, dtype=torch.float8_e4m3fn), torch.ones(1, 1))
     assert not fp8_cpu.supported(torch.randn(1, fp8_cpu.MAX_K + 1, dtype=torch.bfloat16), long_rows)  # its outputs could overflow fp16
+
+
+def test_compiled_one_row_keeps_the_eager_kernel_as_one_operator():
+    # under torch.compile the path is one opaque operator (inductor would fuse the integer passes into a scalar
+    # loop); the traced graph calls it instead of the passes, and gives the eager result bit for bit
+    weight = _weight(96, 320, seed=4)
+    x, bias = torch.randn(1, 1, 320, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
+    # (opcheck's schema test multiplies every tensor argument, which torch cannot do for float8 ones)
+    torch.library.opcheck(fp8_cpu.fp8_gemv, (x.reshape(1, -1), weight.weight, weight.scale, bias),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(fp8_cpu.fp8_linear, backend=backend, fullgraph=True)
+    got = compiled(x, weight, bias)
+    assert torch.equal(got, fp8_cpu.fp8_linear(x, weight, bias)) and got.shape == (1, 1, 96)
+    targets = {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
+    assert any("fp8_gemv" in t for t in targets) and not any("shift" in t for t in targets), targets
