@@ -13,10 +13,11 @@ dequantize-then-matmul's (which rounds every ``code * scale`` to bf16 first).
 
 fp32 rows and many rows (a prefill) take the reference: a fp16 GEMM was 6x slower than a bf16 one here.
 
-Under ``torch.compile`` the kernel is one opaque operator, ``torch.ops.qinfer.fp8_gemv``: inductor would
-otherwise fuse the three integer passes into one scalar C++ loop (its float8 bit casts do not vectorise),
-and gemma3-270m's compiled FP8 decode step took 95.8 ms against 76.3 eager; as one operator, 67.1 against
-76.7 (``python -m qinfer.evals.decode_profile MODEL --compile``). Eager calls skip the operator's dispatch.
+Under ``torch.compile`` the move into fp16 is one opaque operator, ``torch.ops.qinfer.e4m3_as_fp16``:
+inductor would otherwise fuse its three integer passes into one scalar C++ loop (its float8 bit casts do not
+vectorise), and gemma3-270m's compiled FP8 decode step took 95.8 ms against 76.3 eager (``python -m
+qinfer.evals.decode_profile MODEL --compile``). The rest of the path (the row's scaling, the GEMV, the
+output's scales) stays in the graph for inductor. Eager calls skip the operator's dispatch.
 """
 
 import torch
@@ -36,25 +37,26 @@ def supported(x: torch.Tensor, weight: Fp8Weight) -> bool:
 
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     # x: [..., K] holding one row; returns [..., N] in x's dtype; caller checked supported(x, weight)
-    gemv = fp8_gemv if torch.compiler.is_compiling() else _fp8_gemv
-    y = gemv(x.reshape(1, -1), weight.weight, weight.scale, bias)  # [1, N]
-    return y.reshape(*x.shape[:-1], weight.shape[0])
-
-
-def _fp8_gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    # x: [1, K]; codes: float8_e4m3fn [N, K]; scale: fp32 [N, 1] or [1]; returns [1, N] in x's dtype
-    row = x.float()
+    as_fp16 = codes_as_fp16 if torch.compiler.is_compiling() else e4m3_as_fp16
+    row = x.reshape(1, -1).float()
     norm = row.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)
-    y = F.linear((row / norm).half(), e4m3_as_fp16(codes)).float()
-    y = y * (scale.reshape(1, -1) * (norm * FP8_SHIFT))
+    y = F.linear((row / norm).half(), as_fp16(weight.weight)).float()  # [1, N]
+    y = y * (weight.scale.reshape(1, -1) * (norm * FP8_SHIFT))
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype)
+    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
-fp8_gemv = torch.library.custom_op("qinfer::fp8_gemv", _fp8_gemv, mutates_args=())
+# torch.ops.qinfer.e4m3_as_fp16: a CPU kernel registered through torch.library.Library, whose dispatch costs
+# ~7 us a call here against ~25 us through torch.library.custom_op (126 calls a gemma3 decode step)
+_LIBRARY = torch.library.Library("qinfer", "DEF")
+_LIBRARY.define("e4m3_as_fp16(Tensor codes) -> Tensor")
+_LIBRARY.impl("e4m3_as_fp16", e4m3_as_fp16, "CPU")
 
 
-@fp8_gemv.register_fake
-def _(x, codes, scale, bias):
-    return x.new_empty(1, codes.shape[0])
+@torch.library.register_fake("qinfer::e4m3_as_fp16")
+def _(codes):
+    return torch.empty_like(codes, dtype=torch.float16)
+
+
+codes_as_fp16 = torch.ops.qinfer.e4m3_as_fp16
