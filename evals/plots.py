@@ -94,13 +94,17 @@ def _pad_limits(ax, xs, ys) -> None:
 
 
 def roofline_points(results) -> list[RooflinePoint]:
-    """Each model's decode step and prefill: FLOP per byte moved, and achieved TFLOP/s."""
+    """Each model's decode step (eager, and compiled when timed) and prefill: FLOP per byte moved, and achieved
+    TFLOP/s."""
     points = []
     for r, label in zip(results, short_labels(results)):
         s = r.speed
         if s is None:
             continue
         points.append(RooflinePoint(label, s.decode_flops / s.decode_bytes, s.decode_flops / s.tpot_s / 1e12, "decode"))
+        if s.compiled_tpot_s is not None:
+            points.append(RooflinePoint(label, s.decode_flops / s.decode_bytes, s.decode_flops / s.compiled_tpot_s / 1e12,
+                                        "compiled decode"))
         points.append(RooflinePoint(label, s.prefill_flops / s.prefill_bytes, s.prefill_flops / s.ttft_s / 1e12,
                                     "prefill"))
     return points

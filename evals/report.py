@@ -12,7 +12,7 @@
         "max_tokens", "window", "stride": <int>,
         "tasks": [<task names>], "limit": <int examples per task>,
         "speed": <bool>, "kv_cache": "bf16" | "int8" | "fp8",
-        "prompt_tokens", "decode_steps", "repeats": <int>,
+        "prompt_tokens", "decode_steps", "repeats": <int>, "compiled": <bool, the compiled decode step timed too>,
         "device": "cpu" | "cuda", "threads": <int>, "torch_version": "<version>"
       },
       "roofline": null | <qinfer.evals.roofline.Roofline.to_json()>,
@@ -29,7 +29,9 @@
           "ttft_s", "prefill_tok_s", "tpot_s", "decode_tok_s", "decode_context": <float>,
           "decode_bytes", "decode_flops", "prefill_bytes", "prefill_flops": <int>,
           "mbu", "mfu_prefill": <float, fractions of the roofline>, "threads": <int>,
-          "prefill_flops_by_dtype": {"bf16" | "fp32": <int, prefill FLOPs multiplied in that dtype>}
+          "prefill_flops_by_dtype": {"bf16" | "fp32": <int, prefill FLOPs multiplied in that dtype>},
+          "compile_s", "compiled_tpot_s", "compiled_decode_tok_s", "compiled_mbu": <float, or null without
+              "compiled": the torch.compile'd decode step, timed beside the eager one>
         }
       }, ...]
     }
@@ -70,7 +72,8 @@ def results_json(config, results, roofline: Roofline | None, text_description: s
         "text": config.text, "text_description": text_description, "max_tokens": config.max_tokens,
         "window": config.window, "stride": config.stride, "tasks": list(config.tasks), "limit": config.limit,
         "speed": config.speed, "kv_cache": config.kv_cache, "prompt_tokens": config.prompt_tokens,
-        "decode_steps": config.decode_steps, "repeats": config.repeats, "device": eval_device(),
+        "decode_steps": config.decode_steps, "repeats": config.repeats, "compiled": config.compiled,
+        "device": eval_device(),
         "threads": torch.get_num_threads(), "torch_version": torch.__version__,
     }
     return {
@@ -101,6 +104,9 @@ def _rows(results) -> tuple[list[str], list[list[str]]]:
     """Header and cells of the summary table (shared by the terminal and markdown)."""
     header = ["model", "size MiB", "bits/w", "ppl", "vs base %", "KL nats", "top-1 %", "acc %", "acc_norm %",
               "prefill tok/s", "TTFT s", "decode tok/s", "TPOT ms", "MBU %", "MFU %"]
+    compiled = any(r.speed is not None and r.speed.compiled_tpot_s is not None for r in results)
+    if compiled:
+        header += ["compiled tok/s", "compiled MBU %"]
     rows = []
     for r in results:
         acc = _mean(t.accuracy for t in r.tasks.values())
@@ -117,6 +123,9 @@ def _rows(results) -> tuple[list[str], list[list[str]]]:
                 f"{100 * s.mbu:.1f}", f"{100 * s.mfu_prefill:.1f}",
             ]),
         ])
+        if compiled:
+            timed = s is not None and s.compiled_tpot_s is not None
+            rows[-1] += [f"{s.compiled_decode_tok_s:.2f}", f"{100 * s.compiled_mbu:.1f}"] if timed else ["-", "-"]
     return header, rows
 
 
@@ -148,7 +157,10 @@ def results_markdown(data: dict, results) -> str:
         f"models run with a {s['kv_cache']} KV cache. Tasks: {', '.join(s['tasks']) or 'none'}, "
         f"{s['limit']} examples each, zero-shot; acc is the mean over tasks. "
         + (f"Speed at batch 1: {s['prompt_tokens']}-token prompt, {s['decode_steps']} decode steps, median of "
-           f"{s['repeats']} runs, {s['threads']} threads." if s["speed"] else "Speed not measured."),
+           f"{s['repeats']} runs, {s['threads']} threads."
+           + (" The compiled columns time the same decode steps through torch.compile (as `qinfer generate "
+              "--compile`), from a copy of each run's prefilled cache; compiling is not counted."
+              if s.get("compiled") else "") if s["speed"] else "Speed not measured."),
         "",
         _md_table(*_rows(results)),
     ]

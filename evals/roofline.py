@@ -46,7 +46,7 @@ from qinfer.errors import QinferError
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DEVICES = ("cpu", "cuda")
-POINT_KINDS = ("decode", "prefill")
+POINT_KINDS = ("decode", "compiled decode", "prefill")
 BUFFER_BYTES = 1 << 30
 _MATMUL_TARGET_S = 0.05  # one matmul at least this long: a size that reaches the ceiling
 _MATMUL_MAX_N = 16384
@@ -122,7 +122,7 @@ class RooflinePoint:
     name: str
     arithmetic_intensity: float  # FLOP/byte
     tflops: float  # achieved
-    kind: str  # "decode" or "prefill"
+    kind: str  # one of POINT_KINDS
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:

@@ -20,7 +20,7 @@ from matplotlib.transforms import Bbox
 from qinfer.evals.roofline import Roofline, RooflinePoint, attainable_tflops
 
 _DTYPE_STYLE = {"bf16": ("tab:blue", "-"), "fp32": ("tab:orange", "--")}
-_KIND_STYLE = {"decode": ("o", "tab:green"), "prefill": ("s", "tab:purple")}
+_KIND_STYLE = {"decode": ("o", "tab:green"), "compiled decode": ("D", "tab:olive"), "prefill": ("s", "tab:purple")}
 # offsets (points) of a point label from its marker, tried in order: beside it, then farther away (those
 # get a leader line, see _FAR)
 _OFFSETS = [(7, 5), (7, -12), (8, -3), (-7, 5), (-7, -12), (-8, -3),

@@ -58,6 +58,7 @@ class EvalConfig:
     prompt_tokens: int = 512
     decode_steps: int = 16
     repeats: int = 3  # speed runs; the medians are reported
+    compiled: bool = False  # also time the torch.compile'd decode step (a compile per model: minutes)
     out: Path | None = Path("qinfer-results")
     cache: bool = True
     progress: bool = True
@@ -215,6 +216,7 @@ def _model_parts(config, models: list[_Model], examples: dict, roofline: Rooflin
     speed_keys = {} if roofline is None else {m.label: result_cache.cache_key(
         "speed", model=m.key, kv=config.kv_cache, prompt=config.prompt_tokens, steps=config.decode_steps,
         repeats=config.repeats, threads=torch.get_num_threads(), roofline=roofline.to_json(), order="rounds",
+        compiled=config.compiled,
     ) for m in models}
     tasks = {m.label: {} for m in models}
     for label, keys in task_keys.items():
@@ -244,7 +246,8 @@ def _model_parts(config, models: list[_Model], examples: dict, roofline: Rooflin
                          f"{config.repeats} rounds")
         if timed:
             measured = measure_speeds([model for _, model in timed], roofline, config.kv_cache, config.prompt_tokens,
-                                      config.decode_steps, config.repeats, desc="speed", progress=config.progress)
+                                      config.decode_steps, config.repeats, desc="speed", progress=config.progress,
+                                      compiled=config.compiled)
             for (m, _), speed in zip(timed, measured):
                 speeds[m.label] = speed
                 result_cache.store("speed", speed_keys[m.label], dataclasses.asdict(speed))

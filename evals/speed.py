@@ -19,9 +19,16 @@ Utilisation against the measured roofline (:mod:`qinfer.evals.roofline`):
           than 256 tokens, multiplies in fp32 even in a bf16 model, so such a 4-bit prefill is held to the
           fp32 peak; longer ones, and a bf16 model's, to the bf16 peak)
 
+With ``compiled`` the decode steps are also timed through :func:`qinfer.generate.compiled_decode_step`
+(``torch.compile``, what ``qinfer generate --compile`` decodes with): after the eager warm-up, one short
+compiled warm-up run per model compiles it (``compile_s``: its wall time), and every run then decodes its
+steps twice from the same prefilled cache (a copy for one of them), eager and compiled, alternating which goes
+first from run to run. The ``compiled_*`` figures are their medians, MBU held to the same bytes per step.
+
 The prompt is fixed pseudo-random token ids: the work of a forward does not depend on which tokens.
 """
 
+import copy
 import statistics
 import time
 from collections.abc import Sequence
@@ -34,7 +41,7 @@ from qinfer.errors import QinferError
 from qinfer.evals.costs import decode_bytes, decode_flops, prefill_bytes, prefill_flops, prefill_flops_by_dtype
 from qinfer.evals.forward import make_cache
 from qinfer.evals.roofline import DTYPES, Roofline, mbu, mfu
-from qinfer.generate import decode_step, prefill
+from qinfer.generate import compiled_decode_step, decode_step, prefill
 from qinfer.kv_cache import KVCache
 from qinfer.model import Transformer
 
@@ -62,10 +69,17 @@ class SpeedResult:
     mfu_prefill: float
     threads: int
     prefill_flops_by_dtype: dict[str, int] = field(default_factory=dict)  # what MFU holds to each dtype's peak
+    # with compiled (else None): the compiled decode step, timed beside the eager one
+    compile_s: float | None = None  # the compiled warm-up run's wall time, nearly all of it compiling
+    compiled_tpot_s: float | None = None
+    compiled_decode_tok_s: float | None = None
+    compiled_mbu: float | None = None
 
 
-def _run(model: Transformer, prompt: torch.Tensor, steps: int, kv_dtype: str) -> tuple[float, float, KVCache]:
-    """(seconds to first token, mean seconds per decode step, the filled cache) of one run."""
+def _run(model: Transformer, prompt: torch.Tensor, steps: int, kv_dtype: str, compiled=None,
+         compiled_first: bool = False) -> tuple[float, float, KVCache, float | None]:
+    """(seconds to first token, mean seconds per eager decode step, the filled cache, and with a ``compiled``
+    step function the mean seconds per compiled step from a copy of the same prefilled cache) of one run."""
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     cache = make_cache(model, 1, prompt.shape[1] + steps, kv_dtype)
     sync()
@@ -73,11 +87,24 @@ def _run(model: Transformer, prompt: torch.Tensor, steps: int, kv_dtype: str) ->
     token = prefill(model, prompt, cache).argmax(dim=-1)
     sync()
     ttft = time.perf_counter() - t0
+    if compiled is None:
+        return ttft, _decode(model, decode_step, token, prompt.shape[1], cache, steps, sync), cache, None
+    spare = copy.deepcopy(cache)
+    if compiled_first:
+        compiled_tpot = _decode(model, compiled, token, prompt.shape[1], spare, steps, sync)
+    tpot = _decode(model, decode_step, token, prompt.shape[1], cache, steps, sync)
+    if not compiled_first:
+        compiled_tpot = _decode(model, compiled, token, prompt.shape[1], spare, steps, sync)
+    return ttft, tpot, cache, compiled_tpot
+
+
+def _decode(model: Transformer, step, token: torch.Tensor, start: int, cache: KVCache, steps: int, sync) -> float:
+    """Mean seconds per ``step`` over ``steps`` greedy decode steps from position ``start``."""
     t0 = time.perf_counter()
-    for pos in range(prompt.shape[1], prompt.shape[1] + steps):
-        token = decode_step(model, token, pos, cache).argmax(dim=-1)
+    for pos in range(start, start + steps):
+        token = step(model, token, pos, cache).argmax(dim=-1)
     sync()
-    return ttft, (time.perf_counter() - t0) / steps, cache
+    return (time.perf_counter() - t0) / steps
 
 
 def checked_prompt(model: Transformer, prompt_tokens: int, decode_steps: int) -> torch.Tensor:
@@ -102,36 +129,58 @@ def measure_speeds(
     repeats: int = 3,
     desc: str = "speed",
     progress: bool = True,
+    compiled: bool = False,
 ) -> list[SpeedResult]:
-    """The speed of each of ``models``, measured in rounds (see the module docstring)."""
+    """The speed of each of ``models``, measured in rounds (see the module docstring); with ``compiled``,
+    the compiled decode step's too."""
     if prompt_tokens < 1 or decode_steps < 1 or repeats < 1:
         raise QinferError(
             f"speed needs a prompt, decode steps and repeats of at least 1 (got {prompt_tokens}, {decode_steps}, {repeats})"
         )
     prompts = [checked_prompt(model, prompt_tokens, decode_steps) for model in models]
     for model, prompt in zip(models, prompts):
-        _run(model, prompt[:, :_WARMUP_PROMPT], _WARMUP_STEPS, kv_dtype)
-    times: list[list[tuple[float, float]]] = [[] for _ in models]
+        _run(model, prompt[:, :_WARMUP_PROMPT], _WARMUP_STEPS, kv_dtype)  # eager first: builds weight layouts
+    step = compiled_decode_step() if compiled else None
+    compile_s: list[float | None] = [None] * len(models)
+    if compiled:
+        for i, (model, prompt) in enumerate(tqdm(list(zip(models, prompts)), desc="compiling the decode step",
+                                                 unit="model", disable=not progress)):
+            compile_s[i] = _compile(model, prompt, kv_dtype, step)
+    times: list[list[tuple[float, float, float | None]]] = [[] for _ in models]
     caches: list[KVCache | None] = [None] * len(models)
     with tqdm(total=repeats * len(models), desc=desc, unit="run", disable=not progress) as bar:
-        for _ in range(repeats):
+        for r in range(repeats):
             for i, (model, prompt) in enumerate(zip(models, prompts)):
-                ttft, tpot, caches[i] = _run(model, prompt, decode_steps, kv_dtype)
-                times[i].append((ttft, tpot))
+                extra = {} if step is None else {"compiled": step, "compiled_first": r % 2 == 1}
+                ttft, tpot, caches[i], compiled_tpot = _run(model, prompt, decode_steps, kv_dtype, **extra)
+                times[i].append((ttft, tpot, compiled_tpot))
                 bar.update()
     return [
-        _result(model, runs, cache, roofline, kv_dtype, prompt_tokens, decode_steps)
-        for model, runs, cache in zip(models, times, caches)
+        _result(model, runs, cache, roofline, kv_dtype, prompt_tokens, decode_steps, seconds)
+        for model, runs, cache, seconds in zip(models, times, caches, compile_s)
     ]
 
 
-def _result(model: Transformer, runs: list[tuple[float, float]], cache: KVCache, roofline: Roofline, kv_dtype: str,
-            prompt_tokens: int, decode_steps: int) -> SpeedResult:
-    """One model's figures from its runs' (TTFT, TPOT); ``cache`` is the one its last run filled (its bytes
-    per position and its scales, as the runs used them)."""
+def _compile(model: Transformer, prompt: torch.Tensor, kv_dtype: str, step) -> float:
+    """Seconds of one short run through the compiled ``step`` (its first step compiles for this model)."""
+    t0 = time.perf_counter()
+    try:
+        _run(model, prompt[:, :_WARMUP_PROMPT], _WARMUP_STEPS, kv_dtype, compiled=step)
+    except Exception as e:  # no C++ compiler, an op inductor cannot lower, ...
+        lines = str(e).strip().splitlines()
+        reason = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+        raise QinferError(f"--compile: torch.compile failed ({reason}); measure without --compile") from None
+    return time.perf_counter() - t0
+
+
+def _result(model: Transformer, runs: list[tuple[float, float, float | None]], cache: KVCache, roofline: Roofline,
+            kv_dtype: str, prompt_tokens: int, decode_steps: int, compile_s: float | None = None) -> SpeedResult:
+    """One model's figures from its runs' (TTFT, TPOT, compiled TPOT or None); ``cache`` is the one its last run
+    filled (its bytes per position and its scales, as the runs used them)."""
     by_dtype = {_DTYPE_NAMES[d]: n for d, n in prefill_flops_by_dtype(model, prompt_tokens).items()}
     ttft = statistics.median(r[0] for r in runs)
     tpot = statistics.median(r[1] for r in runs)
+    compiled_tpot = None if compile_s is None else statistics.median(r[2] for r in runs)
     context = prompt_tokens + (decode_steps - 1) / 2  # the steps see prompt_tokens .. prompt_tokens + steps - 1
     step_bytes = decode_bytes(model, cache, round(context))
     step_flops = decode_flops(model, round(context))
@@ -155,4 +204,8 @@ def _result(model: Transformer, runs: list[tuple[float, float]], cache: KVCache,
         mfu_prefill=mfu(by_dtype, ttft, roofline),
         threads=torch.get_num_threads(),
         prefill_flops_by_dtype=by_dtype,
+        compile_s=compile_s,
+        compiled_tpot_s=compiled_tpot,
+        compiled_decode_tok_s=None if compiled_tpot is None else 1.0 / compiled_tpot,
+        compiled_mbu=None if compiled_tpot is None else mbu(step_bytes, compiled_tpot, roofline),
     )

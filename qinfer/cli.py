@@ -285,10 +285,13 @@ def export(model, out, fmt, force):
 @click.option("--prompt-tokens", type=int, default=512, show_default=True, help="Prompt length for prefill speed.")
 @click.option("--decode-steps", type=int, default=16, show_default=True, help="Decode steps per speed run.")
 @click.option("--repeats", type=int, default=3, show_default=True, help="Speed runs (medians are reported).")
+@click.option("--compile", "compiled", is_flag=True, default=False,
+              help="Also time the decode step through torch.compile, as generate --compile runs it (compiled "
+                   "tok/s and MBU columns; about a minute to compile each model).")
 @click.option("--out", default="qinfer-results", show_default=True, type=click.Path(file_okay=False))
 @click.option("--no-cache", is_flag=True, help="Measure again instead of reusing cached results.")
 def eval_models(models, baseline, text, max_tokens, window, stride, tasks, limit, speed, kv_cache, prompt_tokens,
-                decode_steps, repeats, out, no_cache):
+                decode_steps, repeats, compiled, out, no_cache):
     """Accuracy (perplexity, KL, BIG-bench) against speed against the roofline, for each MODEL."""
     from qinfer.evals.report import format_table
     from qinfer.evals.runner import EvalConfig, run_eval
@@ -296,8 +299,8 @@ def eval_models(models, baseline, text, max_tokens, window, stride, tasks, limit
     task_list = () if tasks.strip().lower() == "none" else tuple(t.strip() for t in tasks.split(",") if t.strip())
     config = EvalConfig(models=models, baseline=baseline, text=text, max_tokens=max_tokens, window=window,
                         stride=stride, tasks=task_list, limit=limit, speed=speed, kv_cache=kv_cache,
-                        prompt_tokens=prompt_tokens, decode_steps=decode_steps, repeats=repeats, out=out,
-                        cache=not no_cache)
+                        prompt_tokens=prompt_tokens, decode_steps=decode_steps, repeats=repeats, compiled=compiled,
+                        out=out, cache=not no_cache)
     results = run_eval(config)
     click.echo(format_table(results))
     click.echo(f"wrote results.json, results.md, pareto.png{', roofline.png' if speed else ''} to {out}")

@@ -47,6 +47,16 @@ def test_eval_without_speed_writes_no_roofline_plot(env):
     assert sorted(p.name for p in out.iterdir()) == ["pareto.png", "results.json", "results.md"]
 
 
+def test_eval_compile_without_a_compiler_is_one_clear_error(env):
+    install_roofline()
+    # no C++ compiler for inductor (and an empty cache of its own, so nothing compiled before is reused)
+    proc = run_qinfer("eval", env["model"], "--tasks", "none", "--text", env["text"], *SMALL, "--prompt-tokens", "24",
+                      "--decode-steps", "3", "--repeats", "1", "--compile", "--out", str(env["root"] / "out"),
+                      env={**env["env"], "CXX": "/bin/false", "TORCHINDUCTOR_CACHE_DIR": str(env["root"] / "inductor")})
+    assert_one_line_error(proc, "--compile: torch.compile failed")
+    assert "measure without --compile" in proc.stderr and not (env["root"] / "out").exists()
+
+
 def test_unknown_task(env):
     install_tasks()
     proc = run_qinfer("eval", env["model"], "--tasks", "truths,nope", "--text", env["text"], *SMALL, env=env["env"])
@@ -81,7 +91,7 @@ def test_cli_defaults_are_the_eval_config_defaults():
     params = {p.name: p.default for p in cli.commands["eval"].params if isinstance(p, click.Option)}
     defaults = EvalConfig(models=("m",))
     for name in ("text", "max_tokens", "window", "stride", "limit", "speed", "kv_cache", "prompt_tokens",
-                 "decode_steps", "repeats"):
+                 "decode_steps", "repeats", "compiled"):
         assert params[name] == getattr(defaults, name), name
     assert tuple(params["tasks"].split(",")) == defaults.tasks
     assert params["out"] == os.fspath(defaults.out)

@@ -125,8 +125,8 @@ def test_results_json_follows_the_documented_schema(env):
     assert set(data) == {"schema_version", "created", "qinfer_version", "settings", "roofline", "models"}
     assert set(data["settings"]) == {
         "models", "baseline", "baseline_kv_cache", "text", "text_description", "max_tokens", "window", "stride",
-        "tasks", "limit", "speed", "kv_cache", "prompt_tokens", "decode_steps", "repeats", "device", "threads",
-        "torch_version",
+        "tasks", "limit", "speed", "kv_cache", "prompt_tokens", "decode_steps", "repeats", "compiled", "device",
+        "threads", "torch_version",
     }
     assert data["settings"]["models"] == [env["model"]] and data["settings"]["window"] == 64
     assert data["roofline"] == roofline.to_json()
@@ -139,8 +139,10 @@ def test_results_json_follows_the_documented_schema(env):
     assert set(m["speed"]) == {
         "prompt_tokens", "decode_steps", "repeats", "kv_cache", "compute_dtype", "ttft_s", "prefill_tok_s", "tpot_s",
         "decode_tok_s", "decode_context", "decode_bytes", "decode_flops", "prefill_bytes", "prefill_flops", "mbu",
-        "mfu_prefill", "threads", "prefill_flops_by_dtype",
+        "mfu_prefill", "threads", "prefill_flops_by_dtype", "compile_s", "compiled_tpot_s", "compiled_decode_tok_s",
+        "compiled_mbu",
     }
+    assert m["speed"]["compiled_tpot_s"] is None and "compiled tok/s" not in format_table([result])  # not asked for
     assert m["effective_bits"] == 16.0 and m["speed"]["prompt_tokens"] == 24
     # a bf16 model's linears multiply in bf16, or in fp32 on a CPU without native bf16 GEMMs (qinfer.kernels.linear)
     by_dtype = m["speed"]["prefill_flops_by_dtype"]
@@ -222,3 +224,48 @@ def test_speeds_are_measured_in_rounds_when_the_models_fit_together(env, monkeyp
         assert order == [a] * (1 + SPEED["repeats"]) + [b] * (1 + SPEED["repeats"])
     for r in results:
         assert r.speed.repeats == SPEED["repeats"] and r.speed.tpot_s > 0 and r.speed.decode_bytes > 0
+
+
+def test_compiled_decode_is_timed_beside_the_eager_one(env, monkeypatch):
+    from qinfer.evals import speed
+
+    install_roofline()
+    out = env["root"] / "out"
+    calls, real = [], speed._run
+
+    def recording(model, prompt, steps, kv_dtype, compiled=None, compiled_first=False):
+        calls.append((prompt.shape[1], compiled is not None, compiled_first))
+        return real(model, prompt, steps, kv_dtype, compiled, compiled_first)
+
+    monkeypatch.setattr(speed, "_run", recording)
+    (result,) = run_eval(EvalConfig(models=(env["model"],), text=env["text"],
+                                    **{**SMALL, **SPEED, "repeats": 3, "compiled": True, "out": out}))
+    # the eager warm-up, the compiling warm-up, then every run times both, alternating which goes first
+    assert calls == [(16, False, False), (16, True, False), (24, True, False), (24, True, True), (24, True, False)]
+    s = result.speed
+    assert s.compile_s > 0 and s.compiled_tpot_s > 0 and s.compiled_decode_tok_s == pytest.approx(1 / s.compiled_tpot_s)
+    assert s.compiled_mbu == pytest.approx(s.mbu * s.tpot_s / s.compiled_tpot_s)  # the same bytes a step
+    table = format_table([result])
+    assert "compiled tok/s" in table and f"{s.compiled_decode_tok_s:.2f}" in table
+    assert "through torch.compile" in (out / "results.md").read_text()
+    from qinfer.evals.plots import roofline_points
+
+    assert [p.kind for p in roofline_points([result])] == ["decode", "compiled decode", "prefill"]  # roofline.png
+    assert json.loads((out / "results.json").read_text())["settings"]["compiled"] is True
+    # cached apart from an eager-only measurement: this one does not stand in for it, nor it for this one
+    calls.clear()
+    (eager,) = run_eval(EvalConfig(models=(env["model"],), text=env["text"], **{**SMALL, **SPEED, "repeats": 3}))
+    assert eager.speed.compiled_tpot_s is None and calls and not any(c[1] for c in calls)
+
+
+def test_a_failing_compile_is_one_clear_error(env, monkeypatch):
+    from qinfer.evals import speed
+
+    def broken(*args):
+        raise RuntimeError("no C++ compiler found\nthe rest of a long message")
+
+    install_roofline()
+    monkeypatch.setattr(speed, "compiled_decode_step", lambda: broken)
+    with pytest.raises(QinferError, match=r"^--compile: torch.compile failed \(RuntimeError: no C\+\+ compiler found\); "
+                                          r"measure without --compile$"):
+        run_eval(EvalConfig(models=(env["model"],), text=env["text"], **{**SMALL, **SPEED, "compiled": True}))
