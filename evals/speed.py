@@ -20,10 +20,12 @@ Utilisation against the measured roofline (:mod:`qinfer.evals.roofline`):
           fp32 peak; longer ones, and a bf16 model's, to the bf16 peak)
 
 With ``compiled`` the decode steps are also timed through :func:`qinfer.generate.compiled_decode_step`
-(``torch.compile``, what ``qinfer generate --compile`` decodes with): after the eager warm-up, one short
-compiled warm-up run per model compiles it (``compile_s``: its wall time), and every run then decodes its
+(``torch.compile``, what ``qinfer generate --compile`` decodes with): after the eager warm-up, one compiled
+warm-up run per model at the timed positions compiles it (``compile_s``: its wall time; a graph compiled for
+other positions can be another graph, e.g. inside a sliding window and past it), and every run then decodes its
 steps twice from the same prefilled cache (a copy for one of them), eager and compiled, alternating which goes
-first from run to run. The ``compiled_*`` figures are their medians, MBU held to the same bytes per step.
+first from run to run. The ``compiled_*`` figures are their medians, MBU held to the same bytes per step. A
+compile during the timed runs (which would be timed as decoding) is an error.
 
 The prompt is fixed pseudo-random token ids: the work of a forward does not depend on which tokens.
 """
@@ -35,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch._dynamo.utils import counters
 from tqdm import tqdm
 
 from qinfer.errors import QinferError
@@ -81,7 +84,8 @@ def _run(model: Transformer, prompt: torch.Tensor, steps: int, kv_dtype: str, co
     """(seconds to first token, mean seconds per eager decode step, the filled cache, and with a ``compiled``
     step function the mean seconds per compiled step from a copy of the same prefilled cache) of one run."""
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
-    cache = make_cache(model, 1, prompt.shape[1] + steps, kv_dtype)
+    # a spare position: a compiled step whose keys fill the whole cache would be another graph
+    cache = make_cache(model, 1, prompt.shape[1] + steps + 1, kv_dtype)
     sync()
     t0 = time.perf_counter()
     token = prefill(model, prompt, cache).argmax(dim=-1)
@@ -142,30 +146,36 @@ def measure_speeds(
         _run(model, prompt[:, :_WARMUP_PROMPT], _WARMUP_STEPS, kv_dtype)  # eager first: builds weight layouts
     step = compiled_decode_step() if compiled else None
     compile_s: list[float | None] = [None] * len(models)
-    if compiled:
-        for i, (model, prompt) in enumerate(tqdm(list(zip(models, prompts)), desc="compiling the decode step",
-                                                 unit="model", disable=not progress)):
-            compile_s[i] = _compile(model, prompt, kv_dtype, step)
-    times: list[list[tuple[float, float, float | None]]] = [[] for _ in models]
-    caches: list[KVCache | None] = [None] * len(models)
-    with tqdm(total=repeats * len(models), desc=desc, unit="run", disable=not progress) as bar:
-        for r in range(repeats):
-            for i, (model, prompt) in enumerate(zip(models, prompts)):
-                extra = {} if step is None else {"compiled": step, "compiled_first": r % 2 == 1}
-                ttft, tpot, caches[i], compiled_tpot = _run(model, prompt, decode_steps, kv_dtype, **extra)
-                times[i].append((ttft, tpot, compiled_tpot))
-                bar.update()
+    # a graph or two per model (dynamo's default limit, 8 per function, would leave later models eager)
+    with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 2 * len(models))):
+        if compiled:
+            for i, (model, prompt) in enumerate(tqdm(list(zip(models, prompts)), desc="compiling the decode step",
+                                                     unit="model", disable=not progress)):
+                compile_s[i] = _compile(model, prompt, decode_steps, kv_dtype, step)
+        graphs = counters["stats"]["unique_graphs"]
+        times: list[list[tuple[float, float, float | None]]] = [[] for _ in models]
+        caches: list[KVCache | None] = [None] * len(models)
+        with tqdm(total=repeats * len(models), desc=desc, unit="run", disable=not progress) as bar:
+            for r in range(repeats):
+                for i, (model, prompt) in enumerate(zip(models, prompts)):
+                    extra = {} if step is None else {"compiled": step, "compiled_first": r % 2 == 1}
+                    ttft, tpot, caches[i], compiled_tpot = _run(model, prompt, decode_steps, kv_dtype, **extra)
+                    times[i].append((ttft, tpot, compiled_tpot))
+                    bar.update()
+    if compiled and counters["stats"]["unique_graphs"] != graphs:
+        raise QinferError("the compiled decode step compiled again during the timed runs, so its time would count "
+                          "compiling: measure without --compile, and report this as a bug")
     return [
         _result(model, runs, cache, roofline, kv_dtype, prompt_tokens, decode_steps, seconds)
         for model, runs, cache, seconds in zip(models, times, caches, compile_s)
     ]
 
 
-def _compile(model: Transformer, prompt: torch.Tensor, kv_dtype: str, step) -> float:
-    """Seconds of one short run through the compiled ``step`` (its first step compiles for this model)."""
+def _compile(model: Transformer, prompt: torch.Tensor, steps: int, kv_dtype: str, step) -> float:
+    """Seconds of one run through the compiled ``step`` at the timed positions (its first step compiles)."""
     t0 = time.perf_counter()
     try:
-        _run(model, prompt[:, :_WARMUP_PROMPT], _WARMUP_STEPS, kv_dtype, compiled=step)
+        _run(model, prompt, steps, kv_dtype, compiled=step)
     except Exception as e:  # no C++ compiler, an op inductor cannot lower, ...
         lines = str(e).strip().splitlines()
         reason = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__

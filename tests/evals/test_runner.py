@@ -240,8 +240,9 @@ def test_compiled_decode_is_timed_beside_the_eager_one(env, monkeypatch):
     monkeypatch.setattr(speed, "_run", recording)
     (result,) = run_eval(EvalConfig(models=(env["model"],), text=env["text"],
                                     **{**SMALL, **SPEED, "repeats": 3, "compiled": True, "out": out}))
-    # the eager warm-up, the compiling warm-up, then every run times both, alternating which goes first
-    assert calls == [(16, False, False), (16, True, False), (24, True, False), (24, True, True), (24, True, False)]
+    # the eager warm-up, the compiling warm-up at the timed positions, then every run times both, alternating which
+    # goes first
+    assert calls == [(16, False, False), (24, True, False), (24, True, False), (24, True, True), (24, True, False)]
     s = result.speed
     assert s.compile_s > 0 and s.compiled_tpot_s > 0 and s.compiled_decode_tok_s == pytest.approx(1 / s.compiled_tpot_s)
     assert s.compiled_mbu == pytest.approx(s.mbu * s.tpot_s / s.compiled_tpot_s)  # the same bytes a step
@@ -268,4 +269,23 @@ def test_a_failing_compile_is_one_clear_error(env, monkeypatch):
     monkeypatch.setattr(speed, "compiled_decode_step", lambda: broken)
     with pytest.raises(QinferError, match=r"^--compile: torch.compile failed \(RuntimeError: no C\+\+ compiler found\); "
                                           r"measure without --compile$"):
+        run_eval(EvalConfig(models=(env["model"],), text=env["text"], **{**SMALL, **SPEED, "compiled": True}))
+
+
+def test_a_compile_during_the_timed_runs_is_an_error_not_a_timing(env, monkeypatch):
+    from torch._dynamo.utils import counters
+
+    from qinfer.evals import speed
+
+    install_roofline()
+    real = speed._run
+
+    def recompiling(model, prompt, steps, kv_dtype, compiled=None, compiled_first=False):
+        out = real(model, prompt, steps, kv_dtype, compiled, compiled_first)
+        if compiled is not None and prompt.shape[1] == SPEED["prompt_tokens"]:
+            counters["stats"]["unique_graphs"] += 1  # as a recompile (another position, shape or model) counts
+        return out
+
+    monkeypatch.setattr(speed, "_run", recompiling)
+    with pytest.raises(QinferError, match="compiled again during the timed runs"):
         run_eval(EvalConfig(models=(env["model"],), text=env["text"], **{**SMALL, **SPEED, "compiled": True}))
