@@ -3,7 +3,8 @@
 Layout: ``qinfer.cache.cache_dir() / "eval" / <part> / <key>.json`` where ``part`` is "text", "task" or
 "speed" and ``key`` is the sha256 of the JSON of the key fields (the model's content key, the baseline's,
 every setting, :data:`CACHE_VERSION`, the torch version, and a fingerprint of the runtime code that produces
-the numbers: the decoder, KV cache, loader, format and every kernel, so a kernel change re-measures). Keying each part on its own settings lets a run
+the numbers: the decoder, KV cache, loader, format and every kernel, so a kernel change re-measures; a speed key
+also holds :func:`speed_fingerprint`, so a change to how speed is timed re-measures speed). Keying each part on its own settings lets a run
 with more tasks, or with ``--speed`` after ``--no-speed``, reuse everything it shares with earlier runs.
 Files are written atomically; an unreadable one counts as a miss and is overwritten.
 """
@@ -29,6 +30,16 @@ RUNTIME_MODULES = ("qinfer.model", "qinfer.kv_cache", "qinfer.loader", "qinfer.f
 def code_fingerprint() -> str:
     """sha256 over the source of :data:`RUNTIME_MODULES` and of every module in ``qinfer.kernels``."""
     return source_fingerprint(RUNTIME_MODULES, "qinfer.kernels")
+
+
+# Modules whose code decides how speed is timed and what a step's bytes and FLOPs are: a speed key's own part.
+SPEED_MODULES = ("qinfer.evals.speed", "qinfer.evals.costs")
+
+
+@functools.cache
+def speed_fingerprint() -> str:
+    """sha256 over the source of :data:`SPEED_MODULES` (and ``qinfer.kernels``, which source_fingerprint reads)."""
+    return source_fingerprint(SPEED_MODULES, "qinfer.kernels")
 
 
 def cache_key(part: str, **fields) -> str:

@@ -216,7 +216,7 @@ def _model_parts(config, models: list[_Model], examples: dict, roofline: Rooflin
     speed_keys = {} if roofline is None else {m.label: result_cache.cache_key(
         "speed", model=m.key, kv=config.kv_cache, prompt=config.prompt_tokens, steps=config.decode_steps,
         repeats=config.repeats, threads=torch.get_num_threads(), roofline=roofline.to_json(), order="rounds",
-        compiled=config.compiled,
+        compiled=config.compiled, speed_code=result_cache.speed_fingerprint(),
     ) for m in models}
     tasks = {m.label: {} for m in models}
     for label, keys in task_keys.items():

@@ -111,6 +111,12 @@ def test_a_runtime_code_change_is_a_cache_miss(env, count_loads, monkeypatch):
     monkeypatch.setattr(result_cache, "code_fingerprint", lambda: "another kernel")
     run_eval(config)
     assert count_loads  # measured again, not read from the old code's cache
+    count_loads.clear()
+    timed = []
+    monkeypatch.setattr(runner, "measure_speeds", lambda models, *a, **k: timed.append(len(models)) or [])
+    monkeypatch.setattr(result_cache, "speed_fingerprint", lambda: "another way of timing")
+    run_eval(config)
+    assert timed == [1]  # a change to how speed is timed measures the speed again
 
 
 def test_results_json_follows_the_documented_schema(env):
