@@ -104,8 +104,8 @@ def compiled_decode_step() -> Callable:
     """``decode_step`` through ``torch.compile`` (inductor, dynamic shapes: one compile serves every position,
     cache length and prompt; another model compiles again). On 2 CPU cores it takes about a minute to compile,
     then runs 1.28-1.31x as many decode steps a second as the eager step on gemma3-270m and its RTN 4-bit model,
-    1.57x on SmolLM2, 1.14-1.47x on FP8 weights (``python -m qinfer.evals.decode_profile MODEL --compile``;
-    README). Inductor's fused code sums in another order than the eager kernels: the logits differ in their
+    1.57x on SmolLM2 (``python -m qinfer.evals.decode_profile MODEL --compile``), 1.29x on FP8 weights
+    (``qinfer eval MODEL --compile``; README). Inductor's fused code sums in another order than the eager kernels: the logits differ in their
     last bits, and a greedy continuation can part from the eager one at a near-tie. Inductor compiles C++ with
     the machine's compiler."""
     return torch.compile(decode_step, dynamic=True)
