@@ -102,10 +102,13 @@ def decode_step(model: Transformer, token: torch.Tensor, pos: int, cache: KVCach
 @functools.cache
 def compiled_decode_step() -> Callable:
     """``decode_step`` through ``torch.compile`` (inductor, dynamic shapes: one compile serves every position,
-    cache length and prompt; another model compiles again). On 2 CPU cores it takes about a minute to compile,
-    then runs 1.28-1.31x as many decode steps a second as the eager step on gemma3-270m and its RTN 4-bit model,
-    1.57x on SmolLM2 (``python -m qinfer.evals.decode_profile MODEL --compile``), 1.29x on FP8 weights
-    (``qinfer eval MODEL --compile``; README). Inductor's fused code sums in another order than the eager kernels: the logits differ in their
+    cache length and prompt, with two exceptions: a step whose keys fill the whole cache is another graph, so
+    callers keep a spare position; and a graph inductor read from its on-disk cache guards which side of a
+    sliding window the position lies on, so a sequence passing the window compiles once more. Another model
+    compiles again). On 2 CPU cores it takes about a minute to compile, then runs 1.28-1.31x as many decode
+    steps a second as the eager step on gemma3-270m and its RTN 4-bit model, 1.57x on SmolLM2 (``python -m
+    qinfer.evals.decode_profile MODEL --compile``), 1.29x on FP8 weights (``qinfer eval MODEL --compile``;
+    README). Inductor's fused code sums in another order than the eager kernels: the logits differ in their
     last bits, and a greedy continuation can part from the eager one at a near-tie. Inductor compiles C++ with
     the machine's compiler."""
     return torch.compile(decode_step, dynamic=True)
@@ -160,6 +163,7 @@ def generate(
     generator = None
     if params.seed is not None:
         generator = torch.Generator(device=model.device).manual_seed(params.seed)
+    # the last step writes position max_len - 2: a spare position, so no step's keys fill the cache (one graph)
     cache = KVCache(model.config, 1, max_len, model.dtype, model.device)
     ids = torch.tensor([prompt_ids], device=model.device)
     stats.prompt_tokens = len(prompt_ids)
