@@ -44,7 +44,7 @@ from qinfer.errors import QinferError
 from qinfer.evals.costs import decode_bytes, decode_flops, prefill_bytes, prefill_flops, prefill_flops_by_dtype
 from qinfer.evals.forward import make_cache
 from qinfer.evals.roofline import DTYPES, Roofline, mbu, mfu
-from qinfer.generate import compiled_decode_step, decode_step, prefill
+from qinfer.generate import compile_failure_reason, compiled_decode_step, decode_step, prefill
 from qinfer.kv_cache import KVCache
 from qinfer.model import Transformer
 
@@ -177,9 +177,8 @@ def _compile(model: Transformer, prompt: torch.Tensor, steps: int, kv_dtype: str
     try:
         _run(model, prompt, steps, kv_dtype, compiled=step)
     except Exception as e:  # no C++ compiler, an op inductor cannot lower, ...
-        lines = str(e).strip().splitlines()
-        reason = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
-        raise QinferError(f"--compile: torch.compile failed ({reason}); measure without --compile") from None
+        raise QinferError(f"--compile: torch.compile failed ({compile_failure_reason(e)}); measure without "
+                          "--compile") from None
     return time.perf_counter() - t0
 
 

@@ -122,6 +122,12 @@ def compile_error() -> str:
     return _COMPILE_ERRORS[0] if _COMPILE_ERRORS else ""
 
 
+def compile_failure_reason(error: Exception) -> str:
+    """A failed compile's exception as one line: its type and the first line of its message."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
 def compile_failure_note() -> str:
     """The one line ``generate`` and ``chat`` print when ``--compile`` failed ("" when it has not)."""
     return f"note: --compile failed ({compile_error()}); decoded without it" if _COMPILE_ERRORS else ""
@@ -134,8 +140,7 @@ def _step_logits(compiled: bool, model, token, pos, cache) -> torch.Tensor:
     try:
         return compiled_decode_step()(model, token, pos, cache)
     except Exception as e:  # no C++ compiler, an op inductor cannot lower, ...: decode eagerly from now on
-        lines = str(e).strip().splitlines()
-        _COMPILE_ERRORS.append(f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__)
+        _COMPILE_ERRORS.append(compile_failure_reason(e))
         return decode_step(model, token, pos, cache)  # rewrites the same cache positions
 
 
