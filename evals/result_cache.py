@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from qinfer.cache import cache_dir, source_fingerprint, write_atomic
+from qinfer.kernels import gemv_cpu
 
 # Bump when a measurement changes meaning, so old cached numbers are not mixed with new ones.
 CACHE_VERSION = 2
@@ -38,8 +39,10 @@ SPEED_MODULES = ("qinfer.evals.speed", "qinfer.evals.costs")
 
 @functools.cache
 def speed_fingerprint() -> str:
-    """sha256 over the source of :data:`SPEED_MODULES` (and ``qinfer.kernels``, which source_fingerprint reads)."""
-    return source_fingerprint(SPEED_MODULES, "qinfer.kernels")
+    """sha256 over the source of :data:`SPEED_MODULES` (and ``qinfer.kernels``, which source_fingerprint reads),
+    and whether the C GEMV kernels are in use (``QINFER_CPU_GEMV=0`` times PyTorch's)."""
+    gemv = "gemv_cpu" if gemv_cpu.available() else f"no gemv_cpu: {gemv_cpu.unavailable_reason()}"
+    return hashlib.sha256((source_fingerprint(SPEED_MODULES, "qinfer.kernels") + gemv).encode()).hexdigest()
 
 
 def cache_key(part: str, **fields) -> str:

@@ -1,4 +1,5 @@
-"""CPU path for one row times an FP8 (E4M3) weight: a decode step at batch 1.
+"""CPU path for one row times an FP8 (E4M3) weight: a decode step at batch 1, where ``gemv_cpu``'s C kernel
+is not built (no C compiler, no AVX2, ``QINFER_CPU_GEMV=0``).
 
 PyTorch converts float8 to other dtypes one element at a time (~2 ns each here), so dequantizing an
 FP8 weight on every call cost 10x a bf16 GEMV. An E4M3 code is exactly an fp16 number scaled by 2^8 once its

@@ -1,4 +1,6 @@
-"""CPU fast path for 4-bit weights: PyTorch's int4 weight-only matmul for CPU (AVX-512/AVX2 kernels).
+"""CPU fast path for 4-bit weights: PyTorch's int4 weight-only matmul for CPU (AVX-512/AVX2 kernels). A
+single row goes to ``gemv_cpu``'s C kernel instead where it is built; this one takes 2-255 rows (and one where
+the C kernel is not built).
 
 ``torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, G, scales_and_zeros)`` computes ``x @ W^T`` with
 ``W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n]`` (``g = k // G``), reading 4-bit codes and unpacking
@@ -24,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from qinfer.format import QuantizedWeight
-from qinfer.kernels.linear import per_weight
+from qinfer.kernels.prepared import per_weight
 
 GROUP_SIZES = (32, 64, 128, 256)
 MAX_ROWS = 256  # from this many rows on, dequantize + a GEMM in the activations' dtype is faster

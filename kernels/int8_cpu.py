@@ -1,5 +1,6 @@
 """CPU path for one bf16 row times an integer weight the int4 kernel does not take: 2, 3 or 8 bits, or 4
-bits per channel. A decode step at batch 1 (and every step's lm_head under ``--quantize-lm-head``).
+bits per channel. A decode step at batch 1 (and every step's lm_head under ``--quantize-lm-head``); 4 and 8
+bits go to ``gemv_cpu``'s C kernel instead where it is built.
 
 The reference dequantizes the whole weight on every call: ~300x a bf16 GEMV's time for gemma3's 8-bit
 lm_head. PyTorch's int8 weight-only matmul ``torch.ops.aten._weight_int8pack_mm(x, q, s)`` computes
@@ -19,7 +20,7 @@ bf16 instead). Prefills, other dtypes and devices take the reference.
 import torch
 
 from qinfer.format import QuantizedWeight
-from qinfer.kernels.linear import per_weight
+from qinfer.kernels.prepared import per_weight
 
 _BLOCKS: dict[int, tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None, torch.Tensor]] = {}
 

@@ -4,10 +4,11 @@ A dense tensor goes to ``torch.nn.functional.linear``. A packed weight registers
 ``register`` (keyed by the weight's type), so new formats plug in without touching the model, and
 optionally the dtype that kernel multiplies in (``matmul_dtype``), which MFU takes its ceiling from.
 
-A single bf16 row on CPU (a decode step at batch 1) bypasses oneDNN: for ``M == 1`` its bf16 matmul streams
-a weight from memory at 7-15 GB/s on 2 cores where ATen's own GEMV (also fp32 accumulation) streams 15-29
-GB/s, 2.3x as fast on gemma3's lm_head (``evals/RESULTS-LOG.md``). At 4 rows oneDNN is already faster.
-The switch is the process-wide ``torch.backends.mkldnn.enabled``, restored after the call.
+A single bf16 row on CPU (a decode step at batch 1) goes to ``gemv_cpu``'s C kernel where it is built; else
+it bypasses oneDNN: for ``M == 1`` its bf16 matmul streams a weight from memory at 7-15 GB/s on 2 cores where
+ATen's own GEMV (also fp32 accumulation) streams 15-29 GB/s, 2.3x as fast on gemma3's lm_head
+(``evals/RESULTS-LOG.md``). At 4 rows oneDNN is already faster. The switch is the process-wide
+``torch.backends.mkldnn.enabled``, restored after the call.
 
 A CPU without native half-precision GEMMs (AVX2 only: no AVX512-BF16 or AMX; oneDNN declines bf16 there and
 torch falls back to a generic kernel, 5-8x slower than its fp32 GEMM on 2 AMD EPYC cores) multiplies
@@ -17,11 +18,12 @@ Fewer rows keep the half product, where widening the weight would cost more than
 """
 
 import functools
-import weakref
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from qinfer.kernels import gemv_cpu
 
 _KERNELS: dict[type, Callable] = {}
 _MATMUL_DTYPES: dict[type, Callable] = {}
@@ -71,6 +73,9 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
 def _linear_2d(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
     if isinstance(weight, torch.Tensor):
         if x.shape[0] == 1 and x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu":
+            if gemv_cpu.bf16_supported(x, weight):
+                y = gemv_cpu.bf16_gemv(x, weight)
+                return y if bias is None else y + bias
             return _without_onednn(x, weight, bias)
         dtype = product_dtype(x.dtype, x.device, x.shape[0])
         if dtype != x.dtype:
@@ -100,16 +105,6 @@ def _widened(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, d
         b = None if bias is None else bias[n : n + rows].to(dtype)
         out[:, n : n + rows] = F.linear(xw, weight[n : n + rows].to(dtype), b)
     return out
-
-
-def per_weight(store: dict, weight, build: Callable):
-    """``store[id(weight)]``, built by ``build(weight)`` on first use and dropped when the weight is freed:
-    a kernel's layout of a packed weight, converted once per weight rather than on every call."""
-    key = id(weight)
-    if key not in store:
-        store[key] = build(weight)
-        weakref.finalize(weight, store.pop, key, None)
-    return store[key]
 
 
 def matmul_dtype(weight, x_dtype: torch.dtype, device: torch.device, rows: int) -> torch.dtype:

@@ -3,18 +3,20 @@
 ``dequant_linear_ref`` dequantizes the whole weight, then runs a dense matmul: correct for every format
 and device, and the definition the fast kernels are tested against, but it materialises the dense weight
 on every call. ``quant_linear`` is the entry point: on a GPU the Triton dequant-matmul (``triton_matmul``);
-on CPU the int4 kernel where it applies (fewer than ``int4_cpu.MAX_ROWS`` rows), else for one bf16 row the
-int8 kernel (other bit widths, per-channel 4-bit), else the reference, which is also a long prefill's fast
-path: a GEMM in the activations' dtype (in fp32 on a CPU without native bf16 GEMMs: ``qinfer.kernels.linear``);
+on CPU, for one row (a decode step) of 4- or 8-bit weights, ``gemv_cpu``'s C kernel where it is built; else
+the int4 kernel where it applies (fewer than ``int4_cpu.MAX_ROWS`` rows), else for one bf16 row the int8
+kernel (other bit widths), else the reference, which is also a long prefill's fast path: a GEMM in the
+activations' dtype (in fp32 on a CPU without native bf16 GEMMs: ``qinfer.kernels.linear``);
 ``quant_linear_dtype`` says which dtype the chosen kernel multiplies in. ``fp8_linear`` is FP8's: on a GPU
-the same Triton kernel; on CPU the one-row path where it applies (a decode step), else the reference. A
+the same Triton kernel; on CPU for one row ``gemv_cpu``'s, else ``fp8_cpu``'s one-row path where it applies,
+else the reference. A
 weight with permuted columns (``perm``: an imported act-order checkpoint) hands the fast kernels ``x[..., perm]``.
 """
 
 import torch
 
 from qinfer.format import Fp8Weight, QuantizedWeight
-from qinfer.kernels import fp8_cpu, int4_cpu, int8_cpu
+from qinfer.kernels import fp8_cpu, gemv_cpu, int4_cpu, int8_cpu
 from qinfer.kernels.linear import linear, product_dtype
 
 
@@ -28,6 +30,9 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
         from qinfer.kernels import triton_matmul  # triton is imported only where its kernels run
 
         return triton_matmul.dequant_matmul(_stored_order(x, weight), weight, bias)
+    if gemv_cpu.int_supported(x, weight):
+        y = gemv_cpu.int_gemv(_stored_order(x, weight), weight)
+        return y if bias is None else y + bias
     if int4_cpu.supported(x, weight):
         return int4_cpu.int4_linear(_stored_order(x, weight), weight, bias)
     if int8_cpu.supported(x, weight):
@@ -49,6 +54,9 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = N
         from qinfer.kernels import triton_matmul
 
         return triton_matmul.dequant_matmul(x, weight, bias)
+    if gemv_cpu.fp8_supported(x, weight):
+        y = gemv_cpu.fp8_gemv(x, weight)
+        return y if bias is None else y + bias
     if fp8_cpu.supported(x, weight):
         return fp8_cpu.fp8_linear(x, weight, bias)
     return dequant_linear_ref(x, weight, bias)
@@ -58,8 +66,8 @@ def quant_linear_dtype(weight: QuantizedWeight, x_dtype: torch.dtype, device: to
     if _on_triton(device):
         return torch.float32  # triton_matmul sums fp32 products (tf32 tensor cores for half inputs, exact there)
     x = torch.empty(1, 1, dtype=x_dtype, device=device).expand(rows, weight.shape[1])  # the shape, no memory
-    if int4_cpu.supported(x, weight):
-        return int4_cpu.MATMUL_DTYPE
+    if int4_cpu.supported(x, weight) or gemv_cpu.int_supported(x, weight):
+        return int4_cpu.MATMUL_DTYPE  # fp32, as gemv_cpu's
     return product_dtype(x_dtype, device, rows)
 
 

@@ -130,6 +130,7 @@ def source_fingerprint(modules: tuple[str, ...], package: str) -> str:
     a cached result keyed on it is redone after any change to the code that produced it."""
     folder = Path(importlib.import_module(package).__file__).parent
     files = [Path(importlib.import_module(m).__file__) for m in modules] + sorted(folder.glob("*.py"))
+    files += sorted(folder.glob("*.c"))  # C kernels built at first use
     h = hashlib.sha256()
     for f in files:
         h.update(f.name.encode() + b"\0" + f.read_bytes())

@@ -76,7 +76,8 @@ def test_source_fingerprint_follows_every_file_it_covers(tmp_path, monkeypatch, 
     assert source_fingerprint(("fp_mod",), "fp_pkg") == seen[0]  # the same files, the same fingerprint
     (tmp_path / "other.py").write_text("C = 4\n")
     assert source_fingerprint(("fp_mod",), "fp_pkg") == seen[0]
-    for path, text in (("fp_mod.py", "A = 2\n"), ("fp_pkg/one.py", "B = 3\n"), ("fp_pkg/two.py", "D = 1\n")):
+    for path, text in (("fp_mod.py", "A = 2\n"), ("fp_pkg/one.py", "B = 3\n"), ("fp_pkg/two.py", "D = 1\n"),
+                       ("fp_pkg/kernel.c", "int e;\n")):  # a C kernel the package builds counts too
         (tmp_path / path).write_text(text)
         seen.append(source_fingerprint(("fp_mod",), "fp_pkg"))
-    assert len(set(seen)) == 4
+    assert len(set(seen)) == 5

@@ -3,6 +3,7 @@ import re
 from click.testing import CliRunner
 
 from qinfer.evals.decode_profile import main
+from qinfer.kernels import gemv_cpu
 from tests.test_quantize import tiny  # noqa: F401 (fixture)
 from tests.tiny_models import VOCAB
 
@@ -21,8 +22,8 @@ def test_decode_profile_lists_the_ops_and_the_lm_head(tiny):  # noqa: F811
     times = [float(ms) for ms, _, _ in rows]
     assert times[:4] == sorted(times[:4], reverse=True)
     assert sum(times) <= profiled + 0.01 * len(times)  # self times on one thread: within the step (rounding)
-    lm_head = [line for line in result.stdout.splitlines()
-               if line.startswith("vocabulary-wide:") and " aten::mm on " in line]
+    product = " qinfer::bf16_gemv on " if gemv_cpu.available() else " aten::mm on "  # the C kernel's operator
+    lm_head = [line for line in result.stdout.splitlines() if line.startswith("vocabulary-wide:") and product in line]
     assert len(lm_head) == 1 and str(VOCAB) in lm_head[0]  # one product as wide as the vocabulary a step
 
 

@@ -1,12 +1,13 @@
 """The CPU one-row int8 path (bit widths the int4 kernel does not take) against exact products."""
 
+import contextlib
 import dataclasses
 
 import pytest
 import torch
 
 from qinfer.format import QuantScheme
-from qinfer.kernels import int4_cpu, int8_cpu, linear
+from qinfer.kernels import gemv_cpu, int4_cpu, int8_cpu, linear
 from qinfer.kernels.quant_linear import dequant_linear_ref
 from qinfer.quantizers.rtn import rtn_quantize
 
@@ -39,18 +40,28 @@ def test_one_row_matches_the_exact_product(bits, group_size, symmetric):
     assert err < 4e-3 and err <= 2 * ref + 1e-3  # bf16 roundings, like the reference's
 
 
-def test_dispatch():
-    # one bf16 row: int4 kernel for grouped 4-bit, int8 path for other widths; everything else the reference
+@pytest.mark.parametrize("c_kernels", [True, False])
+def test_dispatch(c_kernels):
+    # one bf16 row: the C kernels for 4 and 8 bits where built (gemv_cpu); else the int4 kernel for grouped
+    # 4-bit, the int8 path for other widths; everything else the reference
+    if c_kernels and not gemv_cpu.available():
+        pytest.skip(f"no C GEMV here: {gemv_cpu.unavailable_reason()}")
     w8, w4 = _weight(64, 256, 8, 128, False), _weight(64, 256, 4, 128, False)
     w4_channel = _weight(64, 256, 4, -1, False)
     row = torch.randn(1, 1, 256).bfloat16()
-    assert torch.equal(linear(row, w8), int8_cpu.int8_linear(row, w8))
-    assert torch.equal(linear(row, w4), int4_cpu.int4_linear(row, w4))
-    assert not int4_cpu.supported(row, w4_channel)
-    assert torch.equal(linear(row, w4_channel), int8_cpu.int8_linear(row, w4_channel))
-    for x in (torch.randn(3, 256).bfloat16(), torch.randn(1, 256)):  # many rows; fp32
-        assert not int8_cpu.supported(x, w8)
-        assert torch.equal(linear(x, w8), dequant_linear_ref(x, w8))
+    with contextlib.nullcontext() if c_kernels else gemv_cpu.disabled():
+        one_row = gemv_cpu.int_gemv if c_kernels else int8_cpu.int8_linear
+        assert torch.equal(linear(row, w8), one_row(row, w8))
+        assert torch.equal(linear(row, w4), (gemv_cpu.int_gemv if c_kernels else int4_cpu.int4_linear)(row, w4))
+        assert not int4_cpu.supported(row, w4_channel)
+        assert torch.equal(linear(row, w4_channel), one_row(row, w4_channel))
+        many = torch.randn(3, 256).bfloat16()
+        assert not int8_cpu.supported(many, w8) and not gemv_cpu.int_supported(many, w8)
+        assert torch.equal(linear(many, w8), dequant_linear_ref(many, w8))
+    fp32_row = torch.randn(1, 256)
+    assert not int8_cpu.supported(fp32_row, w8)
+    with gemv_cpu.disabled():
+        assert torch.equal(linear(fp32_row, w8), dequant_linear_ref(fp32_row, w8))
 
 
 @pytest.mark.parametrize("bits,rows", [(4, 1), (4, 5), (8, 1), (3, 1), (3, 4)])

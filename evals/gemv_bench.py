@@ -1,0 +1,128 @@
+"""The C GEMV kernels (``qinfer.kernels.gemv_cpu``) against PyTorch's, side by side on one model.
+
+    python -m qinfer.evals.gemv_bench MODEL [--prompt-tokens 512] [--steps 8] [--rounds 5] [--calls 50]
+
+Two parts, each alternating the two paths so a machine that slows down for a while slows both:
+1. every distinct linear of the model (kind, shape), one bf16 row through ``qinfer.kernels.linear``: the
+   median time of ``--calls`` calls of each path per round, over ``--rounds`` rounds, and the bytes of the
+   weight (codes, scales, zeros) over that time;
+2. whole decode steps (``qinfer eval``'s speed setting: a fixed prompt prefilled into a bf16 KV cache, greedy
+   steps at batch 1), ``--steps`` steps of each path per round from copies of one cache state, and whether
+   their greedy tokens agree.
+
+Diagnostic only, CPU only: nothing is written, nothing cached.
+"""
+
+import contextlib
+import copy
+import statistics
+import time
+
+import click
+import torch
+
+from qinfer.errors import QinferError
+from qinfer.evals.forward import make_cache
+from qinfer.evals.speed import checked_prompt
+from qinfer.format import QuantizedWeight
+from qinfer.generate import decode_step, prefill
+from qinfer.kernels import gemv_cpu, linear
+from qinfer.loader import load_model
+from qinfer.model import QLinear
+from qinfer.sources import resolve_model
+
+WARMUP_STEPS = 4
+
+
+@click.command()
+@click.argument("model")
+@click.option("--prompt-tokens", type=int, default=512, show_default=True)
+@click.option("--steps", type=int, default=8, show_default=True, help="Decode steps of each path per round.")
+@click.option("--rounds", type=int, default=5, show_default=True)
+@click.option("--calls", type=int, default=50, show_default=True, help="Calls of each linear per path and round.")
+def main(model, prompt_tokens, steps, rounds, calls):
+    try:
+        if min(prompt_tokens, steps, rounds, calls) < 1:
+            raise QinferError("--prompt-tokens, --steps, --rounds and --calls must be at least 1")
+        if not gemv_cpu.available():
+            raise QinferError(f"the C GEMV kernels are not in use here ({gemv_cpu.unavailable_reason()})")
+        _report(model, prompt_tokens, steps, rounds, calls)
+    except QinferError as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _weight_bytes(w) -> int:
+    if isinstance(w, QuantizedWeight):
+        return sum(t.numel() * t.element_size() for t in (w.qweight, w.scale, w.zero) if t is not None)
+    return w.numel() * w.element_size()
+
+
+def _kind(w) -> str:
+    return f"int{w.bits} g{w.group_size}" if isinstance(w, QuantizedWeight) else str(w.dtype).replace("torch.", "")
+
+
+def _timed(fn, calls: int) -> float:
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def _report(model_name: str, prompt_tokens: int, steps: int, rounds: int, calls: int) -> None:
+    model = load_model(resolve_model(model_name))
+    print(f"{model_name}: {torch.get_num_threads()} threads; medians over {rounds} alternating rounds")
+    weights = {}
+    for module in model.modules():
+        if isinstance(module, QLinear):
+            weights.setdefault((_kind(module.weight), tuple(module.weight.shape)), [module.weight, 0])[1] += 1
+    print(f"{'weight':>12} {'N x K':>13} {'count':>5} {'torch us':>9} {'C us':>8} {'torch GB/s':>10} {'C GB/s':>7} "
+          f"{'ratio':>6}")
+    for (kind, (N, K)), (w, count) in weights.items():
+        x = torch.randn(1, K, generator=torch.Generator().manual_seed(0)).to(model.dtype)
+        times: dict[str, list[float]] = {"torch": [], "C": []}
+        for r in range(rounds):
+            for name in (("torch", "C") if r % 2 == 0 else ("C", "torch")):
+                with gemv_cpu.disabled() if name == "torch" else contextlib.nullcontext():
+                    linear(x, w)  # warm
+                    times[name].append(_timed(lambda: linear(x, w), calls))
+        t, c = statistics.median(times["torch"]), statistics.median(times["C"])
+        gb = _weight_bytes(w) / 1e9
+        print(f"{kind:>12} {f'{N} x {K}':>13} {count:5d} {t * 1e6:9.1f} {c * 1e6:8.1f} {gb / t:10.1f} {gb / c:7.1f} "
+              f"{t / c:6.2f}")
+    _decode_steps(model, prompt_tokens, steps, rounds)
+
+
+def _decode_steps(model, prompt_tokens: int, steps: int, rounds: int) -> None:
+    n_steps = WARMUP_STEPS + rounds * steps
+    prompt = checked_prompt(model, prompt_tokens, n_steps)
+    cache = make_cache(model, 1, prompt.shape[1] + n_steps + 1, "bf16")
+    token = prefill(model, prompt, cache).argmax(dim=-1)
+    pos = prompt.shape[1]
+    for pos in range(pos, pos + WARMUP_STEPS):
+        token = decode_step(model, token, pos, cache).argmax(dim=-1)
+    pos += 1
+    times: dict[str, list[float]] = {"torch": [], "C": []}
+    agree = True
+    for r in range(rounds):
+        tokens = {}
+        for name in (("torch", "C") if r % 2 == 0 else ("C", "torch")):
+            state, tok, tokens[name] = copy.deepcopy(cache), token, []
+            with gemv_cpu.disabled() if name == "torch" else contextlib.nullcontext():
+                for p in range(pos, pos + steps):
+                    t0 = time.perf_counter()
+                    tok = decode_step(model, tok, p, state).argmax(dim=-1)
+                    times[name].append(time.perf_counter() - t0)
+                    tokens[name].append(tok)
+        agree &= all(torch.equal(a, b) for a, b in zip(tokens["torch"], tokens["C"]))
+        token, cache, pos = tok, state, pos + steps
+    t, c = (statistics.median(times[k]) * 1000 for k in ("torch", "C"))
+    print(f"decode step ({prompt_tokens}-token prompt): {t:.1f} ms with PyTorch's kernels, {c:.1f} ms with the C "
+          f"GEMVs ({t / c:.2f}x; medians of {rounds * steps} steps each); greedy tokens "
+          f"{'the same' if agree else 'differ'}")
+
+
+if __name__ == "__main__":
+    main()

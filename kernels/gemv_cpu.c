@@ -1,0 +1,239 @@
+/* One activation row times a weight matrix, y[n] = sum_k W[n, k] x[k], for a decode step on an x86-64 CPU
+ * with AVX2, FMA and F16C. Built and loaded by gemv_cpu.py (which documents why); OpenMP splits the rows.
+ *
+ * Every product and sum is fp32; each output is rounded once to the activations' dtype.
+ * dtype codes: 0 = fp32, 1 = bf16, 2 = fp16.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; a NaN stays a NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static float load_one(const void *x, int dtype, int64_t k) {
+    if (dtype == 1) return bf16_to_f32(((const uint16_t *)x)[k]);
+    if (dtype == 2) return _cvtsh_ss(((const uint16_t *)x)[k]);
+    return ((const float *)x)[k];
+}
+
+static void store_one(void *y, int dtype, int64_t n, float v) {
+    if (dtype == 1) ((uint16_t *)y)[n] = f32_to_bf16(v);
+    else if (dtype == 2) ((uint16_t *)y)[n] = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
+    else ((float *)y)[n] = v;
+}
+
+/* a weight as the kernels read it: bf16 (w, ld = elements between rows), or 4-bit (w = codes, scale,
+ * zero or NULL, group); set once per weight by gemv_cpu.py */
+typedef struct {
+    const void *w, *scale, *zero;
+    int64_t N, K, ld, group;
+} qinfer_weight;
+
+static inline __m256 bf16x8(const uint16_t *p) { /* 8 bf16 -> fp32: the bits move up by 16 */
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+/* W: bf16 [N, K], rows ld elements apart; x: [K] of dtype; y: [N] of dtype */
+void qinfer_bf16_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype) {
+    const uint16_t *W = wt->w;
+    int64_t N = wt->N, K = wt->K, ldw = wt->ld;
+    float *xf = malloc(sizeof(float) * (K > 0 ? K : 1));
+    for (int64_t k = 0; k < K; k++) xf[k] = load_one(x, dtype, k);
+    int64_t k32 = K / 32 * 32, k8 = K / 8 * 8;
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint16_t *w = W + n * ldw;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+        int64_t k = 0;
+        for (; k < k32; k += 32) {  /* four independent sums: the FMA latency, not the loads, would bound one */
+            a0 = _mm256_fmadd_ps(bf16x8(w + k), _mm256_loadu_ps(xf + k), a0);
+            a1 = _mm256_fmadd_ps(bf16x8(w + k + 8), _mm256_loadu_ps(xf + k + 8), a1);
+            a2 = _mm256_fmadd_ps(bf16x8(w + k + 16), _mm256_loadu_ps(xf + k + 16), a2);
+            a3 = _mm256_fmadd_ps(bf16x8(w + k + 24), _mm256_loadu_ps(xf + k + 24), a3);
+        }
+        for (; k < k8; k += 8) a0 = _mm256_fmadd_ps(bf16x8(w + k), _mm256_loadu_ps(xf + k), a0);
+        float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+        for (; k < K; k++) s += bf16_to_f32(w[k]) * xf[k];
+        store_one(y, dtype, n, s);
+    }
+    free(xf);
+}
+
+/* Rows n0 .. n0+R-1 of 4-bit codes (byte i of a row: code 2i in the low nibble, 2i+1 in the high one)
+ * against x, split into its even (xe) and odd (xo) entries so a byte's two nibbles meet their own x without
+ * a shuffle. Per group: s * (sum q x - z * sum x), the sums of x per group (xs) taken once per call.
+ * R rows at a time share each load of x and give the FMAs 2R independent chains. */
+static inline __attribute__((always_inline)) void int4_rows(
+        const uint8_t *Q, const uint16_t *S, const uint8_t *Z, const float *xe, const float *xo,
+        const float *xs, float *out, int64_t n0, int64_t ng, int64_t hb, const int R) {
+    const __m256i low = _mm256_set1_epi32(0xF);
+    int64_t kb = ng * hb;  /* bytes per row */
+    __m256 acc[4];
+    float zacc[4];
+    for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); zacc[r] = 0.f; }
+    for (int64_t g = 0; g < ng; g++) {
+        __m256 a0[4], a1[4];
+        for (int r = 0; r < R; r++) { a0[r] = _mm256_setzero_ps(); a1[r] = _mm256_setzero_ps(); }
+        const float *e = xe + g * hb, *o = xo + g * hb;
+        const uint8_t *q = Q + n0 * kb + g * hb;
+        for (int64_t i = 0; i < hb; i += 8) {
+            __m256 ve = _mm256_loadu_ps(e + i), vo = _mm256_loadu_ps(o + i);
+            for (int r = 0; r < R; r++) {
+                __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + r * kb + i)));
+                a0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, low)), ve, a0[r]);
+                a1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), vo, a1[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            int64_t sg = (n0 + r) * ng + g;
+            float s = _cvtsh_ss(S[sg]);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_add_ps(a0[r], a1[r]), acc[r]);
+            zacc[r] += s * (Z ? (float)Z[sg] : 8.f) * xs[g];
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]) - zacc[r];
+}
+
+/* codes: uint8 [N, K/2]; scale: fp16 [N, K/G]; zero: uint8 [N, K/G] or NULL (symmetric: 8); x: [K] and y: [N]
+ * of dtype. K % G == 0 and G % 16 == 0. */
+void qinfer_int4_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype) {
+    const uint8_t *Q = wt->w, *Z = wt->zero;
+    const uint16_t *S = wt->scale;
+    int64_t N = wt->N, K = wt->K, G = wt->group;
+    int64_t ng = K / G, hb = G / 2, full = N / 4 * 4;
+    float *xe = malloc(sizeof(float) * (K + ng + 1)), *xo = xe + K / 2, *xs = xe + K;
+    for (int64_t g = 0; g < ng; g++) {
+        float s = 0.f;
+        for (int64_t k = g * G; k < (g + 1) * G; k += 2) {
+            float a = load_one(x, dtype, k), b = load_one(x, dtype, k + 1);
+            xe[k / 2] = a, xo[k / 2] = b, s += a + b;
+        }
+        xs[g] = s;
+    }
+    #pragma omp parallel for schedule(static)
+    for (int64_t n0 = 0; n0 < full; n0 += 4) {
+        float out[4];
+        int4_rows(Q, S, Z, xe, xo, xs, out, n0, ng, hb, 4);
+        for (int r = 0; r < 4; r++) store_one(y, dtype, n0 + r, out[r]);
+    }
+    for (int64_t n = full; n < N; n++) {
+        float out[1];
+        int4_rows(Q, S, Z, xe, xo, xs, out, n, ng, hb, 1);
+        store_one(y, dtype, n, out[0]);
+    }
+    free(xe);
+}
+
+/* Rows n0 .. n0+R-1 of 8-bit codes against x: per group, s * (sum q x - z * sum x), as int4_rows. */
+static inline __attribute__((always_inline)) void int8_rows(
+        const uint8_t *Q, const uint16_t *S, const uint8_t *Z, const float *xf, const float *xs, float *out,
+        int64_t n0, int64_t ng, int64_t G, const int R) {
+    int64_t K = ng * G;
+    __m256 acc[4];
+    float zacc[4];
+    for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); zacc[r] = 0.f; }
+    for (int64_t g = 0; g < ng; g++) {
+        __m256 a0[4], a1[4];
+        for (int r = 0; r < R; r++) { a0[r] = _mm256_setzero_ps(); a1[r] = _mm256_setzero_ps(); }
+        const uint8_t *q = Q + n0 * K + g * G;
+        const float *xg = xf + g * G;
+        for (int64_t i = 0; i < G; i += 16) {
+            __m256 x0 = _mm256_loadu_ps(xg + i), x1 = _mm256_loadu_ps(xg + i + 8);
+            for (int r = 0; r < R; r++) {
+                const uint8_t *p = q + r * K + i;
+                __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+                __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+                a0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b0), x0, a0[r]);
+                a1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b1), x1, a1[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            int64_t sg = (n0 + r) * ng + g;
+            float s = _cvtsh_ss(S[sg]);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_add_ps(a0[r], a1[r]), acc[r]);
+            zacc[r] += s * (Z ? (float)Z[sg] : 128.f) * xs[g];
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]) - zacc[r];
+}
+
+/* codes: uint8 [N, K]; scale: fp16 [N, K/G]; zero: uint8 [N, K/G] or NULL (symmetric: 128); x: [K] and y: [N]
+ * of dtype. K % G == 0 and G % 16 == 0. */
+void qinfer_int8_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype) {
+    const uint8_t *Q = wt->w, *Z = wt->zero;
+    const uint16_t *S = wt->scale;
+    int64_t N = wt->N, K = wt->K, G = wt->group, ng = K / G, full = N / 4 * 4;
+    float *xf = malloc(sizeof(float) * (K + ng)), *xs = xf + K;
+    for (int64_t g = 0; g < ng; g++) {
+        float s = 0.f;
+        for (int64_t k = g * G; k < (g + 1) * G; k++) s += (xf[k] = load_one(x, dtype, k));
+        xs[g] = s;
+    }
+    #pragma omp parallel for schedule(static)
+    for (int64_t n0 = 0; n0 < full; n0 += 4) {
+        float out[4];
+        int8_rows(Q, S, Z, xf, xs, out, n0, ng, G, 4);
+        for (int r = 0; r < 4; r++) store_one(y, dtype, n0 + r, out[r]);
+    }
+    for (int64_t n = full; n < N; n++) {
+        float out[1];
+        int8_rows(Q, S, Z, xf, xs, out, n, ng, G, 1);
+        store_one(y, dtype, n, out[0]);
+    }
+    free(xf);
+}
+
+/* 8 E4M3 codes -> fp32, each 2^-8 times its value: sign-extended to 16 bits and shifted up by 7, the code's
+ * exponent and mantissa sit in an fp16's (exponent bias 15 against E4M3's 7; subnormals too), its sign in
+ * the fp16's sign; the AND drops the sign extension's copy at bit 14. */
+static inline __m256 e4m3x8(const uint8_t *p) {
+    __m128i c = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(c, 7), _mm_set1_epi16((short)0xBF80)));
+}
+
+/* codes: E4M3 [N, K], rows ld apart; scale: fp32, one per row (group == N) or one in all (group == 1);
+ * x: [K] and y: [N] of dtype; K % 8 == 0. */
+void qinfer_fp8_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype) {
+    const uint8_t *W = wt->w;
+    const float *scale = wt->scale;
+    int64_t N = wt->N, K = wt->K, ldw = wt->ld, per_row = wt->group == N, k32 = K / 32 * 32;
+    float *xf = malloc(sizeof(float) * K);
+    for (int64_t k = 0; k < K; k++) xf[k] = load_one(x, dtype, k);
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *w = W + n * ldw;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+        int64_t k = 0;
+        for (; k < k32; k += 32) {
+            a0 = _mm256_fmadd_ps(e4m3x8(w + k), _mm256_loadu_ps(xf + k), a0);
+            a1 = _mm256_fmadd_ps(e4m3x8(w + k + 8), _mm256_loadu_ps(xf + k + 8), a1);
+            a2 = _mm256_fmadd_ps(e4m3x8(w + k + 16), _mm256_loadu_ps(xf + k + 16), a2);
+            a3 = _mm256_fmadd_ps(e4m3x8(w + k + 24), _mm256_loadu_ps(xf + k + 24), a3);
+        }
+        for (; k < K; k += 8) a0 = _mm256_fmadd_ps(e4m3x8(w + k), _mm256_loadu_ps(xf + k), a0);
+        float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+        store_one(y, dtype, n, s * 256.f * scale[per_row ? n : 0]);
+    }
+    free(xf);
+}

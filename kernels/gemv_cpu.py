@@ -1,0 +1,235 @@
+"""One activation row times a bf16, 4-bit, 8-bit or FP8 weight on an x86-64 CPU: a decode step's GEMV, in C.
+
+Decode at batch 1 reads every weight once per token, so its linears should stream at the memory bandwidth.
+PyTorch's own one-row kernels do not on a CPU with AVX2 only: ATen's bf16 GEMV widens and sums at ~9 GB/s a
+core (gemma3-270m's 335 MB lm_head: ~19 ms a step on 2 cores, about 60% of the bandwidth the roofline
+measures); its int4 weight-only kernel (``int4_cpu``) takes ~115 us for a 2048 x 640 weight of 0.7 MB; 8-bit
+codes went through one int8 matmul per group (``int8_cpu``) and FP8 codes through an fp16 copy of the weight
+(``fp8_cpu``). ``gemv_cpu.c`` does each product in one pass over the stored bytes with AVX2/FMA/F16C: bf16
+bits move into fp32 in registers; 4-bit codes are unpacked in registers, their nibbles meeting the row's even
+and odd entries; integer codes are summed against x per group and scaled once (``s * (sum q x - z * sum x)``);
+E4M3 codes move into fp16 bits (sign-extended, shifted, masked: exact, subnormals too) and F16C widens them.
+Rows split across OpenMP threads (PyTorch's own runtime: ``torch.set_num_threads``). Every product and sum
+is fp32 and each output is rounded once to the row's dtype: the references' results up to the order of their
+sums. ``python -m qinfer.evals.gemv_bench MODEL`` times each against PyTorch's path side by side
+(``evals/RESULTS-LOG.md``).
+
+The C source is compiled at first use with the system's C compiler into ``<cache>/kernels`` (half a second;
+the file name carries a hash of the source, flags and compiler) and loaded with ``ctypes``. Without a
+compiler, on a CPU without AVX2, or with ``QINFER_CPU_GEMV=0`` in the environment, ``available()`` is False
+(``unavailable_reason()`` says why) and the callers keep PyTorch's kernels. Under ``torch.compile``, and
+under the profiler (so ``decode_profile`` names them), the kernels are called as the operators
+``torch.ops.qinfer.bf16_gemv``, ``int_gemv`` and ``fp8_gemv``, opaque to inductor; other eager calls skip
+their dispatch.
+"""
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch.autograd import profiler
+
+from qinfer.cache import cache_dir
+from qinfer.format import Fp8Weight, QuantizedWeight
+from qinfer.kernels.prepared import per_weight
+
+SOURCE = Path(__file__).with_name("gemv_cpu.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_disabled = False  # set by disabled()
+_PREPARED: dict[str, dict] = {"bf16": {}, "int": {}, "fp8": {}}  # per_weight stores: (data pointers, Weight)
+
+
+@functools.cache
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    """The compiled kernels, or None and why not."""
+    if os.environ.get("QINFER_CPU_GEMV", "1") == "0":
+        return None, "QINFER_CPU_GEMV=0"
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None, f"the CPU's vector capability is {torch.backends.cpu.get_cpu_capability()}, not AVX2"
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if not cc:
+        return None, "no C compiler (gcc or $CC)"
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
+        path = cache_dir() / "kernels" / f"gemv_cpu-{key}.so"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".gemv_cpu-", suffix=".so", dir=path.parent)
+            os.close(fd)
+            try:
+                run = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
+                if run.returncode:
+                    return None, f"{cc} failed: {(run.stderr.strip().splitlines() or ['?'])[-1]}"
+                os.replace(tmp, path)
+            finally:
+                Path(tmp).unlink(missing_ok=True)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"building the CPU GEMV kernels failed: {e}"
+    for kernel in (lib.qinfer_bf16_gemv, lib.qinfer_int4_gemv, lib.qinfer_int8_gemv, lib.qinfer_fp8_gemv):
+        kernel.argtypes, kernel.restype = [_P, _P, _P, ctypes.c_int], None
+    return lib, ""
+
+
+@torch.compiler.assume_constant_result  # a traced graph keeps the path it was traced with
+def available() -> bool:
+    return not _disabled and _library()[0] is not None
+
+
+@contextlib.contextmanager
+def disabled():
+    """Inside it, the callers take PyTorch's kernels (a side-by-side timing); eager calls only: a compiled
+    graph keeps the path it was traced with."""
+    global _disabled
+    prior, _disabled = _disabled, True
+    try:
+        yield
+    finally:
+        _disabled = prior
+
+
+def unavailable_reason() -> str:
+    """Why the kernels are not in use ('' when they are)."""
+    return _library()[1]
+
+
+def _one_row(x: torch.Tensor, K: int) -> bool:
+    return x.device.type == "cpu" and x.numel() == x.shape[-1] == K and x.dtype in _DTYPE_CODES
+
+
+def bf16_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """One bf16 row against a bf16 weight [N, K] whose rows are contiguous."""
+    return (
+        weight.dim() == 2 and _one_row(x, weight.shape[1]) and x.dtype == weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu" and weight.stride(1) == 1 and available()
+    )
+
+
+def int_supported(x: torch.Tensor, weight: QuantizedWeight) -> bool:
+    """One row against 4- or 8-bit codes whose groups (or rows, per channel) are a multiple of 16 long."""
+    group = weight.shape[1] if weight.group_size == -1 else weight.group_size
+    return (
+        _one_row(x, weight.shape[1]) and weight.bits in (4, 8) and group % 16 == 0
+        and weight.qweight.device.type == "cpu" and available()
+    )
+
+
+class Weight(ctypes.Structure):
+    """A weight as the C kernels read it (``qinfer_weight`` in gemv_cpu.c): pointers into tensors kept alive
+    elsewhere (by the model), built once per weight (:func:`_prepared`)."""
+
+    _fields_ = [("w", _P), ("scale", _P), ("zero", _P), ("N", _I64), ("K", _I64), ("ld", _I64), ("group", _I64)]
+
+
+def bf16_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for one row ``x`` [..., K] and a bf16 ``weight`` [N, K]: [..., N] in x's dtype."""
+    if torch.compiler.is_compiling() or profiler._is_profiler_enabled:
+        return torch.ops.qinfer.bf16_gemv(x, weight)
+    return _bf16_op(x, weight)
+
+
+def fp8_supported(x: torch.Tensor, weight: Fp8Weight) -> bool:
+    """One row against E4M3 codes [N, K], K a multiple of 8, rows contiguous."""
+    codes = weight.weight
+    return (
+        _one_row(x, weight.shape[1]) and weight.shape[1] % 8 == 0 and codes.device.type == "cpu"
+        and codes.stride(1) == 1 and available()
+    )
+
+
+def int_gemv(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """``x @ W.T`` for one row ``x`` [..., K] (in ``weight``'s stored column order) and a 4- or 8-bit ``weight``:
+    [..., N] in x's dtype."""
+    if torch.compiler.is_compiling() or profiler._is_profiler_enabled:
+        return torch.ops.qinfer.int_gemv(x, weight.qweight, weight.scale, weight.zero, weight.bits, weight.group_size)
+    return _int_op(x, weight.qweight, weight.scale, weight.zero, weight.bits, weight.group_size)
+
+
+def fp8_gemv(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    """``x @ W.T`` for one row ``x`` [..., K] and an FP8 ``weight``: [..., N] in x's dtype."""
+    if torch.compiler.is_compiling() or profiler._is_profiler_enabled:
+        return torch.ops.qinfer.fp8_gemv(x, weight.weight, weight.scale)
+    return _fp8_op(x, weight.weight, weight.scale)
+
+
+def _bf16_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def build():
+        return Weight(weight.data_ptr(), None, None, *weight.shape, weight.stride(0), 0)
+
+    return _run(_library()[0].qinfer_bf16_gemv, x, _prepared(_PREPARED["bf16"], weight, (weight,), build))
+
+
+def _int_op(x, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, group_size: int):
+    tensors = (qweight, scale, zero)
+    if not all(t is None or t.is_contiguous() for t in tensors):
+        qweight, scale, zero = (None if t is None else t.contiguous() for t in tensors)
+        return _int_op(x, qweight, scale, zero, bits, group_size)  # contiguous copies, prepared for this call only
+    N, K = qweight.shape[0], qweight.shape[1] * 8 // bits
+
+    def build():
+        return Weight(qweight.data_ptr(), scale.data_ptr(), None if zero is None else zero.data_ptr(), N, K,
+                      qweight.stride(0), K if group_size == -1 else group_size)
+
+    kernel = _library()[0].qinfer_int4_gemv if bits == 4 else _library()[0].qinfer_int8_gemv
+    return _run(kernel, x, _prepared(_PREPARED["int"], qweight, tensors, build))
+
+
+def _fp8_op(x, codes: torch.Tensor, scale: torch.Tensor):
+    def build():
+        return Weight(codes.data_ptr(), scale.data_ptr(), None, *codes.shape, codes.stride(0), scale.numel())
+
+    scale = scale.contiguous()
+    return _run(_library()[0].qinfer_fp8_gemv, x, _prepared(_PREPARED["fp8"], codes, (codes, scale), build))
+
+
+def _prepared(store: dict, key: torch.Tensor, tensors: tuple, build) -> Weight:
+    """``build()`` once per ``key`` tensor (dropped when it is freed), built again whenever ``tensors``' data has
+    moved: a Parameter whose ``.data`` was replaced keeps its id. The store holds no tensor."""
+    where = tuple(0 if t is None else t.data_ptr() for t in tensors)
+    entry = per_weight(store, key, lambda _: (where, build()))
+    if entry[0] != where:
+        entry = store[id(key)] = (where, build())
+    return entry[1]
+
+
+def _run(kernel, x: torch.Tensor, weight: Weight) -> torch.Tensor:
+    x = x.contiguous()
+    y = torch.empty(*x.shape[:-1], weight.N, dtype=x.dtype)
+    kernel(ctypes.byref(weight), x.data_ptr(), y.data_ptr(), _DTYPE_CODES[x.dtype])
+    return y
+
+
+# the operators torch.compile sees (registered through torch.library.Library, whose dispatch costs ~7 us a
+# call here against ~25 us through torch.library.custom_op; see fp8_cpu)
+_LIBRARY = torch.library.Library("qinfer", "FRAGMENT")
+_LIBRARY.define("bf16_gemv(Tensor x, Tensor weight) -> Tensor")
+_LIBRARY.define("int_gemv(Tensor x, Tensor qweight, Tensor scale, Tensor? zero, int bits, int group_size) -> Tensor")
+_LIBRARY.define("fp8_gemv(Tensor x, Tensor codes, Tensor scale) -> Tensor")
+_LIBRARY.impl("bf16_gemv", _bf16_op, "CPU")
+_LIBRARY.impl("int_gemv", _int_op, "CPU")
+_LIBRARY.impl("fp8_gemv", _fp8_op, "CPU")
+
+
+@torch.library.register_fake("qinfer::bf16_gemv")
+def _(x, weight):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.register_fake("qinfer::int_gemv")
+def _(x, qweight, scale, zero, bits, group_size):
+    return x.new_empty(*x.shape[:-1], qweight.shape[0])
+
+
+@torch.library.register_fake("qinfer::fp8_gemv")
+def _(x, codes, scale):
+    return x.new_empty(*x.shape[:-1], codes.shape[0])

@@ -1,0 +1,30 @@
+import re
+
+import pytest
+from click.testing import CliRunner
+
+from qinfer.evals.gemv_bench import main
+from qinfer.kernels import gemv_cpu
+from tests.test_quantize import tiny  # noqa: F401 (fixture)
+
+ROW = re.compile(r"^\s*(\S+)\s+(\d+) x (\d+)\s+(\d+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)$", re.M)
+STEP = re.compile(r"^decode step \(16-token prompt\): (\S+) ms with PyTorch's kernels, (\S+) ms with the C GEMVs "
+                  r"\((\S+)x; medians of 4 steps each\); greedy tokens (the same|differ)$", re.M)
+
+
+@pytest.mark.skipif(not gemv_cpu.available(), reason=f"no C GEMV here: {gemv_cpu.unavailable_reason()}")
+def test_gemv_bench_times_every_linear_and_the_decode_step(tiny):  # noqa: F811
+    result = CliRunner().invoke(main, [str(tiny), "--prompt-tokens", "16", "--steps", "2", "--rounds", "2",
+                                       "--calls", "3"])
+    assert result.exit_code == 0, result.output
+    rows = ROW.findall(result.stdout)
+    assert rows and sum(int(r[3]) for r in rows) > 1  # every distinct linear, with how many the model has
+    assert all(float(r[4]) > 0 and float(r[5]) > 0 for r in rows)
+    step = STEP.search(result.stdout)
+    assert step and float(step.group(1)) > 0 and float(step.group(2)) > 0
+
+
+def test_gemv_bench_names_a_bad_model_in_one_line(tmp_path):
+    result = CliRunner().invoke(main, [str(tmp_path / "missing")])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1 and result.output.startswith("Error: ")

@@ -1,0 +1,194 @@
+"""The C one-row kernels against exact (float64) products, the dispatch to them, their build and their fallback."""
+
+import gc
+
+import pytest
+import torch
+
+from qinfer.format import Fp8Weight, QuantizedWeight, QuantScheme
+from qinfer.kernels import gemv_cpu, linear
+from qinfer.kernels.quant_linear import dequant_linear_ref
+from qinfer.quantizers.fp8 import fp8_quantize
+from qinfer.quantizers.rtn import rtn_quantize
+
+needs_kernels = pytest.mark.skipif(not gemv_cpu.available(), reason=f"no C GEMV here: {gemv_cpu.unavailable_reason()}")
+ROUNDING = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}  # one output rounding, relative
+
+
+def _check(got: torch.Tensor, exact: torch.Tensor, magnitude: torch.Tensor, dtype: torch.dtype) -> None:
+    # each output: its exact value up to one rounding to dtype and an fp32 sum's error (K terms of |w x|)
+    bound = exact.abs() * ROUNDING[dtype] + magnitude * 1e-6 + 1e-30
+    assert got.dtype == dtype
+    excess = (got.double() - exact).abs() / bound
+    assert float(excess.max()) <= 1.0, float(excess.max())
+
+
+def _int(N, K, group_size, symmetric, seed=0, bits=4) -> QuantizedWeight:
+    W = torch.randn(N, K, generator=torch.Generator().manual_seed(seed)) * 0.05
+    return rtn_quantize(W, QuantScheme(method="rtn", bits=bits, group_size=group_size, symmetric=symmetric))
+
+
+def _fp8(N, K, granularity, seed=0) -> Fp8Weight:
+    W = torch.randn(N, K, generator=torch.Generator().manual_seed(seed)) * 0.05
+    W[:, :7] *= 1e-4  # codes down among E4M3's subnormals
+    scheme = QuantScheme(method="fp8", bits=8, format="fp8", group_size=-1, fp8_granularity=granularity)
+    return fp8_quantize(W, scheme)
+
+
+@needs_kernels
+@pytest.mark.parametrize("N", [1, 5, 1001])
+@pytest.mark.parametrize("K", [8, 72, 77, 640])  # the 32-wide loop, its 8-wide tail and a scalar tail
+def test_bf16_row_matches_the_exact_product(N, K):
+    g = torch.Generator().manual_seed(N * K)
+    weight, x = torch.randn(N, K, generator=g).bfloat16(), torch.randn(1, K, generator=g).bfloat16()
+    assert gemv_cpu.bf16_supported(x, weight)
+    got = gemv_cpu.bf16_gemv(x, weight)
+    assert got.shape == (1, N)
+    _check(got, x.double() @ weight.double().T, x.double().abs() @ weight.double().abs().T, torch.bfloat16)
+
+
+@needs_kernels
+def test_bf16_rows_apart_bias_and_leading_dimensions():
+    g = torch.Generator().manual_seed(3)
+    table = torch.randn(300, 700, generator=g).bfloat16()
+    weight = table[:, 20:660]  # rows 700 elements apart
+    x, bias = torch.randn(1, 1, 640, generator=g).bfloat16(), torch.randn(300, generator=g).bfloat16()
+    assert gemv_cpu.bf16_supported(x, weight)
+    got = gemv_cpu.bf16_gemv(x, weight)
+    assert got.shape == (1, 1, 300)
+    _check(got, x.double() @ weight.double().T, x.double().abs() @ weight.double().abs().T, torch.bfloat16)
+    assert torch.equal(linear(x, weight, bias), got + bias)
+    assert not gemv_cpu.bf16_supported(x, table.T)  # columns apart: PyTorch's kernel
+    assert not gemv_cpu.bf16_supported(torch.randn(2, 640).bfloat16(), weight)  # rows: PyTorch's GEMM
+    assert not gemv_cpu.bf16_supported(torch.randn(1, 639).bfloat16(), weight)  # a mismatch: torch's own error
+    with pytest.raises(RuntimeError):
+        linear(torch.randn(1, 639).bfloat16(), weight)
+
+
+@needs_kernels
+@pytest.mark.parametrize("N", [3, 4, 7, 272])  # whole blocks of 4 rows and the rows after them
+@pytest.mark.parametrize("K,group_size", [(256, 32), (640, 64), (640, 128), (512, -1)])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int_row_matches_the_exact_product(N, K, group_size, symmetric, dtype, bits):
+    weight = _int(N, K, group_size, symmetric, seed=N + K, bits=bits)
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(1)).to(dtype)
+    assert gemv_cpu.int_supported(x, weight)
+    got = gemv_cpu.int_gemv(x, weight)
+    w = weight.dequantize(torch.float32).double()
+    _check(got, x.double() @ w.T, x.double().abs() @ w.abs().T, dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("N,K", [(3, 8), (272, 640), (5, 72)])  # the 32-wide loop and its 8-wide tail
+@pytest.mark.parametrize("granularity", ["channel", "tensor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp8_row_matches_the_exact_product(N, K, granularity, dtype):
+    weight = _fp8(N, K, granularity, seed=N)
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(2)).to(dtype)
+    assert gemv_cpu.fp8_supported(x, weight)
+    got = gemv_cpu.fp8_gemv(x, weight)
+    w = weight.weight.double() * weight.scale.double()  # every code, subnormals too, as PyTorch reads it
+    _check(got, x.double() @ w.T, x.double().abs() @ w.abs().T, dtype)
+
+
+@needs_kernels
+def test_every_finite_e4m3_code_is_read_exactly():
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    codes = codes[codes.float().isfinite()]  # E4M3's two NaN codes are never written (the format refuses them)
+    weight = Fp8Weight(codes.reshape(-1, 1).repeat(1, 8), torch.ones(codes.numel(), 1))
+    x = torch.zeros(1, 8)
+    x[0, 3] = 1.0  # each output is its row's code, exactly
+    assert torch.equal(gemv_cpu.fp8_gemv(x, weight)[0], codes.float())
+
+
+@needs_kernels
+def test_int4_entry_point_dispatch_bias_and_permuted_columns():
+    weight = _int(40, 256, 64, False, seed=5)
+    perm = torch.randperm(256, generator=torch.Generator().manual_seed(0)).int()
+    permuted = QuantizedWeight(weight.qweight, weight.scale, weight.zero, 4, 64, weight.shape, perm)
+    x, bias = torch.randn(1, 256).bfloat16(), torch.randn(40).bfloat16()
+    for w in (weight, permuted):
+        exact = x.double() @ w.dequantize(torch.float32).double().T + bias.double()
+        torch.testing.assert_close(linear(x, w, bias).double(), exact, rtol=2e-2, atol=2e-2)
+        with gemv_cpu.disabled():  # PyTorch's int4 kernel, for the same row
+            torch.testing.assert_close(linear(x, w, bias).double(), exact, rtol=2e-2, atol=2e-2)
+    rows = torch.randn(3, 256).bfloat16()
+    assert not gemv_cpu.int_supported(rows, weight)
+    three_bits = rtn_quantize(torch.randn(40, 256), QuantScheme(method="rtn", bits=3, group_size=64))
+    assert not gemv_cpu.int_supported(x, three_bits)
+
+
+@needs_kernels
+def test_one_row_goes_to_the_c_kernels_unless_disabled(monkeypatch):
+    calls = []
+    run = gemv_cpu._run
+    monkeypatch.setattr(gemv_cpu, "_run", lambda *a: calls.append(a[0].__name__) or run(*a))
+    weights = (torch.randn(64, 128).bfloat16(), _int(64, 128, 32, True), _int(64, 128, 32, True, bits=8),
+               _fp8(64, 128, "channel"))
+    kernels = ["qinfer_bf16_gemv", "qinfer_int4_gemv", "qinfer_int8_gemv", "qinfer_fp8_gemv"]
+    x = torch.randn(1, 128).bfloat16()
+    for w in weights:
+        linear(x, w)
+    assert calls == kernels
+    with gemv_cpu.disabled():
+        assert not gemv_cpu.available()
+        for w in weights:
+            linear(x, w)
+    assert calls == kernels and gemv_cpu.available()
+
+
+@needs_kernels
+def test_a_replaced_weight_is_read_anew_and_a_freed_one_is_forgotten():
+    weight = torch.nn.Parameter(torch.randn(32, 64).bfloat16(), requires_grad=False)
+    x = torch.randn(1, 64).bfloat16()
+    before = len(gemv_cpu._PREPARED["bf16"])
+    torch.testing.assert_close(linear(x, weight), torch.nn.functional.linear(x.float(), weight.float()).bfloat16())
+    weight.data = torch.randn(32, 64).bfloat16()  # the same Parameter, new memory (as AWQ folds scales in)
+    torch.testing.assert_close(linear(x, weight), torch.nn.functional.linear(x.float(), weight.float()).bfloat16())
+    assert len(gemv_cpu._PREPARED["bf16"]) == before + 1
+    del weight
+    gc.collect()
+    assert len(gemv_cpu._PREPARED["bf16"]) == before  # the store holds no tensor: the weight was freed
+
+
+@needs_kernels
+def test_compiled_calls_are_the_opaque_operators_and_match_eager():
+    weight, packed, fp8 = torch.randn(48, 128).bfloat16(), _int(128, 128, 32, False), _fp8(128, 128, "tensor")
+    x = torch.randn(1, 1, 128).bfloat16()
+    torch.library.opcheck(torch.ops.qinfer.bf16_gemv, (x, weight))
+    torch.library.opcheck(torch.ops.qinfer.int_gemv, (x, packed.qweight, packed.scale, packed.zero, 4, 32))
+    # (opcheck's schema test multiplies every tensor argument, which torch cannot do for float8 ones)
+    torch.library.opcheck(torch.ops.qinfer.fp8_gemv, (x, fp8.weight, fp8.scale),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def chain(x):
+        return linear(linear(linear(x, fp8), packed), weight)
+
+    compiled = torch.compile(chain, backend=backend, fullgraph=True)
+    assert torch.equal(compiled(x), chain(x))
+    targets = {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
+    assert {"qinfer.bf16_gemv", "qinfer.int_gemv", "qinfer.fp8_gemv"} <= targets, targets
+
+
+def test_without_the_kernels_one_row_takes_pytorchs(monkeypatch, tmp_path):
+    # no compiler, a compiler that fails, or QINFER_CPU_GEMV=0: not available, with the reason; rows still multiply
+    monkeypatch.setenv("QINFER_CACHE", str(tmp_path))
+    try:
+        for env, value, reason in (("QINFER_CPU_GEMV", "0", "QINFER_CPU_GEMV=0"), ("CC", "/bin/false", "failed")):
+            monkeypatch.setenv(env, value)
+            gemv_cpu._library.cache_clear()
+            assert not gemv_cpu.available() and reason in gemv_cpu.unavailable_reason()
+            x, weight, packed = torch.randn(1, 64).bfloat16(), torch.randn(16, 64).bfloat16(), _int(16, 64, 32, True)
+            torch.testing.assert_close(linear(x, weight), torch.nn.functional.linear(x, weight))
+            torch.testing.assert_close(linear(x, packed), dequant_linear_ref(x, packed), rtol=2e-2, atol=2e-2)
+            monkeypatch.delenv(env)
+        assert not list((tmp_path / "kernels").iterdir())  # the failed build left nothing behind
+    finally:
+        gemv_cpu._library.cache_clear()
