@@ -24,7 +24,7 @@ import torch
 from qinfer.errors import QinferError
 from qinfer.evals.forward import make_cache
 from qinfer.evals.speed import checked_prompt
-from qinfer.format import QuantizedWeight
+from qinfer.format import Fp8Weight, QuantizedWeight
 from qinfer.generate import decode_step, prefill
 from qinfer.kernels import gemv_cpu, linear
 from qinfer.loader import load_model
@@ -53,12 +53,16 @@ def main(model, prompt_tokens, steps, rounds, calls):
 
 def _weight_bytes(w) -> int:
     if isinstance(w, QuantizedWeight):
-        return sum(t.numel() * t.element_size() for t in (w.qweight, w.scale, w.zero) if t is not None)
-    return w.numel() * w.element_size()
+        tensors = (w.qweight, w.scale, w.zero)
+    else:
+        tensors = (w.weight, w.scale) if isinstance(w, Fp8Weight) else (w,)
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def _kind(w) -> str:
-    return f"int{w.bits} g{w.group_size}" if isinstance(w, QuantizedWeight) else str(w.dtype).replace("torch.", "")
+    if isinstance(w, QuantizedWeight):
+        return f"int{w.bits} g{w.group_size}"
+    return "fp8 e4m3" if isinstance(w, Fp8Weight) else str(w.dtype).replace("torch.", "")
 
 
 def _timed(fn, calls: int) -> float:

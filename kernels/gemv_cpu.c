@@ -80,39 +80,38 @@ void qinfer_bf16_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype
     free(xf);
 }
 
-/* Rows n0 .. n0+R-1 of 4-bit codes (byte i of a row: code 2i in the low nibble, 2i+1 in the high one)
- * against x, split into its even (xe) and odd (xo) entries so a byte's two nibbles meet their own x without
- * a shuffle. Per group: s * (sum q x - z * sum x), the sums of x per group (xs) taken once per call.
- * R rows at a time share each load of x and give the FMAs 2R independent chains. */
-static inline __attribute__((always_inline)) void int4_rows(
-        const uint8_t *Q, const uint16_t *S, const uint8_t *Z, const float *xe, const float *xo,
-        const float *xs, float *out, int64_t n0, int64_t ng, int64_t hb, const int R) {
+/* Row n of 4-bit codes (byte i of a row: code 2i in the low nibble, 2i+1 in the high one) against x, split
+ * into its even (xe) and odd (xo) entries so a byte's two nibbles meet their own x without a shuffle. Per
+ * group: s * (sum q x - z * sum x), the sums of x per group (xs) taken once per call; four sums over 16 bytes
+ * at a time. One row at a time streams a weight from memory faster than interleaving rows. */
+static float int4_row(const uint8_t *Q, const uint16_t *S, const uint8_t *Z, const float *xe, const float *xo,
+                      const float *xs, int64_t n, int64_t ng, int64_t hb) {
     const __m256i low = _mm256_set1_epi32(0xF);
-    int64_t kb = ng * hb;  /* bytes per row */
-    __m256 acc[4];
-    float zacc[4];
-    for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); zacc[r] = 0.f; }
+    const uint8_t *q = Q + n * ng * hb;
+    __m256 acc = _mm256_setzero_ps();
+    float zacc = 0.f;
     for (int64_t g = 0; g < ng; g++) {
-        __m256 a0[4], a1[4];
-        for (int r = 0; r < R; r++) { a0[r] = _mm256_setzero_ps(); a1[r] = _mm256_setzero_ps(); }
-        const float *e = xe + g * hb, *o = xo + g * hb;
-        const uint8_t *q = Q + n0 * kb + g * hb;
-        for (int64_t i = 0; i < hb; i += 8) {
-            __m256 ve = _mm256_loadu_ps(e + i), vo = _mm256_loadu_ps(o + i);
-            for (int r = 0; r < R; r++) {
-                __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + r * kb + i)));
-                a0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, low)), ve, a0[r]);
-                a1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), vo, a1[r]);
-            }
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+        int64_t i = g * hb, end = i + hb;
+        for (; i + 16 <= end; i += 16) {
+            __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + i)));
+            __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + i + 8)));
+            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b0, low)), _mm256_loadu_ps(xe + i), a0);
+            a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), _mm256_loadu_ps(xo + i), a1);
+            a2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b1, low)), _mm256_loadu_ps(xe + i + 8), a2);
+            a3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), _mm256_loadu_ps(xo + i + 8), a3);
         }
-        for (int r = 0; r < R; r++) {
-            int64_t sg = (n0 + r) * ng + g;
-            float s = _cvtsh_ss(S[sg]);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_add_ps(a0[r], a1[r]), acc[r]);
-            zacc[r] += s * (Z ? (float)Z[sg] : 8.f) * xs[g];
+        for (; i < end; i += 8) {
+            __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + i)));
+            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, low)), _mm256_loadu_ps(xe + i), a0);
+            a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), _mm256_loadu_ps(xo + i), a1);
         }
+        int64_t sg = n * ng + g;
+        float s = _cvtsh_ss(S[sg]);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)), acc);
+        zacc += s * (Z ? (float)Z[sg] : 8.f) * xs[g];
     }
-    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]) - zacc[r];
+    return hsum(acc) - zacc;
 }
 
 /* codes: uint8 [N, K/2]; scale: fp16 [N, K/G]; zero: uint8 [N, K/G] or NULL (symmetric: 8); x: [K] and y: [N]
@@ -121,7 +120,7 @@ void qinfer_int4_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype
     const uint8_t *Q = wt->w, *Z = wt->zero;
     const uint16_t *S = wt->scale;
     int64_t N = wt->N, K = wt->K, G = wt->group;
-    int64_t ng = K / G, hb = G / 2, full = N / 4 * 4;
+    int64_t ng = K / G, hb = G / 2;
     float *xe = malloc(sizeof(float) * (K + ng + 1)), *xo = xe + K / 2, *xs = xe + K;
     for (int64_t g = 0; g < ng; g++) {
         float s = 0.f;
@@ -132,50 +131,36 @@ void qinfer_int4_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype
         xs[g] = s;
     }
     #pragma omp parallel for schedule(static)
-    for (int64_t n0 = 0; n0 < full; n0 += 4) {
-        float out[4];
-        int4_rows(Q, S, Z, xe, xo, xs, out, n0, ng, hb, 4);
-        for (int r = 0; r < 4; r++) store_one(y, dtype, n0 + r, out[r]);
-    }
-    for (int64_t n = full; n < N; n++) {
-        float out[1];
-        int4_rows(Q, S, Z, xe, xo, xs, out, n, ng, hb, 1);
-        store_one(y, dtype, n, out[0]);
-    }
+    for (int64_t n = 0; n < N; n++) store_one(y, dtype, n, int4_row(Q, S, Z, xe, xo, xs, n, ng, hb));
     free(xe);
 }
 
-/* Rows n0 .. n0+R-1 of 8-bit codes against x: per group, s * (sum q x - z * sum x), as int4_rows. */
-static inline __attribute__((always_inline)) void int8_rows(
-        const uint8_t *Q, const uint16_t *S, const uint8_t *Z, const float *xf, const float *xs, float *out,
-        int64_t n0, int64_t ng, int64_t G, const int R) {
-    int64_t K = ng * G;
-    __m256 acc[4];
-    float zacc[4];
-    for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); zacc[r] = 0.f; }
+static inline __m256 u8x8(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* Row n of 8-bit codes against x: per group, s * (sum q x - z * sum x), four sums over 32 codes at a time. */
+static float int8_row(const uint8_t *Q, const uint16_t *S, const uint8_t *Z, const float *xf, const float *xs,
+                      int64_t n, int64_t ng, int64_t G) {
+    const uint8_t *q = Q + n * ng * G;
+    __m256 acc = _mm256_setzero_ps();
+    float zacc = 0.f;
     for (int64_t g = 0; g < ng; g++) {
-        __m256 a0[4], a1[4];
-        for (int r = 0; r < R; r++) { a0[r] = _mm256_setzero_ps(); a1[r] = _mm256_setzero_ps(); }
-        const uint8_t *q = Q + n0 * K + g * G;
-        const float *xg = xf + g * G;
-        for (int64_t i = 0; i < G; i += 16) {
-            __m256 x0 = _mm256_loadu_ps(xg + i), x1 = _mm256_loadu_ps(xg + i + 8);
-            for (int r = 0; r < R; r++) {
-                const uint8_t *p = q + r * K + i;
-                __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-                __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
-                a0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b0), x0, a0[r]);
-                a1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b1), x1, a1[r]);
-            }
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+        int64_t i = g * G, end = i + G;
+        for (; i + 32 <= end; i += 32) {
+            a0 = _mm256_fmadd_ps(u8x8(q + i), _mm256_loadu_ps(xf + i), a0);
+            a1 = _mm256_fmadd_ps(u8x8(q + i + 8), _mm256_loadu_ps(xf + i + 8), a1);
+            a2 = _mm256_fmadd_ps(u8x8(q + i + 16), _mm256_loadu_ps(xf + i + 16), a2);
+            a3 = _mm256_fmadd_ps(u8x8(q + i + 24), _mm256_loadu_ps(xf + i + 24), a3);
         }
-        for (int r = 0; r < R; r++) {
-            int64_t sg = (n0 + r) * ng + g;
-            float s = _cvtsh_ss(S[sg]);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_add_ps(a0[r], a1[r]), acc[r]);
-            zacc[r] += s * (Z ? (float)Z[sg] : 128.f) * xs[g];
-        }
+        for (; i < end; i += 8) a0 = _mm256_fmadd_ps(u8x8(q + i), _mm256_loadu_ps(xf + i), a0);
+        int64_t sg = n * ng + g;
+        float s = _cvtsh_ss(S[sg]);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)), acc);
+        zacc += s * (Z ? (float)Z[sg] : 128.f) * xs[g];
     }
-    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]) - zacc[r];
+    return hsum(acc) - zacc;
 }
 
 /* codes: uint8 [N, K]; scale: fp16 [N, K/G]; zero: uint8 [N, K/G] or NULL (symmetric: 128); x: [K] and y: [N]
@@ -183,7 +168,7 @@ static inline __attribute__((always_inline)) void int8_rows(
 void qinfer_int8_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype) {
     const uint8_t *Q = wt->w, *Z = wt->zero;
     const uint16_t *S = wt->scale;
-    int64_t N = wt->N, K = wt->K, G = wt->group, ng = K / G, full = N / 4 * 4;
+    int64_t N = wt->N, K = wt->K, G = wt->group, ng = K / G;
     float *xf = malloc(sizeof(float) * (K + ng)), *xs = xf + K;
     for (int64_t g = 0; g < ng; g++) {
         float s = 0.f;
@@ -191,16 +176,7 @@ void qinfer_int8_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype
         xs[g] = s;
     }
     #pragma omp parallel for schedule(static)
-    for (int64_t n0 = 0; n0 < full; n0 += 4) {
-        float out[4];
-        int8_rows(Q, S, Z, xf, xs, out, n0, ng, G, 4);
-        for (int r = 0; r < 4; r++) store_one(y, dtype, n0 + r, out[r]);
-    }
-    for (int64_t n = full; n < N; n++) {
-        float out[1];
-        int8_rows(Q, S, Z, xf, xs, out, n, ng, G, 1);
-        store_one(y, dtype, n, out[0]);
-    }
+    for (int64_t n = 0; n < N; n++) store_one(y, dtype, n, int8_row(Q, S, Z, xf, xs, n, ng, G));
     free(xf);
 }
 
