@@ -2,7 +2,8 @@
  * with AVX2, FMA and F16C. Built and loaded by gemv_cpu.py (which documents why); OpenMP splits the rows.
  *
  * Every product and sum is fp32; each output is rounded once to the activations' dtype.
- * dtype codes: 0 = fp32, 1 = bf16, 2 = fp16.
+ * dtype codes: 0 = fp32, 1 = bf16, 2 = fp16. Each entry point returns 0, or 1 when it could not allocate the
+ * row's fp32 copy (a few KB).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -55,10 +56,11 @@ static inline __m256 bf16x8(const uint16_t *p) { /* 8 bf16 -> fp32: the bits mov
 }
 
 /* W: bf16 [N, K], rows ld elements apart; x: [K] of dtype; y: [N] of dtype */
-void qinfer_bf16_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype) {
+int qinfer_bf16_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype) {
     const uint16_t *W = wt->w;
     int64_t N = wt->N, K = wt->K, ldw = wt->ld;
     float *xf = malloc(sizeof(float) * (K > 0 ? K : 1));
+    if (!xf) return 1;
     for (int64_t k = 0; k < K; k++) xf[k] = load_one(x, dtype, k);
     int64_t k32 = K / 32 * 32, k8 = K / 8 * 8;
     #pragma omp parallel for schedule(static)
@@ -78,6 +80,7 @@ void qinfer_bf16_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype
         store_one(y, dtype, n, s);
     }
     free(xf);
+    return 0;
 }
 
 /* Row n of 4-bit codes (byte i of a row: code 2i in the low nibble, 2i+1 in the high one) against x, split
@@ -116,12 +119,13 @@ static float int4_row(const uint8_t *Q, const uint16_t *S, const uint8_t *Z, con
 
 /* codes: uint8 [N, K/2]; scale: fp16 [N, K/G]; zero: uint8 [N, K/G] or NULL (symmetric: 8); x: [K] and y: [N]
  * of dtype. K % G == 0 and G % 16 == 0. */
-void qinfer_int4_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype) {
+int qinfer_int4_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype) {
     const uint8_t *Q = wt->w, *Z = wt->zero;
     const uint16_t *S = wt->scale;
     int64_t N = wt->N, K = wt->K, G = wt->group;
     int64_t ng = K / G, hb = G / 2;
     float *xe = malloc(sizeof(float) * (K + ng + 1)), *xo = xe + K / 2, *xs = xe + K;
+    if (!xe) return 1;
     for (int64_t g = 0; g < ng; g++) {
         float s = 0.f;
         for (int64_t k = g * G; k < (g + 1) * G; k += 2) {
@@ -133,6 +137,7 @@ void qinfer_int4_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) store_one(y, dtype, n, int4_row(Q, S, Z, xe, xo, xs, n, ng, hb));
     free(xe);
+    return 0;
 }
 
 static inline __m256 u8x8(const uint8_t *p) {
@@ -165,11 +170,12 @@ static float int8_row(const uint8_t *Q, const uint16_t *S, const uint8_t *Z, con
 
 /* codes: uint8 [N, K]; scale: fp16 [N, K/G]; zero: uint8 [N, K/G] or NULL (symmetric: 128); x: [K] and y: [N]
  * of dtype. K % G == 0 and G % 16 == 0. */
-void qinfer_int8_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype) {
+int qinfer_int8_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype) {
     const uint8_t *Q = wt->w, *Z = wt->zero;
     const uint16_t *S = wt->scale;
     int64_t N = wt->N, K = wt->K, G = wt->group, ng = K / G;
     float *xf = malloc(sizeof(float) * (K + ng)), *xs = xf + K;
+    if (!xf) return 1;
     for (int64_t g = 0; g < ng; g++) {
         float s = 0.f;
         for (int64_t k = g * G; k < (g + 1) * G; k++) s += (xf[k] = load_one(x, dtype, k));
@@ -178,6 +184,7 @@ void qinfer_int8_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) store_one(y, dtype, n, int8_row(Q, S, Z, xf, xs, n, ng, G));
     free(xf);
+    return 0;
 }
 
 /* 8 E4M3 codes -> fp32, each 2^-8 times its value: sign-extended to 16 bits and shifted up by 7, the code's
@@ -190,11 +197,12 @@ static inline __m256 e4m3x8(const uint8_t *p) {
 
 /* codes: E4M3 [N, K], rows ld apart; scale: fp32, one per row (group == N) or one in all (group == 1);
  * x: [K] and y: [N] of dtype; K % 8 == 0. */
-void qinfer_fp8_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype) {
+int qinfer_fp8_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype) {
     const uint8_t *W = wt->w;
     const float *scale = wt->scale;
     int64_t N = wt->N, K = wt->K, ldw = wt->ld, per_row = wt->group == N, k32 = K / 32 * 32;
     float *xf = malloc(sizeof(float) * K);
+    if (!xf) return 1;
     for (int64_t k = 0; k < K; k++) xf[k] = load_one(x, dtype, k);
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
@@ -212,4 +220,5 @@ void qinfer_fp8_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype)
         store_one(y, dtype, n, s * 256.f * scale[per_row ? n : 0]);
     }
     free(xf);
+    return 0;
 }

@@ -77,7 +77,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"building the CPU GEMV kernels failed: {e}"
     for kernel in (lib.qinfer_bf16_gemv, lib.qinfer_int4_gemv, lib.qinfer_int8_gemv, lib.qinfer_fp8_gemv):
-        kernel.argtypes, kernel.restype = [_P, _P, _P, ctypes.c_int], None
+        kernel.argtypes, kernel.restype = [_P, _P, _P, ctypes.c_int], ctypes.c_int
     return lib, ""
 
 
@@ -193,9 +193,10 @@ def _fp8_op(x, codes: torch.Tensor, scale: torch.Tensor):
 
 
 def _prepared(store: dict, key: torch.Tensor, tensors: tuple, build) -> Weight:
-    """``build()`` once per ``key`` tensor (dropped when it is freed), built again whenever ``tensors``' data has
-    moved: a Parameter whose ``.data`` was replaced keeps its id. The store holds no tensor."""
-    where = tuple(0 if t is None else t.data_ptr() for t in tensors)
+    """``build()`` once per ``key`` tensor (dropped when it is freed), built again whenever ``tensors``' data or
+    the key's layout has moved: a Parameter whose ``.data`` was replaced keeps its id. The store holds no tensor,
+    and a Weight is used only with the pointers and layout it was built from."""
+    where = (key.shape, key.stride(), *(0 if t is None else t.data_ptr() for t in tensors))
     entry = per_weight(store, key, lambda _: (where, build()))
     if entry[0] != where:
         entry = store[id(key)] = (where, build())
@@ -205,7 +206,8 @@ def _prepared(store: dict, key: torch.Tensor, tensors: tuple, build) -> Weight:
 def _run(kernel, x: torch.Tensor, weight: Weight) -> torch.Tensor:
     x = x.contiguous()
     y = torch.empty(*x.shape[:-1], weight.N, dtype=x.dtype)
-    kernel(ctypes.byref(weight), x.data_ptr(), y.data_ptr(), _DTYPE_CODES[x.dtype])
+    if kernel(ctypes.byref(weight), x.data_ptr(), y.data_ptr(), _DTYPE_CODES[x.dtype]):
+        raise MemoryError("out of memory for a decode row's fp32 copy")
     return y
 
 
