@@ -18,10 +18,12 @@ whether their greedy tokens agree.
 Diagnostic only, CPU only: nothing is written, nothing cached (but inductor's own cache).
 """
 
+import contextlib
 import copy
 import logging
 import statistics
 import time
+from collections.abc import Callable
 
 import click
 import torch
@@ -32,6 +34,7 @@ from qinfer.errors import QinferError
 from qinfer.evals.forward import make_cache
 from qinfer.evals.speed import checked_prompt
 from qinfer.generate import compiled_decode_step, decode_step, prefill
+from qinfer.kv_cache import KVCache
 from qinfer.loader import load_model
 from qinfer.sources import resolve_model
 
@@ -60,16 +63,9 @@ def main(model, prompt_tokens, steps, top, min_share, compiled, rounds):
 @torch.no_grad()
 def _report(model_name: str, prompt_tokens: int, steps: int, top: int, min_share: float, rounds: int) -> None:
     model = load_model(resolve_model(model_name))
-    n_steps = WARMUP_STEPS + 2 * steps + (1 + rounds * steps if rounds else 0)
-    prompt = checked_prompt(model, prompt_tokens, n_steps)
-    # a spare position: a compiled step whose keys fill the whole cache would be another graph
-    cache = make_cache(model, 1, prompt.shape[1] + n_steps + 1, "bf16")
-    token = prefill(model, prompt, cache).argmax(dim=-1)
-    pos = prompt.shape[1]
-    for pos in range(pos, pos + WARMUP_STEPS):
-        token = decode_step(model, token, pos, cache).argmax(dim=-1)
+    token, pos, cache = warmed_up(model, prompt_tokens, 2 * steps + (1 + rounds * steps if rounds else 0))
     times = []
-    for pos in range(pos + 1, pos + 1 + steps):
+    for pos in range(pos, pos + steps):
         t0 = time.perf_counter()
         token = decode_step(model, token, pos, cache).argmax(dim=-1)
         times.append(time.perf_counter() - t0)
@@ -98,8 +94,7 @@ def _report(model_name: str, prompt_tokens: int, steps: int, top: int, min_share
 
 
 def _compare_compiled(model, token: torch.Tensor, pos: int, cache, steps: int, rounds: int) -> None:
-    """The compiled decode step against the eager one: each round runs ``steps`` steps of both from the same
-    cache state (a copy each), alternating which goes first."""
+    """The compiled decode step against the eager one, in :func:`alternating_rounds`."""
     step = compiled_decode_step()
     counters.clear()
     breaks_log = logging.getLogger("torch._dynamo.variables.tensor")  # a warning per graph break: counted below
@@ -111,27 +106,52 @@ def _compare_compiled(model, token: torch.Tensor, pos: int, cache, steps: int, r
     finally:
         breaks_log.setLevel(level)
     reasons = sorted({reason.splitlines()[0] for reason in counters["graph_break"]})
-    times: dict[str, list[float]] = {"eager": [], "compiled": []}
-    agree = True
-    for r in range(rounds):
-        start = pos + 1 + r * steps
-        tokens = {}
-        for name in (("eager", "compiled") if r % 2 == 0 else ("compiled", "eager")):
-            fn, state, tok = decode_step if name == "eager" else step, copy.deepcopy(cache), token
-            tokens[name] = []
-            for p in range(start, start + steps):
-                t0 = time.perf_counter()
-                tok = fn(model, tok, p, state).argmax(dim=-1)
-                times[name].append(time.perf_counter() - t0)
-                tokens[name].append(tok)
-        agree &= all(torch.equal(a, b) for a, b in zip(tokens["eager"], tokens["compiled"]))
-        token, cache = tok, state  # go on from the last state
+    paths = {"eager": (decode_step, contextlib.nullcontext), "compiled": (step, contextlib.nullcontext)}
+    times, agree = alternating_rounds(model, token, pos + 1, cache, steps, rounds, paths)
     eager, compiled = (statistics.median(times[k]) * 1000 for k in ("eager", "compiled"))
     print(f"torch.compile(decode_step, dynamic=True): {counters['stats']['unique_graphs']} graphs, "
           f"{sum(counters['graph_break'].values())} graph breaks" + (f" ({'; '.join(reasons)})" if reasons else ""))
     print(f"torch.compile(decode_step, dynamic=True): {compile_s:.0f} s to compile (the first step); then "
           f"{compiled:.1f} ms a step against {eager:.1f} eager ({eager / compiled:.2f}x; medians of "
           f"{rounds * steps} steps each, alternating rounds); greedy tokens {'the same' if agree else 'differ'}")
+
+
+def warmed_up(model, prompt_tokens: int, n_steps: int) -> tuple[torch.Tensor, int, KVCache]:
+    """``qinfer eval``'s speed setting, warmed up: its fixed prompt prefilled into a bf16 KV cache with room for
+    ``n_steps`` more steps after ``WARMUP_STEPS`` greedy ones, and a spare position (a compiled step whose keys
+    fill the whole cache would be another graph). Returns the next token, its position and the cache."""
+    prompt = checked_prompt(model, prompt_tokens, WARMUP_STEPS + n_steps)
+    cache = make_cache(model, 1, prompt.shape[1] + WARMUP_STEPS + n_steps + 1, "bf16")
+    token = prefill(model, prompt, cache).argmax(dim=-1)
+    pos = prompt.shape[1]
+    for pos in range(pos, pos + WARMUP_STEPS):
+        token = decode_step(model, token, pos, cache).argmax(dim=-1)
+    return token, pos + 1, cache
+
+
+def alternating_rounds(model, token: torch.Tensor, pos: int, cache: KVCache, steps: int, rounds: int,
+                       paths: dict[str, tuple[Callable, Callable]]):
+    """Greedy decode steps along each of ``paths`` (name -> (step function, context manager factory to run it
+    in)), ``steps`` a path per round from copies of one cache state, alternating which path goes first, so a
+    machine that slows down for a while slows them all; each round goes on from the last path's state.
+    Returns each path's step times (s) and whether their greedy tokens agreed throughout."""
+    names = list(paths)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    agree = True
+    for r in range(rounds):
+        tokens = {}
+        for name in names if r % 2 == 0 else names[::-1]:
+            step, context = paths[name]
+            state, tok, tokens[name] = copy.deepcopy(cache), token, []
+            with context():
+                for p in range(pos, pos + steps):
+                    t0 = time.perf_counter()
+                    tok = step(model, tok, p, state).argmax(dim=-1)
+                    times[name].append(time.perf_counter() - t0)
+                    tokens[name].append(tok)
+        agree &= all(all(torch.equal(a, b) for a, b in zip(tokens[names[0]], tokens[n])) for n in names[1:])
+        token, cache, pos = tok, state, pos + steps
+    return times, agree
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ Diagnostic only, CPU only: nothing is written, nothing cached.
 """
 
 import contextlib
-import copy
 import statistics
 import time
 
@@ -22,16 +21,13 @@ import click
 import torch
 
 from qinfer.errors import QinferError
-from qinfer.evals.forward import make_cache
-from qinfer.evals.speed import checked_prompt
+from qinfer.evals.decode_profile import alternating_rounds, warmed_up
 from qinfer.format import Fp8Weight, QuantizedWeight
-from qinfer.generate import decode_step, prefill
+from qinfer.generate import decode_step
 from qinfer.kernels import gemv_cpu, linear
 from qinfer.loader import load_model
 from qinfer.model import QLinear
 from qinfer.sources import resolve_model
-
-WARMUP_STEPS = 4
 
 
 @click.command()
@@ -100,28 +96,9 @@ def _report(model_name: str, prompt_tokens: int, steps: int, rounds: int, calls:
 
 
 def _decode_steps(model, prompt_tokens: int, steps: int, rounds: int) -> None:
-    n_steps = WARMUP_STEPS + rounds * steps
-    prompt = checked_prompt(model, prompt_tokens, n_steps)
-    cache = make_cache(model, 1, prompt.shape[1] + n_steps + 1, "bf16")
-    token = prefill(model, prompt, cache).argmax(dim=-1)
-    pos = prompt.shape[1]
-    for pos in range(pos, pos + WARMUP_STEPS):
-        token = decode_step(model, token, pos, cache).argmax(dim=-1)
-    pos += 1
-    times: dict[str, list[float]] = {"torch": [], "C": []}
-    agree = True
-    for r in range(rounds):
-        tokens = {}
-        for name in (("torch", "C") if r % 2 == 0 else ("C", "torch")):
-            state, tok, tokens[name] = copy.deepcopy(cache), token, []
-            with gemv_cpu.disabled() if name == "torch" else contextlib.nullcontext():
-                for p in range(pos, pos + steps):
-                    t0 = time.perf_counter()
-                    tok = decode_step(model, tok, p, state).argmax(dim=-1)
-                    times[name].append(time.perf_counter() - t0)
-                    tokens[name].append(tok)
-        agree &= all(torch.equal(a, b) for a, b in zip(tokens["torch"], tokens["C"]))
-        token, cache, pos = tok, state, pos + steps
+    token, pos, cache = warmed_up(model, prompt_tokens, rounds * steps)
+    paths = {"torch": (decode_step, gemv_cpu.disabled), "C": (decode_step, contextlib.nullcontext)}
+    times, agree = alternating_rounds(model, token, pos, cache, steps, rounds, paths)
     t, c = (statistics.median(times[k]) * 1000 for k in ("torch", "C"))
     print(f"decode step ({prompt_tokens}-token prompt): {t:.1f} ms with PyTorch's kernels, {c:.1f} ms with the C "
           f"GEMVs ({t / c:.2f}x; medians of {rounds * steps} steps each); greedy tokens "
