@@ -41,8 +41,8 @@ SPEED_MODULES = ("qinfer.evals.speed", "qinfer.evals.costs")
 def speed_fingerprint() -> str:
     """sha256 over the source of :data:`SPEED_MODULES` (and ``qinfer.kernels``, which source_fingerprint reads),
     and whether the C GEMV kernels are in use (``QINFER_CPU_GEMV=0`` times PyTorch's)."""
-    gemv = "gemv_cpu" if gemv_cpu.available() else f"no gemv_cpu: {gemv_cpu.unavailable_reason()}"
-    return hashlib.sha256((source_fingerprint(SPEED_MODULES, "qinfer.kernels") + gemv).encode()).hexdigest()
+    code = source_fingerprint(SPEED_MODULES, "qinfer.kernels")
+    return hashlib.sha256((code + gemv_cpu.describe()).encode()).hexdigest()
 
 
 def cache_key(part: str, **fields) -> str:

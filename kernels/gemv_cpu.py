@@ -103,6 +103,11 @@ def unavailable_reason() -> str:
     return _library()[1]
 
 
+def describe() -> str:
+    """What a decode step's one-row products run through on CPU, in a few words (``qinfer eval``'s reports)."""
+    return "qinfer's C GEMVs" if available() else f"PyTorch's one-row kernels ({unavailable_reason()})"
+
+
 def _one_row(x: torch.Tensor, K: int) -> bool:
     return x.device.type == "cpu" and x.numel() == x.shape[-1] == K and x.dtype in _DTYPE_CODES
 

@@ -10,6 +10,7 @@ from qinfer.errors import QinferError
 from qinfer.evals import result_cache, runner
 from qinfer.evals.report import SCHEMA_VERSION, format_table
 from qinfer.evals.runner import EvalConfig, ModelResult, run_eval
+from qinfer.kernels import gemv_cpu
 from qinfer.kernels.linear import native_half_gemm
 from tests.evals.eval_fixtures import install_roofline, install_tasks, text_file, tiny_model
 
@@ -132,7 +133,7 @@ def test_results_json_follows_the_documented_schema(env):
     assert set(data["settings"]) == {
         "models", "baseline", "baseline_kv_cache", "text", "text_description", "max_tokens", "window", "stride",
         "tasks", "limit", "speed", "kv_cache", "prompt_tokens", "decode_steps", "repeats", "compiled", "device",
-        "threads", "torch_version",
+        "threads", "torch_version", "decode_kernels",
     }
     assert data["settings"]["models"] == [env["model"]] and data["settings"]["window"] == 64
     assert data["roofline"] == roofline.to_json()
@@ -158,6 +159,9 @@ def test_results_json_follows_the_documented_schema(env):
     assert ModelResult.from_json(m) == result  # the JSON holds the whole result
     assert (out / "results.md").read_text().count("| m (baseline) |") == 1
     assert f"Roofline: {roofline.machine}, " in (out / "results.md").read_text()  # the machine, not only its name
+    kernels = data["settings"]["decode_kernels"]
+    assert kernels == gemv_cpu.describe() and kernels.startswith(("qinfer's C GEMVs", "PyTorch's one-row kernels ("))
+    assert f"decode rows through {kernels}." in (out / "results.md").read_text()
     for png in ("pareto.png", "roofline.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "m (baseline)" in format_table([result])
