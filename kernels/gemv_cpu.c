@@ -43,11 +43,12 @@ static void store_one(void *y, int dtype, int64_t n, float v) {
     else ((float *)y)[n] = v;
 }
 
-/* a weight as the kernels read it: bf16 (w, ld = elements between rows), or 4-bit (w = codes, scale,
- * zero or NULL, group); set once per weight by gemv_cpu.py */
+/* a weight as the kernels read it: bf16 (w, ld = elements between rows), integer (w = codes, scale, zero or
+ * NULL, group, bits) or FP8 (w = codes, scale, group = the number of scales); set once per weight by
+ * gemv_cpu.py */
 typedef struct {
     const void *w, *scale, *zero;
-    int64_t N, K, ld, group;
+    int64_t N, K, ld, group, bits;
 } qinfer_weight;
 
 static inline __m256 bf16x8(const uint16_t *p) { /* 8 bf16 -> fp32: the bits move up by 16 */
@@ -183,6 +184,66 @@ int qinfer_int8_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype)
     }
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) store_one(y, dtype, n, int8_row(Q, S, Z, xf, xs, n, ng, G));
+    free(xf);
+    return 0;
+}
+
+/* 8 codes of B bits (2 or 3) from the B bytes they fill (code j at bits B*j of the little-endian word),
+ * widened to fp32: the word in every lane, each lane shifted by its own B*j and masked. */
+static inline __attribute__((always_inline)) __m256 narrow8(const uint8_t *p, const int B) {
+    uint32_t w = B == 2 ? (uint32_t)p[0] | (uint32_t)p[1] << 8
+                        : (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16;
+    const __m256i shifts = _mm256_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B);
+    __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), shifts), _mm256_set1_epi32((1 << B) - 1));
+    return _mm256_cvtepi32_ps(q);
+}
+
+/* Row n of B-bit codes (2 or 3) against x: per group, s * (sum q x - z * sum x), four sums over 32 codes. */
+static inline __attribute__((always_inline)) float narrow_row(
+        const uint8_t *Q, const uint16_t *S, const uint8_t *Z, const float *xf, const float *xs, int64_t n,
+        int64_t ng, int64_t G, const int B) {
+    const uint8_t *q = Q + n * ng * G * B / 8;
+    __m256 acc = _mm256_setzero_ps();
+    float zacc = 0.f;
+    for (int64_t g = 0; g < ng; g++) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+        int64_t k = g * G, end = k + G;
+        for (; k + 32 <= end; k += 32) {
+            const uint8_t *p = q + k * B / 8;
+            a0 = _mm256_fmadd_ps(narrow8(p, B), _mm256_loadu_ps(xf + k), a0);
+            a1 = _mm256_fmadd_ps(narrow8(p + B, B), _mm256_loadu_ps(xf + k + 8), a1);
+            a2 = _mm256_fmadd_ps(narrow8(p + 2 * B, B), _mm256_loadu_ps(xf + k + 16), a2);
+            a3 = _mm256_fmadd_ps(narrow8(p + 3 * B, B), _mm256_loadu_ps(xf + k + 24), a3);
+        }
+        for (; k < end; k += 8) a0 = _mm256_fmadd_ps(narrow8(q + k * B / 8, B), _mm256_loadu_ps(xf + k), a0);
+        int64_t sg = n * ng + g;
+        float s = _cvtsh_ss(S[sg]);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)), acc);
+        zacc += s * (Z ? (float)Z[sg] : (float)(1 << (B - 1))) * xs[g];
+    }
+    return hsum(acc) - zacc;
+}
+
+/* codes: uint8 [N, K*bits/8] (bits 2 or 3); scale: fp16 [N, K/G]; zero: uint8 [N, K/G] or NULL (symmetric:
+ * 2^(bits-1)); x: [K] and y: [N] of dtype. K % G == 0 and G % 8 == 0. */
+int qinfer_narrow_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype) {
+    const uint8_t *Q = wt->w, *Z = wt->zero;
+    const uint16_t *S = wt->scale;
+    int64_t N = wt->N, K = wt->K, G = wt->group, ng = K / G;
+    float *xf = malloc(sizeof(float) * (K + ng)), *xs = xf + K;
+    if (!xf) return 1;
+    for (int64_t g = 0; g < ng; g++) {
+        float s = 0.f;
+        for (int64_t k = g * G; k < (g + 1) * G; k++) s += (xf[k] = load_one(x, dtype, k));
+        xs[g] = s;
+    }
+    if (wt->bits == 2) {
+        #pragma omp parallel for schedule(static)
+        for (int64_t n = 0; n < N; n++) store_one(y, dtype, n, narrow_row(Q, S, Z, xf, xs, n, ng, G, 2));
+    } else {
+        #pragma omp parallel for schedule(static)
+        for (int64_t n = 0; n < N; n++) store_one(y, dtype, n, narrow_row(Q, S, Z, xf, xs, n, ng, G, 3));
+    }
     free(xf);
     return 0;
 }

@@ -1,17 +1,19 @@
-"""One activation row times a bf16, 4-bit, 8-bit or FP8 weight on an x86-64 CPU: a decode step's GEMV, in C.
+"""One activation row times a bf16, integer (2, 3, 4, 8 bits) or FP8 weight on an x86-64 CPU: a decode step's
+GEMV, in C.
 
 Decode at batch 1 reads every weight once per token, so its linears should stream at the memory bandwidth.
 PyTorch's own one-row kernels do not on a CPU with AVX2 only: ATen's bf16 GEMV widens and sums at ~9 GB/s a
 core (gemma3-270m's 335 MB lm_head: ~19 ms a step on 2 cores, about 60% of the bandwidth the roofline
-measures); its int4 weight-only kernel (``int4_cpu``) takes ~115 us for a 2048 x 640 weight of 0.7 MB; 8-bit
-codes went through one int8 matmul per group (``int8_cpu``) and FP8 codes through an fp16 copy of the weight
-(``fp8_cpu``). ``gemv_cpu.c`` does each product in one pass over the stored bytes with AVX2/FMA/F16C: bf16
-bits move into fp32 in registers; 4-bit codes are unpacked in registers, their nibbles meeting the row's even
-and odd entries; integer codes are summed against x per group and scaled once (``s * (sum q x - z * sum x)``);
-E4M3 codes move into fp16 bits (sign-extended, shifted, masked: exact, subnormals too) and F16C widens them.
-Rows split across OpenMP threads (PyTorch's own runtime: ``torch.set_num_threads``). Every product and sum
-is fp32 and each output is rounded once to the row's dtype: the references' results up to the order of their
-sums. ``python -m qinfer.evals.gemv_bench MODEL`` times each against PyTorch's path side by side
+measures); its int4 weight-only kernel (``int4_cpu``) takes ~115 us for a 2048 x 640 weight of 0.7 MB; 2-, 3-
+and 8-bit codes went through one int8 matmul per group (``int8_cpu``) and FP8 codes through an fp16 copy of
+the weight (``fp8_cpu``). ``gemv_cpu.c`` does each product in one pass over the stored bytes with
+AVX2/FMA/F16C: bf16 bits move into fp32 in registers; 4-bit codes are unpacked in registers, their nibbles
+meeting the row's even and odd entries; 2- and 3-bit codes, 8 to a 16- or 24-bit word, by a shift per lane;
+integer codes are summed against x per group and scaled once (``s * (sum q x - z * sum x)``); E4M3 codes
+move into fp16 bits (sign-extended, shifted, masked: exact, subnormals too) and F16C widens them. Rows split
+across OpenMP threads (PyTorch's own runtime: ``torch.set_num_threads``). Every product and sum is fp32 and
+each output is rounded once to the row's dtype: the references' results up to the order of their sums.
+``python -m qinfer.evals.gemv_bench MODEL`` times each against PyTorch's path side by side
 (``evals/RESULTS-LOG.md``).
 
 The C source is compiled at first use with the system's C compiler into ``<cache>/kernels`` (half a second;
@@ -76,7 +78,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"building the CPU GEMV kernels failed: {e}"
-    for kernel in (lib.qinfer_bf16_gemv, lib.qinfer_int4_gemv, lib.qinfer_int8_gemv, lib.qinfer_fp8_gemv):
+    for kernel in (lib.qinfer_bf16_gemv, lib.qinfer_int4_gemv, lib.qinfer_int8_gemv, lib.qinfer_narrow_gemv,
+                   lib.qinfer_fp8_gemv):
         kernel.argtypes, kernel.restype = [_P, _P, _P, ctypes.c_int], ctypes.c_int
     return lib, ""
 
@@ -121,10 +124,10 @@ def bf16_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def int_supported(x: torch.Tensor, weight: QuantizedWeight) -> bool:
-    """One row against 4- or 8-bit codes whose groups (or rows, per channel) are a multiple of 16 long."""
+    """One row against 2-, 3-, 4- or 8-bit codes whose groups (or rows, per channel) are a multiple of 16 long."""
     group = weight.shape[1] if weight.group_size == -1 else weight.group_size
     return (
-        _one_row(x, weight.shape[1]) and weight.bits in (4, 8) and group % 16 == 0
+        _one_row(x, weight.shape[1]) and weight.bits in (2, 3, 4, 8) and group % 16 == 0
         and weight.qweight.device.type == "cpu" and available()
     )
 
@@ -133,7 +136,8 @@ class Weight(ctypes.Structure):
     """A weight as the C kernels read it (``qinfer_weight`` in gemv_cpu.c): pointers into tensors kept alive
     elsewhere (by the model), built once per weight (:func:`_prepared`)."""
 
-    _fields_ = [("w", _P), ("scale", _P), ("zero", _P), ("N", _I64), ("K", _I64), ("ld", _I64), ("group", _I64)]
+    _fields_ = [("w", _P), ("scale", _P), ("zero", _P), ("N", _I64), ("K", _I64), ("ld", _I64), ("group", _I64),
+                ("bits", _I64)]
 
 
 def bf16_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -153,8 +157,8 @@ def fp8_supported(x: torch.Tensor, weight: Fp8Weight) -> bool:
 
 
 def int_gemv(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    """``x @ W.T`` for one row ``x`` [..., K] (in ``weight``'s stored column order) and a 4- or 8-bit ``weight``:
-    [..., N] in x's dtype."""
+    """``x @ W.T`` for one row ``x`` [..., K] (in ``weight``'s stored column order) and a 2-, 3-, 4- or 8-bit
+    ``weight``: [..., N] in x's dtype."""
     if torch.compiler.is_compiling() or profiler._is_profiler_enabled:
         return torch.ops.qinfer.int_gemv(x, weight.qweight, weight.scale, weight.zero, weight.bits, weight.group_size)
     return _int_op(x, weight.qweight, weight.scale, weight.zero, weight.bits, weight.group_size)
@@ -183,9 +187,10 @@ def _int_op(x, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | 
 
     def build():
         return Weight(qweight.data_ptr(), scale.data_ptr(), None if zero is None else zero.data_ptr(), N, K,
-                      qweight.stride(0), K if group_size == -1 else group_size)
+                      qweight.stride(0), K if group_size == -1 else group_size, bits)
 
-    kernel = _library()[0].qinfer_int4_gemv if bits == 4 else _library()[0].qinfer_int8_gemv
+    lib = _library()[0]
+    kernel = {4: lib.qinfer_int4_gemv, 8: lib.qinfer_int8_gemv}.get(bits, lib.qinfer_narrow_gemv)
     return _run(kernel, x, _prepared(_PREPARED["int"], qweight, tensors, build))
 
 

@@ -1,6 +1,6 @@
 """CPU path for one bf16 row times an integer weight the int4 kernel does not take: 2, 3 or 8 bits, or 4
-bits per channel. A decode step at batch 1 (and every step's lm_head under ``--quantize-lm-head``); 4 and 8
-bits go to ``gemv_cpu``'s C kernel instead where it is built.
+bits per channel. A decode step at batch 1 (and every step's lm_head under ``--quantize-lm-head``), where
+``gemv_cpu``'s C kernel is not built.
 
 The reference dequantizes the whole weight on every call: ~300x a bf16 GEMV's time for gemma3's 8-bit
 lm_head. PyTorch's int8 weight-only matmul ``torch.ops.aten._weight_int8pack_mm(x, q, s)`` computes

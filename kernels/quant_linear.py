@@ -3,7 +3,7 @@
 ``dequant_linear_ref`` dequantizes the whole weight, then runs a dense matmul: correct for every format
 and device, and the definition the fast kernels are tested against, but it materialises the dense weight
 on every call. ``quant_linear`` is the entry point: on a GPU the Triton dequant-matmul (``triton_matmul``);
-on CPU, for one row (a decode step) of 4- or 8-bit weights, ``gemv_cpu``'s C kernel where it is built; else
+on CPU, for one row (a decode step) of integer weights, ``gemv_cpu``'s C kernel where it is built; else
 the int4 kernel where it applies (fewer than ``int4_cpu.MAX_ROWS`` rows), else for one bf16 row the int8
 kernel (other bit widths), else the reference, which is also a long prefill's fast path: a GEMM in the
 activations' dtype (in fp32 on a CPU without native bf16 GEMMs: ``qinfer.kernels.linear``);

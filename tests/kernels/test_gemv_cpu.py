@@ -70,7 +70,7 @@ def test_bf16_rows_apart_bias_and_leading_dimensions():
 @pytest.mark.parametrize("K,group_size", [(256, 32), (640, 64), (640, 128), (512, -1)])
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_int_row_matches_the_exact_product(N, K, group_size, symmetric, dtype, bits):
     weight = _int(N, K, group_size, symmetric, seed=N + K, bits=bits)
     x = torch.randn(1, K, generator=torch.Generator().manual_seed(1)).to(dtype)
@@ -116,8 +116,8 @@ def test_int4_entry_point_dispatch_bias_and_permuted_columns():
             torch.testing.assert_close(linear(x, w, bias).double(), exact, rtol=2e-2, atol=2e-2)
     rows = torch.randn(3, 256).bfloat16()
     assert not gemv_cpu.int_supported(rows, weight)
-    three_bits = rtn_quantize(torch.randn(40, 256), QuantScheme(method="rtn", bits=3, group_size=64))
-    assert not gemv_cpu.int_supported(x, three_bits)
+    rows_of_264 = rtn_quantize(torch.randn(40, 264), QuantScheme(method="rtn", bits=3, group_size=-1))
+    assert not gemv_cpu.int_supported(torch.randn(1, 264).bfloat16(), rows_of_264)  # not a multiple of 16 long
 
 
 @needs_kernels
@@ -126,8 +126,8 @@ def test_one_row_goes_to_the_c_kernels_unless_disabled(monkeypatch):
     run = gemv_cpu._run
     monkeypatch.setattr(gemv_cpu, "_run", lambda *a: calls.append(a[0].__name__) or run(*a))
     weights = (torch.randn(64, 128).bfloat16(), _int(64, 128, 32, True), _int(64, 128, 32, True, bits=8),
-               _fp8(64, 128, "channel"))
-    kernels = ["qinfer_bf16_gemv", "qinfer_int4_gemv", "qinfer_int8_gemv", "qinfer_fp8_gemv"]
+               _int(64, 128, 32, False, bits=3), _fp8(64, 128, "channel"))
+    kernels = ["qinfer_bf16_gemv", "qinfer_int4_gemv", "qinfer_int8_gemv", "qinfer_narrow_gemv", "qinfer_fp8_gemv"]
     x = torch.randn(1, 128).bfloat16()
     for w in weights:
         linear(x, w)
