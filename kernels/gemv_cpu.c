@@ -141,6 +141,18 @@ int qinfer_int4_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype)
     return 0;
 }
 
+/* x [K] in fp32, then its sum over each group of G (K / G of them) after it; NULL when out of memory */
+static float *row_and_group_sums(const void *x, int dtype, int64_t K, int64_t G) {
+    float *xf = malloc(sizeof(float) * (K + K / G));
+    if (!xf) return NULL;
+    for (int64_t g = 0; g < K / G; g++) {
+        float s = 0.f;
+        for (int64_t k = g * G; k < (g + 1) * G; k++) s += (xf[k] = load_one(x, dtype, k));
+        xf[K + g] = s;
+    }
+    return xf;
+}
+
 static inline __m256 u8x8(const uint8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
@@ -175,13 +187,8 @@ int qinfer_int8_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype)
     const uint8_t *Q = wt->w, *Z = wt->zero;
     const uint16_t *S = wt->scale;
     int64_t N = wt->N, K = wt->K, G = wt->group, ng = K / G;
-    float *xf = malloc(sizeof(float) * (K + ng)), *xs = xf + K;
+    float *xf = row_and_group_sums(x, dtype, K, G), *xs = xf + K;
     if (!xf) return 1;
-    for (int64_t g = 0; g < ng; g++) {
-        float s = 0.f;
-        for (int64_t k = g * G; k < (g + 1) * G; k++) s += (xf[k] = load_one(x, dtype, k));
-        xs[g] = s;
-    }
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) store_one(y, dtype, n, int8_row(Q, S, Z, xf, xs, n, ng, G));
     free(xf);
@@ -230,13 +237,8 @@ int qinfer_narrow_gemv(const qinfer_weight *wt, const void *x, void *y, int dtyp
     const uint8_t *Q = wt->w, *Z = wt->zero;
     const uint16_t *S = wt->scale;
     int64_t N = wt->N, K = wt->K, G = wt->group, ng = K / G;
-    float *xf = malloc(sizeof(float) * (K + ng)), *xs = xf + K;
+    float *xf = row_and_group_sums(x, dtype, K, G), *xs = xf + K;
     if (!xf) return 1;
-    for (int64_t g = 0; g < ng; g++) {
-        float s = 0.f;
-        for (int64_t k = g * G; k < (g + 1) * G; k++) s += (xf[k] = load_one(x, dtype, k));
-        xs[g] = s;
-    }
     if (wt->bits == 2) {
         #pragma omp parallel for schedule(static)
         for (int64_t n = 0; n < N; n++) store_one(y, dtype, n, narrow_row(Q, S, Z, xf, xs, n, ng, G, 2));
