@@ -140,11 +140,11 @@ class Weight(ctypes.Structure):
                 ("bits", _I64)]
 
 
-def bf16_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for one row ``x`` [..., K] and a bf16 ``weight`` [N, K]: [..., N] in x's dtype."""
+def bf16_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for one row ``x`` [..., K] and a bf16 ``weight`` [N, K]: [..., N] in x's dtype."""
     if torch.compiler.is_compiling() or profiler._is_profiler_enabled:
-        return torch.ops.qinfer.bf16_gemv(x, weight)
-    return _bf16_op(x, weight)
+        return _plus(torch.ops.qinfer.bf16_gemv(x, weight), bias)
+    return _plus(_bf16_op(x, weight), bias)
 
 
 def fp8_supported(x: torch.Tensor, weight: Fp8Weight) -> bool:
@@ -156,19 +156,24 @@ def fp8_supported(x: torch.Tensor, weight: Fp8Weight) -> bool:
     )
 
 
-def int_gemv(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    """``x @ W.T`` for one row ``x`` [..., K] (in ``weight``'s stored column order) and a 2-, 3-, 4- or 8-bit
-    ``weight``: [..., N] in x's dtype."""
+def int_gemv(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` for one row ``x`` [..., K] (in ``weight``'s stored column order) and a 2-, 3-, 4- or
+    8-bit ``weight``: [..., N] in x's dtype."""
+    w = weight
     if torch.compiler.is_compiling() or profiler._is_profiler_enabled:
-        return torch.ops.qinfer.int_gemv(x, weight.qweight, weight.scale, weight.zero, weight.bits, weight.group_size)
-    return _int_op(x, weight.qweight, weight.scale, weight.zero, weight.bits, weight.group_size)
+        return _plus(torch.ops.qinfer.int_gemv(x, w.qweight, w.scale, w.zero, w.bits, w.group_size), bias)
+    return _plus(_int_op(x, w.qweight, w.scale, w.zero, w.bits, w.group_size), bias)
 
 
-def fp8_gemv(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
-    """``x @ W.T`` for one row ``x`` [..., K] and an FP8 ``weight``: [..., N] in x's dtype."""
+def fp8_gemv(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` for one row ``x`` [..., K] and an FP8 ``weight``: [..., N] in x's dtype."""
     if torch.compiler.is_compiling() or profiler._is_profiler_enabled:
-        return torch.ops.qinfer.fp8_gemv(x, weight.weight, weight.scale)
-    return _fp8_op(x, weight.weight, weight.scale)
+        return _plus(torch.ops.qinfer.fp8_gemv(x, weight.weight, weight.scale), bias)
+    return _plus(_fp8_op(x, weight.weight, weight.scale), bias)
+
+
+def _plus(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y + bias
 
 
 def _bf16_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

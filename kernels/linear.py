@@ -74,8 +74,7 @@ def _linear_2d(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tens
     if isinstance(weight, torch.Tensor):
         if x.shape[0] == 1 and x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu":
             if gemv_cpu.bf16_supported(x, weight):
-                y = gemv_cpu.bf16_gemv(x, weight)
-                return y if bias is None else y + bias
+                return gemv_cpu.bf16_gemv(x, weight, bias)
             return _without_onednn(x, weight, bias)
         dtype = product_dtype(x.dtype, x.device, x.shape[0])
         if dtype != x.dtype:

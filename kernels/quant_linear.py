@@ -31,8 +31,7 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
 
         return triton_matmul.dequant_matmul(_stored_order(x, weight), weight, bias)
     if gemv_cpu.int_supported(x, weight):
-        y = gemv_cpu.int_gemv(_stored_order(x, weight), weight)
-        return y if bias is None else y + bias
+        return gemv_cpu.int_gemv(_stored_order(x, weight), weight, bias)
     if int4_cpu.supported(x, weight):
         return int4_cpu.int4_linear(_stored_order(x, weight), weight, bias)
     if int8_cpu.supported(x, weight):
@@ -55,8 +54,7 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = N
 
         return triton_matmul.dequant_matmul(x, weight, bias)
     if gemv_cpu.fp8_supported(x, weight):
-        y = gemv_cpu.fp8_gemv(x, weight)
-        return y if bias is None else y + bias
+        return gemv_cpu.fp8_gemv(x, weight, bias)
     if fp8_cpu.supported(x, weight):
         return fp8_cpu.fp8_linear(x, weight, bias)
     return dequant_linear_ref(x, weight, bias)
