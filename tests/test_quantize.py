@@ -341,7 +341,9 @@ def test_sequential_awq_pass_computes_what_is_written(tiny, tmp_path, calib_file
     assert len(folds) == 3 and all(f is not None for f in folds)  # every block's down_proj went into its up_proj
     written, unquantized = load_model(out, dtype=torch.float32), load_model(tiny, dtype=torch.float32)
     for i, (x, x_ref, y, y_ref) in passes.items():
-        tol = 1e-2  # the pass keeps o_proj's and down_proj's inputs in bf16 (and runs in it where that is fast)
+        # the pass keeps o_proj's and down_proj's inputs in bf16 (and runs in it where that is fast): 0.5-1.0% off
+        # on a CPU with AMX; an unquantized stream that missed a fold's rescaling is ~30% off
+        tol = 2e-2
         x, y = x.float(), y.float()
         delta = run_block(written, i, x) - x
         assert float(((y - x) - delta).norm() / delta.norm()) < tol, i
