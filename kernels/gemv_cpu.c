@@ -43,6 +43,14 @@ static void store_one(void *y, int dtype, int64_t n, float v) {
     else ((float *)y)[n] = v;
 }
 
+/* Each loop over a row's codes also asks for the bytes AHEAD past the ones it reads. A decode step reads a
+ * weight from memory once, and the hardware prefetchers stop at each 4 KiB page, so without this a thread
+ * waits at every page for its first lines and their address translation (gemma3-270m's decode step on 2 Xeon
+ * cores: 48.3 -> 45.8 ms, RTN 4-bit 43.3 -> 36.6, FP8 51.3 -> 40.9; evals/RESULTS-LOG.md). A prefetch past a
+ * weight's end is harmless: it never faults. */
+#define AHEAD 4096
+#define PREFETCH(p) _mm_prefetch((const char *)(p) + AHEAD, _MM_HINT_T0)
+
 /* a weight as the kernels read it: bf16 (w, ld = elements between rows), integer (w = codes, scale, zero or
  * NULL, group, bits) or FP8 (w = codes, scale, group = the number of scales); set once per weight by
  * gemv_cpu.py */
@@ -70,6 +78,7 @@ int qinfer_bf16_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype)
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
         int64_t k = 0;
         for (; k < k32; k += 32) {  /* four independent sums: the FMA latency, not the loads, would bound one */
+            PREFETCH(w + k);
             a0 = _mm256_fmadd_ps(bf16x8(w + k), _mm256_loadu_ps(xf + k), a0);
             a1 = _mm256_fmadd_ps(bf16x8(w + k + 8), _mm256_loadu_ps(xf + k + 8), a1);
             a2 = _mm256_fmadd_ps(bf16x8(w + k + 16), _mm256_loadu_ps(xf + k + 16), a2);
@@ -98,6 +107,7 @@ static float int4_row(const uint8_t *Q, const uint16_t *S, const uint8_t *Z, con
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
         int64_t i = g * hb, end = i + hb;
         for (; i + 16 <= end; i += 16) {
+            PREFETCH(q + i);
             __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + i)));
             __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + i + 8)));
             a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b0, low)), _mm256_loadu_ps(xe + i), a0);
@@ -167,6 +177,7 @@ static float int8_row(const uint8_t *Q, const uint16_t *S, const uint8_t *Z, con
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
         int64_t i = g * G, end = i + G;
         for (; i + 32 <= end; i += 32) {
+            PREFETCH(q + i);
             a0 = _mm256_fmadd_ps(u8x8(q + i), _mm256_loadu_ps(xf + i), a0);
             a1 = _mm256_fmadd_ps(u8x8(q + i + 8), _mm256_loadu_ps(xf + i + 8), a1);
             a2 = _mm256_fmadd_ps(u8x8(q + i + 16), _mm256_loadu_ps(xf + i + 16), a2);
@@ -217,6 +228,7 @@ static inline __attribute__((always_inline)) float narrow_row(
         int64_t k = g * G, end = k + G;
         for (; k + 32 <= end; k += 32) {
             const uint8_t *p = q + k * B / 8;
+            PREFETCH(p);
             a0 = _mm256_fmadd_ps(narrow8(p, B), _mm256_loadu_ps(xf + k), a0);
             a1 = _mm256_fmadd_ps(narrow8(p + B, B), _mm256_loadu_ps(xf + k + 8), a1);
             a2 = _mm256_fmadd_ps(narrow8(p + 2 * B, B), _mm256_loadu_ps(xf + k + 16), a2);
@@ -273,6 +285,7 @@ int qinfer_fp8_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype) 
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
         int64_t k = 0;
         for (; k < k32; k += 32) {
+            PREFETCH(w + k);
             a0 = _mm256_fmadd_ps(e4m3x8(w + k), _mm256_loadu_ps(xf + k), a0);
             a1 = _mm256_fmadd_ps(e4m3x8(w + k + 8), _mm256_loadu_ps(xf + k + 8), a1);
             a2 = _mm256_fmadd_ps(e4m3x8(w + k + 16), _mm256_loadu_ps(xf + k + 16), a2);
