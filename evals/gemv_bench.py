@@ -8,7 +8,9 @@ Two parts, each alternating the two paths so a machine that slows down for a whi
    weight (codes, scales, zeros) over that time;
 2. whole decode steps (``qinfer eval``'s speed setting: a fixed prompt prefilled into a bf16 KV cache, greedy
    steps at batch 1), ``--steps`` steps of each path per round from copies of one cache state, and whether
-   their greedy tokens agree.
+   their greedy tokens agree; and, in the same rounds, the C GEMVs' steps on a second copy of the model whose
+   weights stay in the checkpoint's file map (4 KiB pages) against the copy in 2 MiB pages that the qinfer
+   commands run (``qinfer.loader.into_huge_pages``), where the OS has transparent huge pages.
 
 Diagnostic only, CPU only: nothing is written, nothing cached.
 """
@@ -25,7 +27,7 @@ from qinfer.evals.decode_profile import alternating_rounds, warmed_up
 from qinfer.format import Fp8Weight, QuantizedWeight
 from qinfer.generate import decode_step
 from qinfer.kernels import gemv_cpu, linear
-from qinfer.loader import load_model
+from qinfer.loader import huge_pages_reason, load_model
 from qinfer.model import QLinear
 from qinfer.sources import resolve_model
 
@@ -72,7 +74,7 @@ def _timed(fn, calls: int) -> float:
 
 @torch.no_grad()
 def _report(model_name: str, prompt_tokens: int, steps: int, rounds: int, calls: int) -> None:
-    model = load_model(resolve_model(model_name))
+    model = load_model(resolve_model(model_name), huge_pages=True)
     print(f"{model_name}: {torch.get_num_threads()} threads; medians over {rounds} alternating rounds")
     weights = {}
     for module in model.modules():
@@ -92,17 +94,26 @@ def _report(model_name: str, prompt_tokens: int, steps: int, rounds: int, calls:
         gb = _weight_bytes(w) / 1e9
         print(f"{kind:>12} {f'{N} x {K}':>13} {count:5d} {t * 1e6:9.1f} {c * 1e6:8.1f} {gb / t:10.1f} {gb / c:7.1f} "
               f"{t / c:6.2f}")
-    _decode_steps(model, prompt_tokens, steps, rounds)
+    small_pages = None if huge_pages_reason() else load_model(resolve_model(model_name))
+    _decode_steps(model, small_pages, prompt_tokens, steps, rounds)
 
 
-def _decode_steps(model, prompt_tokens: int, steps: int, rounds: int) -> None:
+def _decode_steps(model, small_pages, prompt_tokens: int, steps: int, rounds: int) -> None:
     token, pos, cache = warmed_up(model, prompt_tokens, rounds * steps)
     paths = {"torch": (decode_step, gemv_cpu.disabled), "C": (decode_step, contextlib.nullcontext)}
+    if small_pages is not None:  # the same steps through the other copy of the weights
+        paths["C, 4 KiB pages"] = (lambda _, *args: decode_step(small_pages, *args), contextlib.nullcontext)
     times, agree = alternating_rounds(model, token, pos, cache, steps, rounds, paths)
     t, c = (statistics.median(times[k]) * 1000 for k in ("torch", "C"))
     print(f"decode step ({prompt_tokens}-token prompt): {t:.1f} ms with PyTorch's kernels, {c:.1f} ms with the C "
           f"GEMVs ({t / c:.2f}x; medians of {rounds * steps} steps each); greedy tokens "
           f"{'the same' if agree else 'differ'}")
+    if small_pages is None:
+        print(f"weights in 2 MiB pages: not measured ({huge_pages_reason()})")
+    else:
+        s = statistics.median(times["C, 4 KiB pages"]) * 1000
+        print(f"decode step with the C GEMVs: {s:.1f} ms with the weights in 4 KiB pages (the file map), {c:.1f} ms "
+              f"in 2 MiB pages ({s / c:.2f}x)")
 
 
 if __name__ == "__main__":

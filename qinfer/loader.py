@@ -4,10 +4,15 @@ Safetensors files are memory-mapped and tensors are views into the map (copy-on-
 bf16 checkpoint as bf16 on CPU copies nothing; other dtypes or devices convert tensor by tensor.
 The pages of a mapped tensor stay resident once read; :func:`drop_pages` gives back those of tensors no
 longer needed (the quantize pipeline, after each block).
+
+A model loaded to run (``huge_pages=True``: generate, chat, eval) has its CPU weights copied out of the
+file maps into one anonymous map of 2 MiB pages (Linux's transparent huge pages), see :func:`into_huge_pages`.
 """
 
+import dataclasses
 import json
 import mmap
+import os
 import struct
 import weakref
 from collections.abc import Iterable
@@ -111,8 +116,11 @@ def read_folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_model(folder: Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> Transformer:
-    """Build the decoder for ``folder``'s config and fill it with the folder's weights."""
+def load_model(
+    folder: Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", huge_pages: bool = False
+) -> Transformer:
+    """Build the decoder for ``folder``'s config and fill it with the folder's weights; ``huge_pages``: then
+    :func:`into_huge_pages` (for a model that will run, not one the quantize pipeline walks block by block)."""
     folder = Path(folder)
     config = ModelConfig.from_folder(folder)
     tensors = read_folder_tensors(folder)
@@ -158,7 +166,75 @@ def load_model(folder: Path, dtype: torch.dtype = torch.bfloat16, device: str = 
     if embed_from_head:
         model.model.embed_tokens.tie_to_packed(packed["lm_head.weight"], dtype)
     model.set_bos(bos)
+    if huge_pages:
+        into_huge_pages(model)
     return model.eval()
+
+
+HUGE_PAGE = 2 << 20
+_THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def huge_pages_reason() -> str:
+    """Why :func:`into_huge_pages` would leave a model where it is ('' when it would move it)."""
+    if os.environ.get("QINFER_HUGE_PAGES", "1") == "0":
+        return "QINFER_HUGE_PAGES=0"
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return "this OS has no transparent huge pages"
+    try:
+        setting = _THP_SETTING.read_text()
+    except OSError:
+        return f"{_THP_SETTING} is not readable"
+    if "[never]" in setting:
+        return "transparent huge pages are off ([never])"
+    return ""
+
+
+def huge_page_buffer(nbytes: int) -> torch.Tensor:
+    """``nbytes`` uint8 of fresh memory from a 2 MiB boundary on, advised ``MADV_HUGEPAGE`` (call only where
+    :func:`huge_pages_reason` is ''). Private and anonymous: a shared map would be shmem, whose huge pages are
+    another setting. The tensor, and every view of it, keeps the map alive."""
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(region, dtype=torch.uint8)
+    start = -whole.data_ptr() % HUGE_PAGE
+    region.madvise(mmap.MADV_HUGEPAGE, start, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+    return whole[start : start + nbytes]
+
+
+def into_huge_pages(model: Transformer) -> int:
+    """Copy the model's contiguous CPU tensors (parameters, buffers, packed weights) into one anonymous map
+    advised ``MADV_HUGEPAGE`` and point each tensor at its copy (``set_``: every holder of the tensor, a tied
+    lm_head or a packed weight's dataclass, sees the move). Returns the bytes moved: 0, and nothing changes,
+    where :func:`huge_pages_reason` names a reason.
+
+    A decode step reads every weight once from memory, small linears included. With 4 KiB pages a 2.6 MB
+    weight spans 640 pages, and every page costs its own address translation (a page walk, nested under a
+    virtual machine) that no prefetcher covers; 2 MiB pages need 2. gemma3-270m's decode step on 2 Xeon cores
+    (``python -m qinfer.evals.gemv_bench MODEL``, which times both): see evals/RESULTS-LOG.md.
+    """
+    if huge_pages_reason():
+        return 0
+    tensors: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        found = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        packed = getattr(module, "weight", None)
+        if dataclasses.is_dataclass(packed):
+            found += [getattr(packed, f.name) for f in dataclasses.fields(packed)]
+        for t in found:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous() and t.numel():
+                tensors[id(t)] = t
+    sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in tensors.values()]
+    total = sum(sizes)
+    if not total:
+        return 0
+    whole, offset = huge_page_buffer(total), 0
+    with torch.no_grad():
+        for t, size in zip(tensors.values(), sizes):
+            copy = whole[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            copy.copy_(t)
+            t.set_(copy.untyped_storage(), copy.storage_offset(), t.shape, t.stride())
+            offset += size
+    return total
 
 
 def is_bos_tensor(name: str) -> bool:

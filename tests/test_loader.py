@@ -1,4 +1,4 @@
-"""Loader memory: dropping the pages of memory-mapped tensors that are done with."""
+"""Loader memory: dropping the pages of memory-mapped tensors that are done with; weights in huge pages."""
 
 import mmap
 import sys
@@ -8,7 +8,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from qinfer.loader import drop_pages, read_safetensors
+from qinfer.format import QuantScheme
+from qinfer.loader import HUGE_PAGE, drop_pages, huge_pages_reason, into_huge_pages, load_model, read_safetensors
+from qinfer.quantize import CalibConfig, quantize_model
+from tests.tiny_models import make_model
 
 
 def _mapped_kib(path: Path) -> int:
@@ -38,3 +41,59 @@ def test_dropped_pages_leave_the_process_and_read_back_unchanged(tmp_path):
     torch.testing.assert_close(t["a"], a)  # faulted back in from the file
     torch.testing.assert_close(t["b"], b)
     assert drop_pages([b, t["b"]]) == 0  # a tensor within one page: no whole page to drop
+
+
+def _weights(model) -> list[torch.Tensor]:
+    """Every parameter of ``model`` and every tensor of its packed weights, once each."""
+    found = {id(p): p for p in model.parameters()}
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        for t in vars(w).values() if w is not None and not isinstance(w, torch.Tensor) else ():
+            if isinstance(t, torch.Tensor):
+                found[id(t)] = t
+    return list(found.values())
+
+
+@pytest.mark.parametrize("scheme", [
+    None,
+    QuantScheme(method="rtn", bits=4, group_size=32, quantize_lm_head=True),
+    QuantScheme(method="fp8", format="fp8", bits=8, group_size=-1, quantize_lm_head=True),
+])
+def test_huge_pages_take_every_weight_and_change_no_output(tmp_path, monkeypatch, scheme):
+    monkeypatch.delenv("QINFER_HUGE_PAGES", raising=False)
+    if huge_pages_reason():
+        pytest.skip(huge_pages_reason())
+    folder = tmp_path / "src"
+    make_model("gemma3", folder)  # a tied embedding: one tensor under two names, or one packed lm_head
+    if scheme is not None:
+        quantize_model(folder, tmp_path / "q", scheme, CalibConfig(samples=2, seq_len=16))
+        folder = tmp_path / "q"
+    plain, moved = load_model(folder), load_model(folder, huge_pages=True)
+    before = {t.data_ptr() for t in _weights(plain)}
+    weights = _weights(moved)
+    starts = sorted(t.data_ptr() for t in weights)
+    ends = max(t.data_ptr() + t.numel() * t.element_size() for t in weights)
+    assert starts[0] % HUGE_PAGE == 0 and not before & set(starts)  # all copied, from a huge page on
+    assert ends - starts[0] <= sum(-(-t.numel() * t.element_size() // 64) * 64 for t in weights)  # into one region
+    assert moved.model.embed_tokens.weight is moved.lm_head.weight  # still tied
+    ids = torch.tensor([[0, 7, 7, 300, 5]])
+    assert torch.equal(moved(ids), plain(ids))
+    assert torch.equal(moved(ids[:, :1]), plain(ids[:, :1]))  # one row: the decode GEMVs, on the new pointers
+    assert into_huge_pages(moved) > 0  # moving again is harmless
+    assert torch.equal(moved(ids[:, :1]), plain(ids[:, :1]))
+
+
+def test_huge_pages_off_leaves_the_weights_in_the_file_map(tmp_path, monkeypatch):
+    make_model("llama", tmp_path)
+    model = load_model(tmp_path)
+    where = [t.data_ptr() for t in _weights(model)]
+    monkeypatch.setenv("QINFER_HUGE_PAGES", "0")
+    assert huge_pages_reason() == "QINFER_HUGE_PAGES=0" and into_huge_pages(model) == 0
+    monkeypatch.delenv("QINFER_HUGE_PAGES")
+    setting = tmp_path / "enabled"
+    setting.write_text("always madvise [never]\n")
+    monkeypatch.setattr("qinfer.loader._THP_SETTING", setting)
+    assert "off" in huge_pages_reason() and into_huge_pages(model) == 0
+    monkeypatch.setattr("qinfer.loader._THP_SETTING", tmp_path / "missing")
+    assert "not readable" in huge_pages_reason() and into_huge_pages(model) == 0
+    assert [t.data_ptr() for t in _weights(model)] == where
