@@ -6,6 +6,9 @@ decode is *read* bandwidth, so we stream a buffer far larger than the last-level
 a 32 MiB L3) through ``.sum()``, a read-only reduction. A copy would also write, and its write-allocate
 traffic would make the figure neither a read nor a read+write bandwidth. The fp32 sum is vectorised and
 multi-threaded in torch, so memory limits it, not arithmetic (an int32 sum is not: it widens to int64).
+On a CPU the buffer lies in 2 MiB pages where the OS has transparent huge pages, as the weights the qinfer
+commands run do (``qinfer.loader.into_huge_pages``): in 4 KiB pages every 4 KiB read pays an address
+translation, and the same sum read 25.7 against 27.9 GB/s on 2 Xeon cores (evals/RESULTS-LOG.md).
 
 Compute peaks are large square matmuls per dtype (``2 N^3`` FLOP) with torch's default thread count, in
 the layout every linear layer runs: ``x @ w.T`` with ``w`` stored (out, in). On a CPU without AVX-512,
@@ -43,6 +46,7 @@ import torch
 
 from qinfer.cache import cache_dir, write_atomic
 from qinfer.errors import QinferError
+from qinfer.loader import huge_page_buffer, huge_pages_reason
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DEVICES = ("cpu", "cuda")
@@ -70,6 +74,7 @@ class Roofline:
     matmul_n: Mapping[str, int]  # side of the square matmul each peak was measured on
     matmul_op: str = MATMUL_OP  # the operation the peaks time
     machine: str = ""  # _machine(device): what the cache must match beyond cpu_name ("" in older caches)
+    buffer_pages: str = ""  # _buffer_pages(device): the pages the bandwidth buffer lay in ("" in older caches)
 
     def __post_init__(self):
         if self.device not in DEVICES:
@@ -104,6 +109,7 @@ class Roofline:
             "matmul_n": dict(self.matmul_n),
             "matmul_op": self.matmul_op,
             "machine": self.machine,
+            "buffer_pages": self.buffer_pages,
         }
 
     @classmethod
@@ -208,7 +214,7 @@ def format_roofline(roofline: Roofline) -> str:
         f"torch {roofline.torch_version}), measured {roofline.timestamp}"
     )
     rows = [f"  {'read bandwidth':<16}{roofline.bandwidth_gbs:10.1f} GB/s      "
-            f"(.sum() over {roofline.buffer_bytes / 2**30:g} GiB of fp32)"]
+            f"(.sum() over {roofline.buffer_bytes / 2**30:g} GiB of fp32{_in_pages(roofline)})"]
     for dtype, peak in roofline.peak_tflops.items():
         n = roofline.matmul_n[dtype]
         rows.append(
@@ -230,7 +236,11 @@ def plot_roofline(roofline: Roofline, points: Sequence[RooflinePoint], path: Pat
 def _measure(device: str, seconds: float) -> Roofline:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     budget = seconds / (1 + len(DTYPES))
-    buffer = torch.ones(BUFFER_BYTES // 4, dtype=torch.float32, device=device)  # ones: every page is touched
+    pages = _buffer_pages(device)
+    if pages == "2 MiB":
+        buffer = huge_page_buffer(BUFFER_BYTES).view(torch.float32).fill_(1.0)  # filled: every page is touched
+    else:
+        buffer = torch.ones(BUFFER_BYTES // 4, dtype=torch.float32, device=device)
     bandwidth = BUFFER_BYTES / _median_seconds(buffer.sum, sync, budget) / 1e9
     del buffer
     peaks, sizes = {}, {}
@@ -251,6 +261,7 @@ def _measure(device: str, seconds: float) -> Roofline:
         timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         buffer_bytes=BUFFER_BYTES,
         matmul_n=sizes,
+        buffer_pages=pages,
     )
 
 
@@ -331,7 +342,20 @@ def _describes_this_process(roofline: Roofline) -> bool:
         and roofline.machine == _machine(roofline.device)
         and set(roofline.peak_tflops) == set(DTYPES)
         and roofline.matmul_op == MATMUL_OP
+        and roofline.buffer_pages == _buffer_pages(roofline.device)
     )
+
+
+def _in_pages(roofline: Roofline) -> str:
+    return f" in {roofline.buffer_pages} pages" if roofline.buffer_pages in ("2 MiB", "4 KiB") else ""
+
+
+def _buffer_pages(device: str) -> str:
+    """The pages the bandwidth is read from: a CPU's 2 MiB pages where the OS has transparent huge pages, as
+    the qinfer commands hold a model's weights (``qinfer.loader.into_huge_pages``), else its 4 KiB ones."""
+    if device != "cpu":
+        return "device memory"
+    return "4 KiB" if huge_pages_reason() else "2 MiB"
 
 
 def _peak(roofline: Roofline, dtype: str) -> float:

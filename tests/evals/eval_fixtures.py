@@ -44,6 +44,7 @@ def fake_roofline(**changes) -> rl.Roofline:
         device="cpu", bandwidth_gbs=20.0, peak_tflops={"bf16": 0.5, "fp32": 0.25}, threads=torch.get_num_threads(),
         cpu_name=rl._device_name("cpu"), machine=rl._machine("cpu"), torch_version=torch.__version__,
         timestamp="2026-01-01T00:00:00+00:00", buffer_bytes=1 << 30, matmul_n={"bf16": 2048, "fp32": 1024},
+        buffer_pages=rl._buffer_pages("cpu"),
     )
     return rl.Roofline(**{**fields, **changes})
 

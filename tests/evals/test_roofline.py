@@ -97,6 +97,16 @@ def test_cache_is_used_while_it_describes_this_process(monkeypatch):
     roofline_path("cpu").write_text(json.dumps(legacy))
     assert load_roofline(roofline_path("cpu")).matmul_op == "a @ b"
     assert measure_roofline() == fresh and len(calls) == 2
+    # a bandwidth read from other pages than the weights now lie in (or a cache that does not say): again
+    for pages in ("4 KiB" if rl._buffer_pages("cpu") == "2 MiB" else "2 MiB", None):
+        old = fake_roofline().to_json()
+        if pages is None:
+            del old["buffer_pages"]
+        else:
+            old["buffer_pages"] = pages
+        roofline_path("cpu").write_text(json.dumps(old))
+        calls.clear()
+        assert measure_roofline() == fresh and calls == ["cpu"]
 
 
 def test_machines_of_one_name_are_told_apart(monkeypatch):
@@ -119,7 +129,10 @@ def test_measurement_runs_and_gives_a_valid_roofline(monkeypatch):
     assert set(r.peak_tflops) == {"bf16", "fp32"} and r.matmul_n == {"bf16": 256, "fp32": 256}
     assert r.matmul_op == "x @ w.T"
     assert r.buffer_bytes == 16 << 20 and r.threads == torch.get_num_threads() and r.cpu_name
+    assert r.buffer_pages == rl._buffer_pages("cpu") in ("2 MiB", "4 KiB")
     assert load_roofline(roofline_path("cpu")) == r
+    monkeypatch.setenv("QINFER_HUGE_PAGES", "0")  # weights left in the file map: the bandwidth in 4 KiB pages
+    assert measure_roofline(seconds=0.05, force=True).buffer_pages == "4 KiB"
 
 
 def test_unavailable_device_is_a_clear_error(monkeypatch):
@@ -144,6 +157,7 @@ def test_table_and_main(capsys):
     r = fake_roofline()
     text = format_roofline(r)
     assert "20.0 GB/s" in text and "0.500 TFLOP/s" in text and "ridge at 25.0 FLOP/byte" in text
+    assert f"of fp32 in {r.buffer_pages} pages)" in text
     assert text.startswith(f"roofline of {rl._machine('cpu')} (cpu, ")
     save_roofline(r, roofline_path("cpu"))
     rl.main([])
