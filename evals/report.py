@@ -14,7 +14,8 @@
         "speed": <bool>, "kv_cache": "bf16" | "int8" | "fp8",
         "prompt_tokens", "decode_steps", "repeats": <int>, "compiled": <bool, the compiled decode step timed too>,
         "device": "cpu" | "cuda", "threads": <int>, "torch_version": "<version>",
-        "decode_kernels": "<what a CPU decode row multiplies through: qinfer's C GEMVs, or PyTorch's and why>"
+        "decode_kernels": "<what a CPU decode row multiplies through: qinfer's C GEMVs, or PyTorch's and why>",
+        "weight_pages": "<the pages a CPU model's weights lie in: 2 MiB pages, or 4 KiB pages and why>"
       },
       "roofline": null | <qinfer.evals.roofline.Roofline.to_json()>,
       "models": [{
@@ -56,6 +57,7 @@ import torch
 from qinfer.evals.divergence import SE_BLOCKS, SE_MIN_BLOCK
 from qinfer.evals.roofline import Roofline
 from qinfer.kernels import gemv_cpu
+from qinfer.loader import weight_pages
 
 SCHEMA_VERSION = 1
 RESULTS_JSON, RESULTS_MD, PARETO_PNG, ROOFLINE_PNG = "results.json", "results.md", "pareto.png", "roofline.png"
@@ -77,6 +79,7 @@ def results_json(config, results, roofline: Roofline | None, text_description: s
         "decode_steps": config.decode_steps, "repeats": config.repeats, "compiled": config.compiled,
         "device": eval_device(),
         "threads": torch.get_num_threads(), "torch_version": torch.__version__, "decode_kernels": gemv_cpu.describe(),
+        "weight_pages": weight_pages(),
     }
     return {
         "schema_version": SCHEMA_VERSION,
@@ -160,7 +163,8 @@ def results_markdown(data: dict, results) -> str:
         f"{s['limit']} examples each, zero-shot; acc is the mean over tasks. "
         + (f"Speed at batch 1: {s['prompt_tokens']}-token prompt, {s['decode_steps']} decode steps, median of "
            f"{s['repeats']} runs, {s['threads']} threads"
-           + (f"; decode rows through {s['decode_kernels']}." if s["device"] == "cpu" else ".")
+           + (f"; decode rows through {s['decode_kernels']}, weights in {s.get('weight_pages', '4 KiB pages')}."
+              if s["device"] == "cpu" else ".")
            + (" The compiled columns time the same decode steps through torch.compile (as `qinfer generate "
               "--compile`), from a copy of each run's prefilled cache; compiling is not counted."
               if s.get("compiled") else "") if s["speed"] else "Speed not measured."),

@@ -18,6 +18,7 @@ import torch
 
 from qinfer.cache import cache_dir, source_fingerprint, write_atomic
 from qinfer.kernels import gemv_cpu
+from qinfer.loader import weight_pages
 
 # Bump when a measurement changes meaning, so old cached numbers are not mixed with new ones.
 CACHE_VERSION = 2
@@ -40,9 +41,10 @@ SPEED_MODULES = ("qinfer.evals.speed", "qinfer.evals.costs")
 @functools.cache
 def speed_fingerprint() -> str:
     """sha256 over the source of :data:`SPEED_MODULES` (and ``qinfer.kernels``, which source_fingerprint reads),
-    and whether the C GEMV kernels are in use (``QINFER_CPU_GEMV=0`` times PyTorch's)."""
+    whether the C GEMV kernels are in use (``QINFER_CPU_GEMV=0`` times PyTorch's) and which pages the weights
+    lie in (``QINFER_HUGE_PAGES=0``: the file map's)."""
     code = source_fingerprint(SPEED_MODULES, "qinfer.kernels")
-    return hashlib.sha256((code + gemv_cpu.describe()).encode()).hexdigest()
+    return hashlib.sha256((code + gemv_cpu.describe() + weight_pages()).encode()).hexdigest()
 
 
 def cache_key(part: str, **fields) -> str:

@@ -190,6 +190,12 @@ def huge_pages_reason() -> str:
     return ""
 
 
+def weight_pages() -> str:
+    """The pages a CPU model loaded with ``huge_pages=True`` holds its weights in, in a few words."""
+    reason = huge_pages_reason()
+    return f"4 KiB pages ({reason})" if reason else "2 MiB pages"
+
+
 def huge_page_buffer(nbytes: int) -> torch.Tensor:
     """``nbytes`` uint8 of fresh memory from a 2 MiB boundary on, advised ``MADV_HUGEPAGE`` (call only where
     :func:`huge_pages_reason` is ''). Private and anonymous: a shared map would be shmem, whose huge pages are

@@ -12,6 +12,7 @@ from qinfer.evals.report import SCHEMA_VERSION, format_table
 from qinfer.evals.runner import EvalConfig, ModelResult, run_eval
 from qinfer.kernels import gemv_cpu
 from qinfer.kernels.linear import native_half_gemm
+from qinfer.loader import huge_pages_reason, weight_pages
 from tests.evals.eval_fixtures import install_roofline, install_tasks, text_file, tiny_model
 
 SMALL = dict(window=64, stride=32, max_tokens=300, tasks=(), speed=False, out=None, progress=False)
@@ -105,6 +106,13 @@ def test_a_runtime_code_change_is_a_cache_miss(env, count_loads, monkeypatch):
     install_roofline()
     config = EvalConfig(models=(env["model"],), text=env["text"], **{**SMALL, **SPEED, "tasks": ("truths",)})
     assert len(result_cache.code_fingerprint()) == 64
+    fingerprint = result_cache.speed_fingerprint.__wrapped__  # (cached per process: the environment is fixed)
+    with_kernels = fingerprint()
+    monkeypatch.setenv("QINFER_HUGE_PAGES", "0")  # the weights in other pages, or other decode kernels
+    assert fingerprint() != with_kernels
+    monkeypatch.delenv("QINFER_HUGE_PAGES")
+    with gemv_cpu.disabled():
+        assert fingerprint() != with_kernels or not gemv_cpu.available()
     run_eval(config)
     count_loads.clear()
     run_eval(config)
@@ -133,7 +141,7 @@ def test_results_json_follows_the_documented_schema(env):
     assert set(data["settings"]) == {
         "models", "baseline", "baseline_kv_cache", "text", "text_description", "max_tokens", "window", "stride",
         "tasks", "limit", "speed", "kv_cache", "prompt_tokens", "decode_steps", "repeats", "compiled", "device",
-        "threads", "torch_version", "decode_kernels",
+        "threads", "torch_version", "decode_kernels", "weight_pages",
     }
     assert data["settings"]["models"] == [env["model"]] and data["settings"]["window"] == 64
     assert data["roofline"] == roofline.to_json()
@@ -161,7 +169,8 @@ def test_results_json_follows_the_documented_schema(env):
     assert f"Roofline: {roofline.machine}, " in (out / "results.md").read_text()  # the machine, not only its name
     kernels = data["settings"]["decode_kernels"]
     assert kernels == gemv_cpu.describe() and kernels.startswith(("qinfer's C GEMVs", "PyTorch's one-row kernels ("))
-    assert f"decode rows through {kernels}." in (out / "results.md").read_text()
+    assert data["settings"]["weight_pages"] == weight_pages() in ("2 MiB pages", f"4 KiB pages ({huge_pages_reason()})")
+    assert f"decode rows through {kernels}, weights in {weight_pages()}." in (out / "results.md").read_text()
     for png in ("pareto.png", "roofline.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "m (baseline)" in format_table([result])
