@@ -1,4 +1,5 @@
-"""The C GEMV kernels (``qinfer.kernels.gemv_cpu``) against PyTorch's, side by side on one model.
+"""The C kernels of a decode step (``qinfer.kernels.gemv_cpu``: GEMVs, RMSNorm) against PyTorch's, side by
+side on one model.
 
     python -m qinfer.evals.gemv_bench MODEL [--prompt-tokens 512] [--steps 8] [--rounds 5] [--calls 50]
 
@@ -10,7 +11,8 @@ Two parts, each alternating the two paths so a machine that slows down for a whi
    steps at batch 1), ``--steps`` steps of each path per round from copies of one cache state, and whether
    their greedy tokens agree; and, in the same rounds, the C GEMVs' steps on a second copy of the model whose
    weights stay in the checkpoint's file map (4 KiB pages) against the copy in 2 MiB pages that the qinfer
-   commands run (``qinfer.loader.into_huge_pages``), where the OS has transparent huge pages.
+   commands run (``qinfer.loader.into_huge_pages``), where the OS has transparent huge pages, and the C GEMVs
+   with PyTorch's RMSNorm ops (``gemv_cpu.norms_disabled``).
 
 Diagnostic only, CPU only: nothing is written, nothing cached.
 """
@@ -101,19 +103,23 @@ def _report(model_name: str, prompt_tokens: int, steps: int, rounds: int, calls:
 def _decode_steps(model, small_pages, prompt_tokens: int, steps: int, rounds: int) -> None:
     token, pos, cache = warmed_up(model, prompt_tokens, rounds * steps)
     paths = {"torch": (decode_step, gemv_cpu.disabled), "C": (decode_step, contextlib.nullcontext)}
+    paths["C GEMVs, PyTorch's norms"] = (decode_step, gemv_cpu.norms_disabled)
     if small_pages is not None:  # the same steps through the other copy of the weights
         paths["C, 4 KiB pages"] = (lambda _, *args: decode_step(small_pages, *args), contextlib.nullcontext)
     times, agree = alternating_rounds(model, token, pos, cache, steps, rounds, paths)
     t, c = (statistics.median(times[k]) * 1000 for k in ("torch", "C"))
+    n = statistics.median(times["C GEMVs, PyTorch's norms"]) * 1000
     print(f"decode step ({prompt_tokens}-token prompt): {t:.1f} ms with PyTorch's kernels, {c:.1f} ms with the C "
-          f"GEMVs ({t / c:.2f}x; medians of {rounds * steps} steps each); greedy tokens "
+          f"kernels ({t / c:.2f}x; medians of {rounds * steps} steps each); greedy tokens "
           f"{'the same' if agree else 'differ'}")
+    print(f"decode step with the C GEMVs: {n:.1f} ms with PyTorch's RMSNorm ops, {c:.1f} ms with the C norm "
+          f"({n / c:.2f}x)")
     if small_pages is None:
         print(f"weights in 2 MiB pages: not measured ({huge_pages_reason()})")
     else:
         s = statistics.median(times["C, 4 KiB pages"]) * 1000
-        print(f"decode step with the C GEMVs: {s:.1f} ms with the weights in 4 KiB pages (the file map), {c:.1f} ms "
-              f"in 2 MiB pages ({s / c:.2f}x)")
+        print(f"decode step with the C kernels: {s:.1f} ms with the weights in 4 KiB pages (the file map), {c:.1f} "
+              f"ms in 2 MiB pages ({s / c:.2f}x)")
 
 
 if __name__ == "__main__":

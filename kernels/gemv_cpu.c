@@ -1,11 +1,13 @@
 /* One activation row times a weight matrix, y[n] = sum_k W[n, k] x[k], for a decode step on an x86-64 CPU
- * with AVX2, FMA and F16C. Built and loaded by gemv_cpu.py (which documents why); OpenMP splits the rows.
+ * with AVX2, FMA and F16C; and the RMSNorm of a decode step's few rows. Built and loaded by gemv_cpu.py (which
+ * documents why); OpenMP splits the GEMVs' rows.
  *
  * Every product and sum is fp32; each output is rounded once to the activations' dtype.
  * dtype codes: 0 = fp32, 1 = bf16, 2 = fp16. Each entry point returns 0, or 1 when it could not allocate the
  * row's fp32 copy (a few KB).
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -50,6 +52,33 @@ static void store_one(void *y, int dtype, int64_t n, float v) {
  * weight's end is harmless: it never faults. */
 #define AHEAD 4096
 #define PREFETCH(p) _mm_prefetch((const char *)(p) + AHEAD, _MM_HINT_T0)
+
+static inline float rounded(float v, int dtype) { /* v rounded to dtype and back (fp32: v) */
+    if (dtype == 1) return bf16_to_f32(f32_to_bf16(v));
+    if (dtype == 2) return _cvtsh_ss(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT));
+    return v;
+}
+
+/* RMSNorm of M rows of D: r = 1 / sqrt(sum(x^2) / D + eps) in fp32, then, as qinfer.kernels.norm.rms_norm_ref
+ * orders and rounds it: scale_in_fp32 (Gemma) y = (x r) (offset + w), rounded once to x's dtype; else (Llama)
+ * y = w * (x r rounded to x's dtype), the product rounded to it. x and y: [M, D] of dtype; w: [D] of wdtype.
+ * One thread: a decode step's norms are a few rows of a few hundred, and PyTorch's dozen ops for them cost
+ * far more than the arithmetic. */
+void qinfer_rms_norm(const void *x, const void *w, void *y, int64_t M, int64_t D, float eps, float offset,
+                     int dtype, int wdtype, int scale_in_fp32) {
+    for (int64_t m = 0; m < M; m++) {
+        float ss = 0.f;
+        for (int64_t d = 0; d < D; d++) {
+            float v = load_one(x, dtype, m * D + d);
+            ss += v * v;
+        }
+        float r = 1.f / sqrtf(ss / (float)D + eps);
+        for (int64_t d = 0; d < D; d++) {
+            float v = load_one(x, dtype, m * D + d) * r, g = load_one(w, wdtype, d);
+            store_one(y, dtype, m * D + d, scale_in_fp32 ? v * (offset + g) : rounded(v, dtype) * g);
+        }
+    }
+}
 
 /* a weight as the kernels read it: bf16 (w, ld = elements between rows), integer (w = codes, scale, zero or
  * NULL, group, bits) or FP8 (w = codes, scale, group = the number of scales); set once per weight by

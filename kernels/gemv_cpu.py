@@ -47,6 +47,7 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _disabled = False  # set by disabled()
+_norms_disabled = False  # set by norms_disabled()
 _PREPARED: dict[str, dict] = {"bf16": {}, "int": {}, "fp8": {}}  # per_weight stores: (data pointers, Weight)
 
 
@@ -81,6 +82,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     for kernel in (lib.qinfer_bf16_gemv, lib.qinfer_int4_gemv, lib.qinfer_int8_gemv, lib.qinfer_narrow_gemv,
                    lib.qinfer_fp8_gemv):
         kernel.argtypes, kernel.restype = [_P, _P, _P, ctypes.c_int], ctypes.c_int
+    lib.qinfer_rms_norm.argtypes = [_P, _P, _P, _I64, _I64, ctypes.c_float, ctypes.c_float] + [ctypes.c_int] * 3
+    lib.qinfer_rms_norm.restype = None
     return lib, ""
 
 
@@ -99,6 +102,17 @@ def disabled():
         yield
     finally:
         _disabled = prior
+
+
+@contextlib.contextmanager
+def norms_disabled():
+    """Inside it, RMSNorm takes PyTorch's ops and the GEMVs stay in C (a side-by-side timing of the norms)."""
+    global _norms_disabled
+    prior, _norms_disabled = _norms_disabled, True
+    try:
+        yield
+    finally:
+        _norms_disabled = prior
 
 
 def unavailable_reason() -> str:
@@ -130,6 +144,36 @@ def int_supported(x: torch.Tensor, weight: QuantizedWeight) -> bool:
         _one_row(x, weight.shape[1]) and weight.bits in (2, 3, 4, 8) and group % 16 == 0
         and weight.qweight.device.type == "cpu" and available()
     )
+
+
+NORM_MAX_ROWS = 16  # more rows (a prefill's) go to PyTorch's vectorised, multi-threaded ops
+
+
+def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor, scale_in_fp32: bool) -> bool:
+    """A decode step's few contiguous rows of RMSNorm (``qinfer.kernels.norm``), eagerly: a compiled graph
+    fuses the norm with its neighbours itself."""
+    return (
+        x.device.type == weight.device.type == "cpu" and x.dtype in _DTYPE_CODES and weight.dtype in _DTYPE_CODES
+        and weight.dim() == 1 and x.shape[-1] == weight.numel() and 0 < x.numel() <= NORM_MAX_ROWS * x.shape[-1]
+        and x.is_contiguous() and weight.is_contiguous() and (scale_in_fp32 or weight.dtype == x.dtype)
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))  # no autograd in C
+        and not torch.compiler.is_compiling() and not _norms_disabled and available()
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, scale_in_fp32: bool) -> torch.Tensor:
+    """``qinfer.kernels.norm.rms_norm_ref`` in C, for inputs :func:`rms_norm_supported` accepts."""
+    if profiler._is_profiler_enabled:
+        return torch.ops.qinfer.rms_norm(x, weight, eps, offset, scale_in_fp32)
+    return _rms_norm_op(x, weight, eps, offset, scale_in_fp32)
+
+
+def _rms_norm_op(x, weight, eps: float, offset: float, scale_in_fp32: bool) -> torch.Tensor:
+    y = torch.empty_like(x)
+    D = x.shape[-1]
+    _library()[0].qinfer_rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // D, D, eps, offset,
+                                  _DTYPE_CODES[x.dtype], _DTYPE_CODES[weight.dtype], int(scale_in_fp32))
+    return y
 
 
 class Weight(ctypes.Structure):
@@ -235,6 +279,8 @@ _LIBRARY.define("fp8_gemv(Tensor x, Tensor codes, Tensor scale) -> Tensor")
 _LIBRARY.impl("bf16_gemv", _bf16_op, "CPU")
 _LIBRARY.impl("int_gemv", _int_op, "CPU")
 _LIBRARY.impl("fp8_gemv", _fp8_op, "CPU")
+_LIBRARY.define("rms_norm(Tensor x, Tensor weight, float eps, float offset, bool scale_in_fp32) -> Tensor")
+_LIBRARY.impl("rms_norm", _rms_norm_op, "CPU")
 
 
 @torch.library.register_fake("qinfer::bf16_gemv")
@@ -250,3 +296,8 @@ def _(x, qweight, scale, zero, bits, group_size):
 @torch.library.register_fake("qinfer::fp8_gemv")
 def _(x, codes, scale):
     return x.new_empty(*x.shape[:-1], codes.shape[0])
+
+
+@torch.library.register_fake("qinfer::rms_norm")
+def _(x, weight, eps, offset, scale_in_fp32):
+    return torch.empty_like(x)

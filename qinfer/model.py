@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qinfer.arch import ModelConfig, RopeConfig
-from qinfer.kernels import attention, linear, matmul_dtype
+from qinfer.kernels import attention, linear, matmul_dtype, rms_norm
 from qinfer.kv_cache import KVCache
 
 
@@ -83,12 +83,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The mean of squares is always taken in fp32; bf16 would lose the small terms.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.scale_in_fp32:  # Gemma: (x * (1 + w)) rounded once
-            return (xf * (self.offset + self.weight.float())).type_as(x)
-        return self.weight * xf.type_as(x)  # Llama: round x, then scale in the weight's dtype
+        return rms_norm(x, self.weight, self.eps, self.offset, self.scale_in_fp32)
 
     def weight_dtype(self, dtype: torch.dtype, given: torch.dtype) -> torch.dtype:
         """The dtype to hold a ``given``-dtype weight in a ``dtype`` model: fp32 stays fp32 where the norm scales in fp32."""

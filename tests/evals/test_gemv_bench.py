@@ -8,8 +8,12 @@ from qinfer.kernels import gemv_cpu
 from tests.test_quantize import tiny  # noqa: F401 (fixture)
 
 ROW = re.compile(r"^\s*(\S+)\s+(\d+) x (\d+)\s+(\d+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)$", re.M)
-STEP = re.compile(r"^decode step \(16-token prompt\): (\S+) ms with PyTorch's kernels, (\S+) ms with the C GEMVs "
+STEP = re.compile(r"^decode step \(16-token prompt\): (\S+) ms with PyTorch's kernels, (\S+) ms with the C kernels "
                   r"\((\S+)x; medians of 4 steps each\); greedy tokens (the same|differ)$", re.M)
+NORMS = re.compile(r"^decode step with the C GEMVs: (\S+) ms with PyTorch's RMSNorm ops, (\S+) ms with the C norm "
+                   r"\((\S+)x\)$", re.M)
+PAGES = re.compile(r"^(decode step with the C kernels: (\S+) ms with the weights in 4 KiB pages \(the file map\), "
+                   r"(\S+) ms in 2 MiB pages \((\S+)x\)|weights in 2 MiB pages: not measured \(.+\))$", re.M)
 
 
 @pytest.mark.skipif(not gemv_cpu.available(), reason=f"no C GEMV here: {gemv_cpu.unavailable_reason()}")
@@ -22,6 +26,9 @@ def test_gemv_bench_times_every_linear_and_the_decode_step(tiny):  # noqa: F811
     assert all(float(r[4]) > 0 and float(r[5]) > 0 for r in rows)
     step = STEP.search(result.stdout)
     assert step and float(step.group(1)) > 0 and float(step.group(2)) > 0
+    norms = NORMS.search(result.stdout)
+    assert norms and float(norms.group(1)) > 0 and norms.group(2) == step.group(2)
+    assert PAGES.search(result.stdout)
 
 
 def test_gemv_bench_names_a_bad_model_in_one_line(tmp_path):
