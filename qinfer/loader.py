@@ -238,6 +238,7 @@ def into_huge_pages(model: Transformer) -> int:
         for t, size in zip(tensors.values(), sizes):
             copy = whole[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
             copy.copy_(t)
+            drop_pages([t])  # a file-mapped tensor's pages leave as it is copied: the peak is one copy, not two
             t.set_(copy.untyped_storage(), copy.storage_offset(), t.shape, t.stride())
             offset += size
     return total
