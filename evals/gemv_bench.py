@@ -12,7 +12,7 @@ Two parts, each alternating the two paths so a machine that slows down for a whi
    their greedy tokens agree; and, in the same rounds, the C GEMVs' steps on a second copy of the model whose
    weights stay in the checkpoint's file map (4 KiB pages) against the copy in 2 MiB pages that the qinfer
    commands run (``qinfer.loader.into_huge_pages``), where the OS has transparent huge pages, and the C GEMVs
-   with PyTorch's RMSNorm ops (``gemv_cpu.norms_disabled``).
+   with PyTorch's ops for RMSNorm and the attention (``gemv_cpu.only_gemvs``).
 
 Diagnostic only, CPU only: nothing is written, nothing cached.
 """
@@ -103,7 +103,7 @@ def _report(model_name: str, prompt_tokens: int, steps: int, rounds: int, calls:
 def _decode_steps(model, small_pages, prompt_tokens: int, steps: int, rounds: int) -> None:
     token, pos, cache = warmed_up(model, prompt_tokens, rounds * steps)
     paths = {"torch": (decode_step, gemv_cpu.disabled), "C": (decode_step, contextlib.nullcontext)}
-    paths["C GEMVs, PyTorch's norms"] = (decode_step, gemv_cpu.norms_disabled)
+    paths["C GEMVs, PyTorch's norms"] = (decode_step, gemv_cpu.only_gemvs)
     if small_pages is not None:  # the same steps through the other copy of the weights
         paths["C, 4 KiB pages"] = (lambda _, *args: decode_step(small_pages, *args), contextlib.nullcontext)
     times, agree = alternating_rounds(model, token, pos, cache, steps, rounds, paths)
@@ -112,8 +112,8 @@ def _decode_steps(model, small_pages, prompt_tokens: int, steps: int, rounds: in
     print(f"decode step ({prompt_tokens}-token prompt): {t:.1f} ms with PyTorch's kernels, {c:.1f} ms with the C "
           f"kernels ({t / c:.2f}x; medians of {rounds * steps} steps each); greedy tokens "
           f"{'the same' if agree else 'differ'}")
-    print(f"decode step with the C GEMVs: {n:.1f} ms with PyTorch's RMSNorm ops, {c:.1f} ms with the C norm "
-          f"({n / c:.2f}x)")
+    print(f"decode step with the C GEMVs: {n:.1f} ms with PyTorch's norm and attention ops, {c:.1f} ms with the "
+          f"C ones ({n / c:.2f}x)")
     if small_pages is None:
         print(f"weights in 2 MiB pages: not measured ({huge_pages_reason()})")
     else:

@@ -93,6 +93,59 @@ static inline __m256 bf16x8(const uint16_t *p) { /* 8 bf16 -> fp32: the bits mov
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
 
+static inline __m256 load8(const void *p, int dtype, int64_t i) { /* 8 elements of dtype from p[i] as fp32 */
+    if (dtype == 1) return bf16x8((const uint16_t *)p + i);
+    if (dtype == 2) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
+/* One query row's attention over S cached positions, as qinfer.kernels.attention's decode step computes it:
+ * per query head h (its KV head h / (H / Hkv)), scores s = (q . k_j) * scale in fp32, p = softmax(s), out =
+ * sum_j p_j v_j, rounded once to dtype. q: [B, H] rows of D at q + b * qb + h * qh; k, v: [B, Hkv] heads of S
+ * rows of D at k + b * kb + g * kh + j * ks (strides in elements; a KV cache's slice). D % 8 == 0. OpenMP
+ * splits the (batch, head) pairs. Returns 1 when out of memory for a head's scores. */
+int qinfer_decode_attention(const void *q, const void *k, const void *v, void *out, int64_t B, int64_t H,
+                            int64_t Hkv, int64_t S, int64_t D, int64_t qb, int64_t qh, int64_t kb, int64_t kh,
+                            int64_t ks, int64_t vb, int64_t vh, int64_t vs, float scale, int dtype) {
+    int failed = 0;
+    size_t esz = dtype == 0 ? 4 : 2;
+    #pragma omp parallel for schedule(static) reduction(|:failed)
+    for (int64_t bh = 0; bh < B * H; bh++) {
+        int64_t b = bh / H, h = bh % H, g = h / (H / Hkv);
+        float *buf = malloc(sizeof(float) * (S + 2 * D));
+        if (!buf) { failed = 1; continue; }
+        float *sc = buf, *qf = buf + S, *acc = qf + D;
+        const char *qrow = (const char *)q + (b * qb + h * qh) * esz;
+        const char *kh0 = (const char *)k + (b * kb + g * kh) * esz, *vh0 = (const char *)v + (b * vb + g * vh) * esz;
+        for (int64_t d = 0; d < D; d++) qf[d] = load_one(qrow, dtype, d), acc[d] = 0.f;
+        float top = -INFINITY;
+        for (int64_t j = 0; j < S; j++) {
+            const char *kr = kh0 + j * ks * esz;
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            int64_t d = 0;
+            for (; d + 16 <= D; d += 16) {
+                a0 = _mm256_fmadd_ps(load8(kr, dtype, d), _mm256_loadu_ps(qf + d), a0);
+                a1 = _mm256_fmadd_ps(load8(kr, dtype, d + 8), _mm256_loadu_ps(qf + d + 8), a1);
+            }
+            for (; d < D; d += 8) a0 = _mm256_fmadd_ps(load8(kr, dtype, d), _mm256_loadu_ps(qf + d), a0);
+            sc[j] = hsum(_mm256_add_ps(a0, a1)) * scale;
+            if (sc[j] > top) top = sc[j];
+        }
+        float total = 0.f;
+        for (int64_t j = 0; j < S; j++) total += (sc[j] = expf(sc[j] - top));
+        for (int64_t j = 0; j < S; j++) {
+            const char *vr = vh0 + j * vs * esz;
+            __m256 p = _mm256_set1_ps(sc[j] / total);
+            for (int64_t d = 0; d < D; d += 8)
+                _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(p, load8(vr, dtype, d), _mm256_loadu_ps(acc + d)));
+        }
+        char *orow = (char *)out + bh * D * esz;
+        for (int64_t d = 0; d < D; d++) store_one(orow, dtype, d, acc[d]);
+        free(buf);
+    }
+    return failed;
+}
+
 /* W: bf16 [N, K], rows ld elements apart; x: [K] of dtype; y: [N] of dtype */
 int qinfer_bf16_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype) {
     const uint16_t *W = wt->w;

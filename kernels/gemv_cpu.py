@@ -16,6 +16,11 @@ each output is rounded once to the row's dtype: the references' results up to th
 ``python -m qinfer.evals.gemv_bench MODEL`` times each against PyTorch's path side by side
 (``evals/RESULTS-LOG.md``).
 
+Two more row loops of a decode step live here, for the same reason in another form: PyTorch's dispatch of a
+dozen small ops costs more than their arithmetic. ``rms_norm`` (``qinfer.kernels.norm``) normalises a few rows
+in one call, ``decode_attention`` (``qinfer.kernels.attention``) runs one query row per head over a KV cache's
+slice without fp32 copies of the keys and values. Both are eager only (a compiled graph fuses these ops itself).
+
 The C source is compiled at first use with the system's C compiler into ``<cache>/kernels`` (half a second;
 the file name carries a hash of the source, flags and compiler) and loaded with ``ctypes``. Without a
 compiler, on a CPU without AVX2, or with ``QINFER_CPU_GEMV=0`` in the environment, ``available()`` is False
@@ -47,7 +52,7 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _disabled = False  # set by disabled()
-_norms_disabled = False  # set by norms_disabled()
+_only_gemvs = False  # set by only_gemvs()
 _PREPARED: dict[str, dict] = {"bf16": {}, "int": {}, "fp8": {}}  # per_weight stores: (data pointers, Weight)
 
 
@@ -84,6 +89,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         kernel.argtypes, kernel.restype = [_P, _P, _P, ctypes.c_int], ctypes.c_int
     lib.qinfer_rms_norm.argtypes = [_P, _P, _P, _I64, _I64, ctypes.c_float, ctypes.c_float] + [ctypes.c_int] * 3
     lib.qinfer_rms_norm.restype = None
+    lib.qinfer_decode_attention.argtypes = [_P] * 4 + [_I64] * 13 + [ctypes.c_float, ctypes.c_int]
+    lib.qinfer_decode_attention.restype = ctypes.c_int
     return lib, ""
 
 
@@ -105,14 +112,15 @@ def disabled():
 
 
 @contextlib.contextmanager
-def norms_disabled():
-    """Inside it, RMSNorm takes PyTorch's ops and the GEMVs stay in C (a side-by-side timing of the norms)."""
-    global _norms_disabled
-    prior, _norms_disabled = _norms_disabled, True
+def only_gemvs():
+    """Inside it, RMSNorm and a decode step's attention take PyTorch's ops and the GEMVs stay in C (a
+    side-by-side timing of those two)."""
+    global _only_gemvs
+    prior, _only_gemvs = _only_gemvs, True
     try:
         yield
     finally:
-        _norms_disabled = prior
+        _only_gemvs = prior
 
 
 def unavailable_reason() -> str:
@@ -157,7 +165,7 @@ def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor, scale_in_fp32: boo
         and weight.dim() == 1 and x.shape[-1] == weight.numel() and 0 < x.numel() <= NORM_MAX_ROWS * x.shape[-1]
         and x.is_contiguous() and weight.is_contiguous() and (scale_in_fp32 or weight.dtype == x.dtype)
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))  # no autograd in C
-        and not torch.compiler.is_compiling() and not _norms_disabled and available()
+        and not torch.compiler.is_compiling() and not _only_gemvs and available()
     )
 
 
@@ -174,6 +182,37 @@ def _rms_norm_op(x, weight, eps: float, offset: float, scale_in_fp32: bool) -> t
     _library()[0].qinfer_rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // D, D, eps, offset,
                                   _DTYPE_CODES[x.dtype], _DTYPE_CODES[weight.dtype], int(scale_in_fp32))
     return y
+
+
+def attention_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """A decode step's attention (``qinfer.kernels.attention``): one query row per head, q [B, H, 1, D] against
+    k, v [B, Hkv, S, D] (a KV cache's slice: any strides but the last), one dtype, D a multiple of 8; eagerly."""
+    return (
+        q.dim() == k.dim() == v.dim() == 4 and q.shape[2] == 1 and k.shape == v.shape and k.shape[2] > 0
+        and k.shape[0] == q.shape[0] and k.shape[3] == q.shape[3] and q.shape[3] % 8 == 0
+        and q.shape[1] % k.shape[1] == 0 and q.dtype == k.dtype == v.dtype and q.dtype in _DTYPE_CODES
+        and q.device.type == k.device.type == v.device.type == "cpu" and q.stride(3) == k.stride(3) == v.stride(3) == 1
+        and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+        and not torch.compiler.is_compiling() and not _only_gemvs and available()
+    )
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """``softmax(q k^T * scale) v`` for inputs :func:`attention_supported` accepts: [B, H, 1, D] in q's dtype."""
+    if profiler._is_profiler_enabled:
+        return torch.ops.qinfer.decode_attention(q, k, v, scale)
+    return _attention_op(q, k, v, scale)
+
+
+def _attention_op(q, k, v, scale: float) -> torch.Tensor:
+    B, H, _, D = q.shape
+    out = torch.empty(B, H, 1, D, dtype=q.dtype)
+    if _library()[0].qinfer_decode_attention(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), B, H, k.shape[1], k.shape[2], D, q.stride(0),
+        q.stride(1), *k.stride()[:3], *v.stride()[:3], scale, _DTYPE_CODES[q.dtype],
+    ):
+        raise MemoryError("out of memory for a decode step's attention scores")
+    return out
 
 
 class Weight(ctypes.Structure):
@@ -281,6 +320,8 @@ _LIBRARY.impl("int_gemv", _int_op, "CPU")
 _LIBRARY.impl("fp8_gemv", _fp8_op, "CPU")
 _LIBRARY.define("rms_norm(Tensor x, Tensor weight, float eps, float offset, bool scale_in_fp32) -> Tensor")
 _LIBRARY.impl("rms_norm", _rms_norm_op, "CPU")
+_LIBRARY.define("decode_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor")
+_LIBRARY.impl("decode_attention", _attention_op, "CPU")
 
 
 @torch.library.register_fake("qinfer::bf16_gemv")
@@ -301,3 +342,8 @@ def _(x, codes, scale):
 @torch.library.register_fake("qinfer::rms_norm")
 def _(x, weight, eps, offset, scale_in_fp32):
     return torch.empty_like(x)
+
+
+@torch.library.register_fake("qinfer::decode_attention")
+def _(q, k, v, scale):
+    return q.new_empty(q.shape)

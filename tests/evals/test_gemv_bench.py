@@ -10,8 +10,8 @@ from tests.test_quantize import tiny  # noqa: F401 (fixture)
 ROW = re.compile(r"^\s*(\S+)\s+(\d+) x (\d+)\s+(\d+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)$", re.M)
 STEP = re.compile(r"^decode step \(16-token prompt\): (\S+) ms with PyTorch's kernels, (\S+) ms with the C kernels "
                   r"\((\S+)x; medians of 4 steps each\); greedy tokens (the same|differ)$", re.M)
-NORMS = re.compile(r"^decode step with the C GEMVs: (\S+) ms with PyTorch's RMSNorm ops, (\S+) ms with the C norm "
-                   r"\((\S+)x\)$", re.M)
+NORMS = re.compile(r"^decode step with the C GEMVs: (\S+) ms with PyTorch's norm and attention ops, (\S+) ms with "
+                   r"the C ones \((\S+)x\)$", re.M)
 PAGES = re.compile(r"^(decode step with the C kernels: (\S+) ms with the weights in 4 KiB pages \(the file map\), "
                    r"(\S+) ms in 2 MiB pages \((\S+)x\)|weights in 2 MiB pages: not measured \(.+\))$", re.M)
 

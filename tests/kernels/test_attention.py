@@ -1,10 +1,12 @@
 """The attention entry point against its plain-torch definition, for every mask shape the model builds."""
 
+import contextlib
 import importlib
 
 import pytest
 import torch
 
+from qinfer.kernels import gemv_cpu
 from qinfer.kernels.attention import _key_spans, attention, attention_ref
 
 # the module itself (qinfer.kernels re-exports its function under the same name)
@@ -106,11 +108,15 @@ def test_key_spans(monkeypatch):
 
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-def test_decode_step_over_a_long_cache(kv_heads, dtype, tol):
-    # one query row seeing every key: grouped fp32 matmuls, each query head against its own KV head
+@pytest.mark.parametrize("c_loop", [True, False])
+def test_decode_step_over_a_long_cache(kv_heads, dtype, tol, c_loop):
+    # one query row seeing every key: the C loop on CPU, else grouped fp32 matmuls, each query head against
+    # its own KV head
     q, k, v = _qkv(1, 300, kv_heads=kv_heads, dtype=dtype)
     mask = _mask(1, 300)
-    out = attention(q, k, v, mask, 0.25)
+    with gemv_cpu.only_gemvs() if not c_loop else contextlib.nullcontext():
+        assert gemv_cpu.attention_supported(q, k, v) == (c_loop and gemv_cpu.available())
+        out = attention(q, k, v, mask, 0.25)
     assert out.dtype == dtype
     torch.testing.assert_close(out, attention_ref(q, k, v, mask, 0.25), rtol=tol, atol=tol)
 
@@ -119,7 +125,49 @@ def test_decode_past_the_size_limit_uses_sdpa_and_matches(monkeypatch):
     monkeypatch.setattr(attention_module, "DECODE_MATMUL_MAX", 8)
     q, k, v = _qkv(1, 12, kv_heads=2)
     mask = _mask(1, 12)
-    torch.testing.assert_close(attention(q, k, v, mask, 0.25), attention_ref(q, k, v, mask, 0.25), rtol=1e-5, atol=1e-5)
+    with gemv_cpu.only_gemvs():
+        out = attention(q, k, v, mask, 0.25)
+    torch.testing.assert_close(out, attention_ref(q, k, v, mask, 0.25), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not gemv_cpu.available(), reason=f"no C kernels here: {gemv_cpu.unavailable_reason()}")
+@pytest.mark.parametrize("heads,kv_heads,D", [(4, 1, 256), (8, 2, 64), (4, 4, 16), (2, 1, 24)])
+@pytest.mark.parametrize("S", [1, 7, 513])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_c_decode_step_over_a_cache_slice_matches_the_exact_attention(heads, kv_heads, D, S, dtype):
+    # keys and values as the KV cache hands them over: a slice of a longer [B, Hkv, S_max, D] buffer
+    g = torch.Generator().manual_seed(S * D + heads)
+    q = torch.randn(2, 1, heads * D, generator=g).to(dtype).view(2, 1, heads, D).transpose(1, 2)
+    cache_k, cache_v = (torch.randn(2, kv_heads, S + 9, D, generator=g).to(dtype) for _ in range(2))
+    k, v = cache_k[:, :, 5 : 5 + S], cache_v[:, :, 5 : 5 + S]
+    assert gemv_cpu.attention_supported(q, k, v)
+    got = attention(q, k, v, None, D**-0.5)
+    group = heads // kv_heads
+    scores = (q.double() @ k.double().repeat_interleave(group, 1).transpose(-1, -2)) * D**-0.5
+    exact = scores.softmax(-1) @ v.double().repeat_interleave(group, 1)
+    assert got.dtype == dtype and got.shape == (2, heads, 1, D)
+    # one output rounding plus fp32 sums' error (the output is a weighted mean of rows of v, |v| < ~5)
+    rounding = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
+    bound = exact.abs() * rounding + 1e-5
+    assert float(((got.double() - exact).abs() / bound).max()) <= 1.0
+
+
+@pytest.mark.skipif(not gemv_cpu.available(), reason=f"no C kernels here: {gemv_cpu.unavailable_reason()}")
+def test_c_decode_step_takes_only_what_it_can():
+    q, k, v = _qkv(1, 12, kv_heads=2, D=16)
+    assert gemv_cpu.attention_supported(q, k, v)
+    assert not gemv_cpu.attention_supported(*_qkv(2, 12, kv_heads=2, D=16))  # two query rows: SDPA
+    assert not gemv_cpu.attention_supported(q, k, v.bfloat16())  # dtypes differ
+    assert not gemv_cpu.attention_supported(*_qkv(1, 12, kv_heads=2, D=12))  # D not a multiple of 8
+    assert not gemv_cpu.attention_supported(q, k.transpose(2, 3).contiguous().transpose(2, 3), v)  # D apart
+    assert not gemv_cpu.attention_supported(q.clone().requires_grad_(), k, v)
+    f = torch.compile(lambda q, k, v: attention(q, k, v, None, 0.25), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(f(q, k, v), attention_ref(q, k, v, None, 0.25), rtol=1e-5, atol=1e-5)  # traced: torch
+    with torch.profiler.profile() as prof:
+        out = attention(q, k, v, None, 0.25)
+    assert "qinfer::decode_attention" in {e.name for e in prof.events()}
+    torch.testing.assert_close(out, attention_ref(q, k, v, None, 0.25), rtol=1e-5, atol=1e-5)
+    torch.library.opcheck(torch.ops.qinfer.decode_attention.default, (q, k[:, :, 2:], v[:, :, 2:], 0.25))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 7, 100])

@@ -50,7 +50,7 @@ def test_a_model_shaped_row_and_what_stays_with_the_reference():
         assert gemv_cpu.rms_norm_supported(torch.randn(2, 256), w.clone().requires_grad_(), True)
     with gemv_cpu.disabled():
         assert not gemv_cpu.rms_norm_supported(q, w, True)
-    with gemv_cpu.norms_disabled():
+    with gemv_cpu.only_gemvs():
         assert not gemv_cpu.rms_norm_supported(q, w, True)
         assert gemv_cpu.bf16_supported(q.reshape(1, -1), torch.randn(8, 1024).bfloat16())  # the GEMVs stay
     assert gemv_cpu.rms_norm_supported(q, w, True)
