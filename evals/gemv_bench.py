@@ -1,5 +1,5 @@
-"""The C kernels of a decode step (``qinfer.kernels.gemv_cpu``: GEMVs, RMSNorm) against PyTorch's, side by
-side on one model.
+"""The C kernels of a decode step (``qinfer.kernels.gemv_cpu``: GEMVs, RMSNorm, attention) against PyTorch's,
+side by side on one model.
 
     python -m qinfer.evals.gemv_bench MODEL [--prompt-tokens 512] [--steps 8] [--rounds 5] [--calls 50]
 
@@ -103,12 +103,12 @@ def _report(model_name: str, prompt_tokens: int, steps: int, rounds: int, calls:
 def _decode_steps(model, small_pages, prompt_tokens: int, steps: int, rounds: int) -> None:
     token, pos, cache = warmed_up(model, prompt_tokens, rounds * steps)
     paths = {"torch": (decode_step, gemv_cpu.disabled), "C": (decode_step, contextlib.nullcontext)}
-    paths["C GEMVs, PyTorch's norms"] = (decode_step, gemv_cpu.only_gemvs)
+    paths["C GEMVs only"] = (decode_step, gemv_cpu.only_gemvs)
     if small_pages is not None:  # the same steps through the other copy of the weights
         paths["C, 4 KiB pages"] = (lambda _, *args: decode_step(small_pages, *args), contextlib.nullcontext)
     times, agree = alternating_rounds(model, token, pos, cache, steps, rounds, paths)
     t, c = (statistics.median(times[k]) * 1000 for k in ("torch", "C"))
-    n = statistics.median(times["C GEMVs, PyTorch's norms"]) * 1000
+    n = statistics.median(times["C GEMVs only"]) * 1000
     print(f"decode step ({prompt_tokens}-token prompt): {t:.1f} ms with PyTorch's kernels, {c:.1f} ms with the C "
           f"kernels ({t / c:.2f}x; medians of {rounds * steps} steps each); greedy tokens "
           f"{'the same' if agree else 'differ'}")
