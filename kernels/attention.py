@@ -7,10 +7,12 @@ rows, each against only the keys its rows can see: SDPA with an explicit mask co
 where a window of W needs about T * (W + CHUNK). A decode step (one query row, every key visible: the model
 passes no mask, having handed the step only the keys it sees) runs as
 two fp32 matmuls over the query heads grouped by KV head: SDPA's flash kernel is built for many query rows
-and took 3x (512 keys) to 6x (4096 keys) as long for one. On CPU, eagerly, that step goes to ``gemv_cpu``'s C
-loop instead (the same fp32 sums without fp32 copies of the keys and values; 1.6-1.8x the matmuls' speed from
-512 to 4096 keys of gemma3-270m's shape, but 0.88x SDPA's at 32768, each thread reading a KV head once per
-query head, so past ``DECODE_MATMUL_MAX`` SDPA stays; evals/RESULTS-LOG.md).
+and took 3x (512 keys) to 6x (4096 keys) as long for one (on an AVX2 EPYC). On CPU, eagerly, that step goes to
+``gemv_cpu``'s C loop instead: the same fp32 sums, split over chunks of keys, each key and value row read once
+for the query heads that share it, no fp32 copies. At gemma3-270m's shape on 2 AMX Xeon cores it took 61 / 357
+/ 2561 us at 512 / 4096 / 32768 keys, against the matmuls' 84 / 872 / 23829 and SDPA's 25 / 459 / 2748: faster
+than what ran before at every length, though SDPA's own kernel (AVX-512) is faster still up to ~1000 keys
+there (evals/RESULTS-LOG.md).
 """
 
 import torch
@@ -44,9 +46,9 @@ def attention(
     if mask is None and T > 1:
         return _sdpa(q, k, v, None, scale)
     if T == 1 and (mask is None or bool(mask.all())):  # a decode step that sees every cached key needs no mask
-        if k.numel() > DECODE_MATMUL_MAX:
-            return _sdpa(q, k, v, None, scale)
-        return gemv_cpu.decode_attention(q, k, v, scale) if gemv_cpu.attention_supported(q, k, v) else _decode(q, k, v, scale)
+        if gemv_cpu.attention_supported(q, k, v):
+            return gemv_cpu.decode_attention(q, k, v, scale)
+        return _decode(q, k, v, scale) if k.numel() <= DECODE_MATMUL_MAX else _sdpa(q, k, v, None, scale)
     if T == S and _is_causal(mask):
         return _sdpa(q, k, v, None, scale, causal=True)  # SDPA skips the blocks above the diagonal (~15% in fp32)
     spans = _key_spans(mask)

@@ -8,6 +8,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -100,49 +101,89 @@ static inline __m256 load8(const void *p, int dtype, int64_t i) { /* 8 elements 
 }
 
 /* One query row's attention over S cached positions, as qinfer.kernels.attention's decode step computes it:
- * per query head h (its KV head h / (H / Hkv)), scores s = (q . k_j) * scale in fp32, p = softmax(s), out =
- * sum_j p_j v_j, rounded once to dtype. q: [B, H] rows of D at q + b * qb + h * qh; k, v: [B, Hkv] heads of S
- * rows of D at k + b * kb + g * kh + j * ks (strides in elements; a KV cache's slice). D % 8 == 0. OpenMP
- * splits the (batch, head) pairs. Returns 1 when out of memory for a head's scores. */
+ * per query head h (its KV head g = h / (H / Hkv)), scores s_j = (q . k_j) * scale in fp32, p = softmax(s),
+ * out = sum_j p_j v_j, rounded once to dtype. q: [B, H] rows of D at q + b * qb + h * qh; k, v: [B, Hkv] heads
+ * of S rows of D at k + b * kb + g * kh + j * ks (strides in elements: a KV cache's slice). D % 8 == 0.
+ *
+ * Split over the keys (as flash-decoding does): OpenMP takes (batch, KV head, chunk of keys) tasks; a task
+ * reads each key and value row of its chunk once for all the query heads that share it, and keeps per head
+ * its chunk's max score m_c, sum of exp(s - m_c) and sum of exp(s - m_c) v. The chunks then combine exactly:
+ * out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) sum_c, M the largest m_c. Returns 1 when out of memory. */
 int qinfer_decode_attention(const void *q, const void *k, const void *v, void *out, int64_t B, int64_t H,
                             int64_t Hkv, int64_t S, int64_t D, int64_t qb, int64_t qh, int64_t kb, int64_t kh,
                             int64_t ks, int64_t vb, int64_t vh, int64_t vs, float scale, int dtype) {
+    const int64_t G = H / Hkv, per_task = G * (D + 2);  /* a task's partials: per head acc[D], max, sum */
+    const size_t esz = dtype == 0 ? 4 : 2;
+    int64_t chunks = (S + 1023) / 1024;
+    if (chunks < omp_get_max_threads()) chunks = S < omp_get_max_threads() ? S : omp_get_max_threads();
+    const int64_t tasks = B * Hkv * chunks, len = (S + chunks - 1) / chunks;
+    float *part = malloc(sizeof(float) * tasks * per_task);
+    if (!part) return 1;
     int failed = 0;
-    size_t esz = dtype == 0 ? 4 : 2;
     #pragma omp parallel for schedule(static) reduction(|:failed)
-    for (int64_t bh = 0; bh < B * H; bh++) {
-        int64_t b = bh / H, h = bh % H, g = h / (H / Hkv);
-        float *buf = malloc(sizeof(float) * (S + 2 * D));
+    for (int64_t t = 0; t < tasks; t++) {
+        int64_t b = t / (Hkv * chunks), g = t / chunks % Hkv, j0 = t % chunks * len, j1 = j0 + len < S ? j0 + len : S;
+        float *acc = part + t * per_task, *top = acc + G * D, *total = top + G;
+        float *buf = malloc(sizeof(float) * (G * D + G * (j1 > j0 ? j1 - j0 : 1)));
         if (!buf) { failed = 1; continue; }
-        float *sc = buf, *qf = buf + S, *acc = qf + D;
-        const char *qrow = (const char *)q + (b * qb + h * qh) * esz;
+        float *qf = buf, *sc = buf + G * D;  /* the group's queries in fp32; scores [G, j1 - j0] */
+        for (int64_t i = 0; i < G; i++) {
+            const char *qrow = (const char *)q + (b * qb + (g * G + i) * qh) * esz;
+            for (int64_t d = 0; d < D; d++) qf[i * D + d] = load_one(qrow, dtype, d), acc[i * D + d] = 0.f;
+            top[i] = -INFINITY, total[i] = 0.f;
+        }
         const char *kh0 = (const char *)k + (b * kb + g * kh) * esz, *vh0 = (const char *)v + (b * vb + g * vh) * esz;
-        for (int64_t d = 0; d < D; d++) qf[d] = load_one(qrow, dtype, d), acc[d] = 0.f;
-        float top = -INFINITY;
-        for (int64_t j = 0; j < S; j++) {
+        for (int64_t j = j0; j < j1; j++) {
             const char *kr = kh0 + j * ks * esz;
-            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-            int64_t d = 0;
-            for (; d + 16 <= D; d += 16) {
-                a0 = _mm256_fmadd_ps(load8(kr, dtype, d), _mm256_loadu_ps(qf + d), a0);
-                a1 = _mm256_fmadd_ps(load8(kr, dtype, d + 8), _mm256_loadu_ps(qf + d + 8), a1);
+            for (int64_t i = 0; i < G; i++) {  /* the row stays in L1 across the group's heads */
+                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+                int64_t d = 0;
+                for (; d + 16 <= D; d += 16) {
+                    a0 = _mm256_fmadd_ps(load8(kr, dtype, d), _mm256_loadu_ps(qf + i * D + d), a0);
+                    a1 = _mm256_fmadd_ps(load8(kr, dtype, d + 8), _mm256_loadu_ps(qf + i * D + d + 8), a1);
+                }
+                for (; d < D; d += 8) a0 = _mm256_fmadd_ps(load8(kr, dtype, d), _mm256_loadu_ps(qf + i * D + d), a0);
+                float x = hsum(_mm256_add_ps(a0, a1)) * scale;
+                sc[i * (j1 - j0) + j - j0] = x;
+                if (x > top[i]) top[i] = x;
             }
-            for (; d < D; d += 8) a0 = _mm256_fmadd_ps(load8(kr, dtype, d), _mm256_loadu_ps(qf + d), a0);
-            sc[j] = hsum(_mm256_add_ps(a0, a1)) * scale;
-            if (sc[j] > top) top = sc[j];
         }
-        float total = 0.f;
-        for (int64_t j = 0; j < S; j++) total += (sc[j] = expf(sc[j] - top));
-        for (int64_t j = 0; j < S; j++) {
+        for (int64_t i = 0; i < G; i++)
+            for (int64_t j = 0; j < j1 - j0; j++) total[i] += (sc[i * (j1 - j0) + j] = expf(sc[i * (j1 - j0) + j] - top[i]));
+        for (int64_t j = j0; j < j1; j++) {
             const char *vr = vh0 + j * vs * esz;
-            __m256 p = _mm256_set1_ps(sc[j] / total);
-            for (int64_t d = 0; d < D; d += 8)
-                _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(p, load8(vr, dtype, d), _mm256_loadu_ps(acc + d)));
+            for (int64_t i = 0; i < G; i++) {
+                __m256 pj = _mm256_set1_ps(sc[i * (j1 - j0) + j - j0]);
+                float *a = acc + i * D;
+                for (int64_t d = 0; d < D; d += 8)
+                    _mm256_storeu_ps(a + d, _mm256_fmadd_ps(pj, load8(vr, dtype, d), _mm256_loadu_ps(a + d)));
+            }
         }
-        char *orow = (char *)out + bh * D * esz;
-        for (int64_t d = 0; d < D; d++) store_one(orow, dtype, d, acc[d]);
         free(buf);
     }
+    if (!failed) {
+        #pragma omp parallel for schedule(static)
+        for (int64_t bh = 0; bh < B * H; bh++) {
+            int64_t b = bh / H, h = bh % H, g = h / G, i = h % G;
+            const float *p0 = part + (b * Hkv + g) * chunks * per_task;  /* this head's chunks, per_task apart */
+            float M = -INFINITY, total = 0.f;
+            for (int64_t c = 0; c < chunks; c++)
+                if (p0[c * per_task + G * D + i] > M) M = p0[c * per_task + G * D + i];
+            float weight[chunks];  /* e^(m_c - M); an empty chunk's max is -inf: weight 0 */
+            for (int64_t c = 0; c < chunks; c++) {
+                float m = p0[c * per_task + G * D + i];
+                weight[c] = m == -INFINITY ? 0.f : expf(m - M);
+                total += weight[c] * p0[c * per_task + G * D + G + i];
+            }
+            char *orow = (char *)out + bh * D * esz;
+            for (int64_t d = 0; d < D; d++) {
+                float o = 0.f;
+                for (int64_t c = 0; c < chunks; c++) o += weight[c] * p0[c * per_task + i * D + d];
+                store_one(orow, dtype, d, o / total);
+            }
+        }
+    }
+    free(part);
     return failed;
 }
 

@@ -132,7 +132,7 @@ def test_decode_past_the_size_limit_uses_sdpa_and_matches(monkeypatch):
 
 @pytest.mark.skipif(not gemv_cpu.available(), reason=f"no C kernels here: {gemv_cpu.unavailable_reason()}")
 @pytest.mark.parametrize("heads,kv_heads,D", [(4, 1, 256), (8, 2, 64), (4, 4, 16), (2, 1, 24)])
-@pytest.mark.parametrize("S", [1, 7, 513])
+@pytest.mark.parametrize("S", [1, 7, 513, 3000])  # one chunk of keys, two (one a thread), three of 1000
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_c_decode_step_over_a_cache_slice_matches_the_exact_attention(heads, kv_heads, D, S, dtype):
     # keys and values as the KV cache hands them over: a slice of a longer [B, Hkv, S_max, D] buffer
