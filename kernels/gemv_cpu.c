@@ -1,10 +1,10 @@
 /* One activation row times a weight matrix, y[n] = sum_k W[n, k] x[k], for a decode step on an x86-64 CPU
- * with AVX2, FMA and F16C; and the RMSNorm of a decode step's few rows. Built and loaded by gemv_cpu.py (which
- * documents why); OpenMP splits the GEMVs' rows.
+ * with AVX2, FMA and F16C; and a decode step's RMSNorm rows and attention. Built and loaded by gemv_cpu.py
+ * (which documents why); OpenMP splits the GEMVs' rows and the attention's chunks of keys.
  *
  * Every product and sum is fp32; each output is rounded once to the activations' dtype.
- * dtype codes: 0 = fp32, 1 = bf16, 2 = fp16. Each entry point returns 0, or 1 when it could not allocate the
- * row's fp32 copy (a few KB).
+ * dtype codes: 0 = fp32, 1 = bf16, 2 = fp16. Each entry point but the norm (which allocates nothing) returns
+ * 0, or 1 when it could not allocate its fp32 scratch (a row's copy, a head's scores).
  */
 #include <immintrin.h>
 #include <math.h>

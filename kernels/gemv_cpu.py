@@ -157,6 +157,15 @@ def int_supported(x: torch.Tensor, weight: QuantizedWeight) -> bool:
 NORM_MAX_ROWS = 16  # more rows (a prefill's) go to PyTorch's vectorised, multi-threaded ops
 
 
+def _row_loop_allowed(*tensors: torch.Tensor) -> bool:
+    """What the norm and attention loops need beyond their shapes: no gradient wanted (C has no autograd), an
+    eager call (a compiled graph fuses these ops itself), not inside :func:`only_gemvs`, and the kernels built."""
+    return (
+        not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+        and not torch.compiler.is_compiling() and not _only_gemvs and available()
+    )
+
+
 def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor, scale_in_fp32: bool) -> bool:
     """A decode step's few contiguous rows of RMSNorm (``qinfer.kernels.norm``), eagerly: a compiled graph
     fuses the norm with its neighbours itself."""
@@ -164,8 +173,7 @@ def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor, scale_in_fp32: boo
         x.device.type == weight.device.type == "cpu" and x.dtype in _DTYPE_CODES and weight.dtype in _DTYPE_CODES
         and weight.dim() == 1 and x.shape[-1] == weight.numel() and 0 < x.numel() <= NORM_MAX_ROWS * x.shape[-1]
         and x.is_contiguous() and weight.is_contiguous() and (scale_in_fp32 or weight.dtype == x.dtype)
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))  # no autograd in C
-        and not torch.compiler.is_compiling() and not _only_gemvs and available()
+        and _row_loop_allowed(x, weight)
     )
 
 
@@ -192,8 +200,7 @@ def attention_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bo
         and k.shape[0] == q.shape[0] and k.shape[3] == q.shape[3] and q.shape[3] % 8 == 0
         and q.shape[1] % k.shape[1] == 0 and q.dtype == k.dtype == v.dtype and q.dtype in _DTYPE_CODES
         and q.device.type == k.device.type == v.device.type == "cpu" and q.stride(3) == k.stride(3) == v.stride(3) == 1
-        and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
-        and not torch.compiler.is_compiling() and not _only_gemvs and available()
+        and _row_loop_allowed(q, k, v)
     )
 
 
