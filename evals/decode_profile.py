@@ -33,7 +33,7 @@ from torch.profiler import ProfilerActivity, profile
 from qinfer.errors import QinferError
 from qinfer.evals.forward import make_cache
 from qinfer.evals.speed import checked_prompt
-from qinfer.generate import compiled_decode_step, decode_step, prefill
+from qinfer.generate import compiled_decode_step, decode_step, greedy, prefill
 from qinfer.kv_cache import KVCache
 from qinfer.loader import load_model
 from qinfer.sources import resolve_model
@@ -67,12 +67,12 @@ def _report(model_name: str, prompt_tokens: int, steps: int, top: int, min_share
     times = []
     for pos in range(pos, pos + steps):
         t0 = time.perf_counter()
-        token = decode_step(model, token, pos, cache).argmax(dim=-1)
+        token = greedy(decode_step(model, token, pos, cache))
         times.append(time.perf_counter() - t0)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         t0 = time.perf_counter()
         for pos in range(pos + 1, pos + 1 + steps):
-            token = decode_step(model, token, pos, cache).argmax(dim=-1)
+            token = greedy(decode_step(model, token, pos, cache))
         profiled = time.perf_counter() - t0
     ms = 1000 / steps  # a total in seconds -> milliseconds per step
     print(f"{model_name}: {statistics.median(times) * 1000:.1f} ms a decode step (median of {steps}; "
@@ -101,7 +101,7 @@ def _compare_compiled(model, token: torch.Tensor, pos: int, cache, steps: int, r
     level, breaks_log.level = breaks_log.level, logging.ERROR
     try:
         t0 = time.perf_counter()
-        token = step(model, token, pos, cache).argmax(dim=-1)  # the compile, on the real cache
+        token = greedy(step(model, token, pos, cache))  # the compile, on the real cache
         compile_s = time.perf_counter() - t0
     finally:
         breaks_log.setLevel(level)
@@ -122,10 +122,10 @@ def warmed_up(model, prompt_tokens: int, n_steps: int) -> tuple[torch.Tensor, in
     fill the whole cache would be another graph). Returns the next token, its position and the cache."""
     prompt = checked_prompt(model, prompt_tokens, WARMUP_STEPS + n_steps)
     cache = make_cache(model, 1, prompt.shape[1] + WARMUP_STEPS + n_steps + 1, "bf16")
-    token = prefill(model, prompt, cache).argmax(dim=-1)
+    token = greedy(prefill(model, prompt, cache))
     pos = prompt.shape[1]
     for pos in range(pos, pos + WARMUP_STEPS):
-        token = decode_step(model, token, pos, cache).argmax(dim=-1)
+        token = greedy(decode_step(model, token, pos, cache))
     return token, pos + 1, cache
 
 
@@ -146,7 +146,7 @@ def alternating_rounds(model, token: torch.Tensor, pos: int, cache: KVCache, ste
             with context():
                 for p in range(pos, pos + steps):
                     t0 = time.perf_counter()
-                    tok = step(model, tok, p, state).argmax(dim=-1)
+                    tok = greedy(step(model, tok, p, state))
                     times[name].append(time.perf_counter() - t0)
                     tokens[name].append(tok)
         agree &= all(all(torch.equal(a, b) for a, b in zip(tokens[names[0]], tokens[n])) for n in names[1:])

@@ -2,7 +2,7 @@
 
 One run: a fresh KV cache of the chosen dtype, ``prefill`` of ``prompt_tokens`` token ids (TTFT is the
 prefill plus picking the first token), then ``decode_steps`` calls of ``decode_step`` each picking its
-token by argmax. TPOT is the run's mean time per decode step. Each figure reported is the median over
+token by ``greedy`` (argmax). TPOT is the run's mean time per decode step. Each figure reported is the median over
 ``repeats`` runs, after one short warm-up run that pages the weights in and starts the thread pool.
 
 Several models (:func:`measure_speeds`) are measured in rounds, each round one run of every model in turn,
@@ -44,7 +44,7 @@ from qinfer.errors import QinferError
 from qinfer.evals.costs import decode_bytes, decode_flops, prefill_bytes, prefill_flops, prefill_flops_by_dtype
 from qinfer.evals.forward import make_cache
 from qinfer.evals.roofline import DTYPES, Roofline, mbu, mfu
-from qinfer.generate import compile_failure_reason, compiled_decode_step, decode_step, prefill
+from qinfer.generate import compile_failure_reason, compiled_decode_step, decode_step, greedy, prefill
 from qinfer.kv_cache import KVCache
 from qinfer.model import Transformer
 
@@ -88,7 +88,7 @@ def _run(model: Transformer, prompt: torch.Tensor, steps: int, kv_dtype: str, co
     cache = make_cache(model, 1, prompt.shape[1] + steps + 1, kv_dtype)
     sync()
     t0 = time.perf_counter()
-    token = prefill(model, prompt, cache).argmax(dim=-1)
+    token = greedy(prefill(model, prompt, cache))
     sync()
     ttft = time.perf_counter() - t0
     if compiled is None:
@@ -106,7 +106,7 @@ def _decode(model: Transformer, step, token: torch.Tensor, start: int, cache: KV
     """Mean seconds per ``step`` over ``steps`` greedy decode steps from position ``start``."""
     t0 = time.perf_counter()
     for pos in range(start, start + steps):
-        token = step(model, token, pos, cache).argmax(dim=-1)
+        token = greedy(step(model, token, pos, cache))
     sync()
     return (time.perf_counter() - t0) / steps
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from qinfer.errors import QinferError
-from qinfer.generate import GenerationStats, SamplingParams, generate, prefill, sample
+from qinfer.generate import GenerationStats, SamplingParams, generate, greedy, prefill, sample
 from qinfer.kv_cache import KVCache
 from qinfer.loader import load_model
 from tests.test_cli_errors import run_qinfer
@@ -45,6 +45,18 @@ def test_seeded_sampling_is_reproducible(tiny):
     params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=20, seed=7)
     a = list(generate(tiny, [1, 2, 3], params))
     assert a == list(generate(tiny, [1, 2, 3], params))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_picks_what_argmax_picks_ties_and_nans_included(dtype):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 6, (8, 262144), generator=g).to(dtype)  # every row holds many tied maxima
+    logits[3, 1000] = float("nan")
+    logits[5, 7] = float("nan")
+    logits[5, 9] = float("nan")
+    got = greedy(logits)
+    assert torch.equal(got, logits.argmax(dim=-1))
+    assert got[3] == 1000 and got[5] == 7 and got.dtype == torch.int64
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy():
