@@ -9,10 +9,10 @@ passes no mask, having handed the step only the keys it sees) runs as
 two fp32 matmuls over the query heads grouped by KV head: SDPA's flash kernel is built for many query rows
 and took 3x (512 keys) to 6x (4096 keys) as long for one (on an AVX2 EPYC). On CPU, eagerly, that step goes to
 ``gemv_cpu``'s C loop instead: the same fp32 sums, split over chunks of keys, each key and value row read once
-for the query heads that share it, no fp32 copies. At gemma3-270m's shape on 2 AMX Xeon cores it took 61 / 357
-/ 2561 us at 512 / 4096 / 32768 keys, against the matmuls' 84 / 872 / 23829 and SDPA's 25 / 459 / 2748: faster
-than what ran before at every length, though SDPA's own kernel (AVX-512) is faster still up to ~1000 keys
-there (evals/RESULTS-LOG.md).
+for the query heads that share it, no fp32 copies. At gemma3-270m's shape on 2 AMX Xeon cores, called in a
+loop, it takes 27 / 164 / 1443 us at 512 / 4096 / 32768 keys against SDPA's 24 / 335 / 2608 (and the matmuls'
+84 / 872 / 23829); inside decode steps, where the keys come from memory, 54 against SDPA's 78-88 us at 512
+keys (evals/RESULTS-LOG.md).
 """
 
 import torch

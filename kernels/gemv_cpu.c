@@ -100,6 +100,85 @@ static inline __m256 load8(const void *p, int dtype, int64_t i) { /* 8 elements 
     return _mm256_loadu_ps((const float *)p + i);
 }
 
+/* e^x for 8 lanes of x <= 0 (scores less their max), as Cephes' expf computes it: x = n ln2 + r with |r| <=
+ * ln2 / 2, e^r by a degree-6 polynomial (within 1.3 ulp of e^x), times 2^n through the exponent bits. Below
+ * -87.3 (e^x < 2^-126: nothing a softmax's sum sees) it gives e^-87.3; a NaN stays a NaN. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_set1_ps(-87.3f), x);  /* the second operand is kept when it is NaN */
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* Scores of M (1-4: a constant where inlined) query heads qf [M, D] against keys j0..j1 of one KV head: sc[i *
+ * n + j - j0] = (qf_i . k_j) * scale, top[i] their max. Each key row is loaded and widened once for the M heads,
+ * whose sums stay in registers. */
+static inline __attribute__((always_inline)) void scores_of(
+        const char *kh0, int64_t ks, const char *vh0, int64_t vs, int dtype, const float *qf, int64_t D, int64_t j0,
+        int64_t j1, float *sc, int64_t n, float scale, const int M, float *top) {
+    const size_t esz = dtype == 0 ? 4 : 2;
+    for (int i = 0; i < M; i++) top[i] = -INFINITY;
+    const int64_t ahead = AHEAD / (D * esz) > 1 ? AHEAD / (D * esz) : 1;  /* rows, AHEAD bytes of a cache's rows */
+    for (int64_t j = j0; j < j1; j++) {
+        const char *kr = kh0 + j * ks * esz;
+        if (j + ahead < j1)
+            for (int64_t o = 0; o < D * (int64_t)esz; o += 64) _mm_prefetch(kr + ahead * ks * esz + o, _MM_HINT_T0);
+        if (vh0)  /* value row j on its way to L2 while the keys stream: weighted_sum reads it in columns */
+            for (int64_t o = 0; o < D * (int64_t)esz; o += 64) _mm_prefetch(vh0 + j * vs * esz + o, _MM_HINT_T1);
+        __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t d = 0; d < D; d += 8) {
+            __m256 kv = load8(kr, dtype, d);
+            for (int i = 0; i < M; i++) a[i] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(qf + i * D + d), a[i]);
+        }
+        for (int i = 0; i < M; i++) {
+            float x = hsum(a[i]) * scale;
+            sc[i * n + j - j0] = x;
+            if (x > top[i]) top[i] = x;
+        }
+    }
+}
+
+/* acc[i] += sum_j p[i * n + j - j0] v_j for M (1-4) heads over values j0..j0+n of one KV head, 16 columns at a
+ * time: the M x 16 sums stay in registers across the keys, each value row's 16 columns widened once. */
+static inline __attribute__((always_inline)) void weighted_sum(
+        const char *vh0, int64_t vs, int dtype, const float *p, int64_t n, int64_t j0, int64_t D, float *acc,
+        const int M) {
+    const size_t esz = dtype == 0 ? 4 : 2;
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) {
+        __m256 lo[4], hi[4];
+        for (int i = 0; i < M; i++) lo[i] = _mm256_setzero_ps(), hi[i] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; j++) {
+            const char *vr = vh0 + (j0 + j) * vs * esz;
+            __m256 v0 = load8(vr, dtype, d), v1 = load8(vr, dtype, d + 8);
+            for (int i = 0; i < M; i++) {
+                __m256 pj = _mm256_broadcast_ss(p + i * n + j);
+                lo[i] = _mm256_fmadd_ps(pj, v0, lo[i]), hi[i] = _mm256_fmadd_ps(pj, v1, hi[i]);
+            }
+        }
+        for (int i = 0; i < M; i++) _mm256_storeu_ps(acc + i * D + d, lo[i]), _mm256_storeu_ps(acc + i * D + d + 8, hi[i]);
+    }
+    for (; d < D; d += 8) {  /* D % 16 == 8 */
+        __m256 lo[4];
+        for (int i = 0; i < M; i++) lo[i] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; j++) {
+            __m256 v0 = load8(vh0 + (j0 + j) * vs * esz, dtype, d);
+            for (int i = 0; i < M; i++) lo[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + i * n + j), v0, lo[i]);
+        }
+        for (int i = 0; i < M; i++) _mm256_storeu_ps(acc + i * D + d, lo[i]);
+    }
+}
+
 /* One query row's attention over S cached positions, as qinfer.kernels.attention's decode step computes it:
  * per query head h (its KV head g = h / (H / Hkv)), scores s_j = (q . k_j) * scale in fp32, p = softmax(s),
  * out = sum_j p_j v_j, rounded once to dtype. q: [B, H] rows of D at q + b * qb + h * qh; k, v: [B, Hkv] heads
@@ -108,7 +187,11 @@ static inline __m256 load8(const void *p, int dtype, int64_t i) { /* 8 elements 
  * Split over the keys (as flash-decoding does): OpenMP takes (batch, KV head, chunk of keys) tasks; a task
  * reads each key and value row of its chunk once for all the query heads that share it, and keeps per head
  * its chunk's max score m_c, sum of exp(s - m_c) and sum of exp(s - m_c) v. The chunks then combine exactly:
- * out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) sum_c, M the largest m_c. Returns 1 when out of memory. */
+ * out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) sum_c, M the largest m_c. Returns 1 when out of memory.
+ * A task's scores (scores_of) stream its keys, prefetching AHEAD bytes on (a cache's 4 KiB pages stop the
+ * hardware prefetchers, as a weight's do) and sending each value row to L2; the exponentials take 8 lanes at
+ * a time (exp8); the weighted sum of values (weighted_sum) then reads the rows from L2 in 16-column blocks,
+ * its sums in registers. Both loops run in one parallel region. */
 int qinfer_decode_attention(const void *q, const void *k, const void *v, void *out, int64_t B, int64_t H,
                             int64_t Hkv, int64_t S, int64_t D, int64_t qb, int64_t qh, int64_t kb, int64_t kh,
                             int64_t ks, int64_t vb, int64_t vh, int64_t vs, float scale, int dtype) {
@@ -120,49 +203,64 @@ int qinfer_decode_attention(const void *q, const void *k, const void *v, void *o
     float *part = malloc(sizeof(float) * tasks * per_task);
     if (!part) return 1;
     int failed = 0;
-    #pragma omp parallel for schedule(static) reduction(|:failed)
+    #pragma omp parallel
+    {
+    #pragma omp for schedule(static)
     for (int64_t t = 0; t < tasks; t++) {
         int64_t b = t / (Hkv * chunks), g = t / chunks % Hkv, j0 = t % chunks * len, j1 = j0 + len < S ? j0 + len : S;
         float *acc = part + t * per_task, *top = acc + G * D, *total = top + G;
         float *buf = malloc(sizeof(float) * (G * D + G * (j1 > j0 ? j1 - j0 : 1)));
-        if (!buf) { failed = 1; continue; }
-        float *qf = buf, *sc = buf + G * D;  /* the group's queries in fp32; scores [G, j1 - j0] */
+        if (!buf) {
+            #pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        float *qf = buf, *sc = buf + G * D;  /* the group's queries in fp32; scores [G, n] */
+        const int64_t n = j1 > j0 ? j1 - j0 : 0;
         for (int64_t i = 0; i < G; i++) {
             const char *qrow = (const char *)q + (b * qb + (g * G + i) * qh) * esz;
-            for (int64_t d = 0; d < D; d++) qf[i * D + d] = load_one(qrow, dtype, d), acc[i * D + d] = 0.f;
-            top[i] = -INFINITY, total[i] = 0.f;
+            for (int64_t d = 0; d < D; d++) qf[i * D + d] = load_one(qrow, dtype, d);
         }
         const char *kh0 = (const char *)k + (b * kb + g * kh) * esz, *vh0 = (const char *)v + (b * vb + g * vh) * esz;
-        for (int64_t j = j0; j < j1; j++) {
-            const char *kr = kh0 + j * ks * esz;
-            for (int64_t i = 0; i < G; i++) {  /* the row stays in L1 across the group's heads */
-                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-                int64_t d = 0;
-                for (; d + 16 <= D; d += 16) {
-                    a0 = _mm256_fmadd_ps(load8(kr, dtype, d), _mm256_loadu_ps(qf + i * D + d), a0);
-                    a1 = _mm256_fmadd_ps(load8(kr, dtype, d + 8), _mm256_loadu_ps(qf + i * D + d + 8), a1);
-                }
-                for (; d < D; d += 8) a0 = _mm256_fmadd_ps(load8(kr, dtype, d), _mm256_loadu_ps(qf + i * D + d), a0);
-                float x = hsum(_mm256_add_ps(a0, a1)) * scale;
-                sc[i * (j1 - j0) + j - j0] = x;
-                if (x > top[i]) top[i] = x;
+        for (int64_t i0 = 0; i0 < G; i0 += 4) {  /* up to 4 heads at a time, their sums in registers */
+            const int m = G - i0 < 4 ? (int)(G - i0) : 4;
+            switch (m) {
+                case 4: scores_of(kh0, ks, i0 ? NULL : vh0, vs, dtype, qf + i0 * D, D, j0, j1, sc + i0 * n, n, scale, 4, top + i0); break;
+                case 3: scores_of(kh0, ks, i0 ? NULL : vh0, vs, dtype, qf + i0 * D, D, j0, j1, sc + i0 * n, n, scale, 3, top + i0); break;
+                case 2: scores_of(kh0, ks, i0 ? NULL : vh0, vs, dtype, qf + i0 * D, D, j0, j1, sc + i0 * n, n, scale, 2, top + i0); break;
+                default: scores_of(kh0, ks, i0 ? NULL : vh0, vs, dtype, qf + i0 * D, D, j0, j1, sc + i0 * n, n, scale, 1, top + i0);
             }
         }
-        for (int64_t i = 0; i < G; i++)
-            for (int64_t j = 0; j < j1 - j0; j++) total[i] += (sc[i * (j1 - j0) + j] = expf(sc[i * (j1 - j0) + j] - top[i]));
-        for (int64_t j = j0; j < j1; j++) {
-            const char *vr = vh0 + j * vs * esz;
-            for (int64_t i = 0; i < G; i++) {
-                __m256 pj = _mm256_set1_ps(sc[i * (j1 - j0) + j - j0]);
-                float *a = acc + i * D;
-                for (int64_t d = 0; d < D; d += 8)
-                    _mm256_storeu_ps(a + d, _mm256_fmadd_ps(pj, load8(vr, dtype, d), _mm256_loadu_ps(a + d)));
+        for (int64_t i = 0; i < G; i++) {
+            float *si = sc + i * n;
+            const __m256 mi = _mm256_set1_ps(top[i]);
+            __m256 t8 = _mm256_setzero_ps();
+            int64_t j = 0;
+            for (; j + 8 <= n; j += 8) {
+                __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(si + j), mi));
+                _mm256_storeu_ps(si + j, e);
+                t8 = _mm256_add_ps(t8, e);
+            }
+            float t = hsum(t8);
+            for (; j < n; j++) t += (si[j] = expf(si[j] - top[i]));
+            total[i] = t;
+        }
+        for (int64_t i0 = 0; i0 < G; i0 += 4) {
+            const int m = G - i0 < 4 ? (int)(G - i0) : 4;
+            switch (m) {
+                case 4: weighted_sum(vh0, vs, dtype, sc + i0 * n, n, j0, D, acc + i0 * D, 4); break;
+                case 3: weighted_sum(vh0, vs, dtype, sc + i0 * n, n, j0, D, acc + i0 * D, 3); break;
+                case 2: weighted_sum(vh0, vs, dtype, sc + i0 * n, n, j0, D, acc + i0 * D, 2); break;
+                default: weighted_sum(vh0, vs, dtype, sc + i0 * n, n, j0, D, acc + i0 * D, 1);
             }
         }
         free(buf);
-    }
-    if (!failed) {
-        #pragma omp parallel for schedule(static)
+    }  /* the for's barrier: every task's partials are in */
+    int fail;
+    #pragma omp atomic read
+    fail = failed;
+    if (!fail) {
+        #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < B * H; bh++) {
             int64_t b = bh / H, h = bh % H, g = h / G, i = h % G;
             const float *p0 = part + (b * Hkv + g) * chunks * per_task;  /* this head's chunks, per_task apart */
@@ -183,6 +281,7 @@ int qinfer_decode_attention(const void *q, const void *k, const void *v, void *o
             }
         }
     }
+    }  /* one parallel region for both loops: one wake of the threads */
     free(part);
     return failed;
 }

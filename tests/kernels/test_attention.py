@@ -131,7 +131,11 @@ def test_decode_past_the_size_limit_uses_sdpa_and_matches(monkeypatch):
 
 
 @pytest.mark.skipif(not gemv_cpu.available(), reason=f"no C kernels here: {gemv_cpu.unavailable_reason()}")
-@pytest.mark.parametrize("heads,kv_heads,D", [(4, 1, 256), (8, 2, 64), (4, 4, 16), (2, 1, 24)])
+# query heads per KV head 4, 4, 1, 2, 3 (SmolLM2's), 6 (four and two): the C loop takes up to four at a time;
+# D = 24 and 40 leave 8 columns past its blocks of 16
+@pytest.mark.parametrize(
+    "heads,kv_heads,D", [(4, 1, 256), (8, 2, 64), (4, 4, 16), (2, 1, 24), (9, 3, 64), (6, 1, 40)]
+)
 @pytest.mark.parametrize("S", [1, 7, 513, 3000])  # one chunk of keys, two (one a thread), three of 1000
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_c_decode_step_over_a_cache_slice_matches_the_exact_attention(heads, kv_heads, D, S, dtype):
@@ -150,6 +154,20 @@ def test_c_decode_step_over_a_cache_slice_matches_the_exact_attention(heads, kv_
     rounding = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
     bound = exact.abs() * rounding + 1e-5
     assert float(((got.double() - exact).abs() / bound).max()) <= 1.0
+
+
+@pytest.mark.skipif(not gemv_cpu.available(), reason=f"no C kernels here: {gemv_cpu.unavailable_reason()}")
+@pytest.mark.parametrize("spread", [1.0, 30.0, 300.0])
+def test_c_decode_step_softmax_over_scores_far_apart(spread):
+    # scores from -spread^2 to +spread^2: the exponentials of most underflow (past e^-87) and the weights
+    # fall on a few keys; the output stays the exact attention's to fp32 rounding
+    g = torch.Generator().manual_seed(int(spread))
+    q = torch.randn(1, 4, 1, 32, generator=g) * spread
+    k, v = torch.randn(1, 1, 200, 32, generator=g) * spread, torch.randn(1, 1, 200, 32, generator=g)
+    got = attention(q, k, v, None, 32**-0.5)
+    scores = (q.double() @ k.double().transpose(-1, -2)) * 32**-0.5
+    exact = scores.softmax(-1) @ v.double()
+    torch.testing.assert_close(got.double(), exact, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.skipif(not gemv_cpu.available(), reason=f"no C kernels here: {gemv_cpu.unavailable_reason()}")
