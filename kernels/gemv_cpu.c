@@ -414,6 +414,49 @@ static float int8_row(const uint8_t *Q, const uint16_t *S, const uint8_t *Z, con
     return hsum(acc) - zacc;
 }
 
+/* A prefill's other half: 4-bit codes [N, K/2] (as qinfer_int4_gemv reads them) to the dense W [N, K] of dtype
+ * that a GEMM takes, w = (q - z) * s computed in fp32 (q - z exact, one rounding for the product) and rounded
+ * once to dtype (to nearest even), as qinfer.format.dequantize_codes and a cast compute it: the same bits.
+ * One pass over the codes, 16 at a time (their nibbles back in column order), rows split over the threads.
+ * K % G == 0 and G % 16 == 0. */
+int qinfer_int4_dequantize(const qinfer_weight *wt, void *out, int dtype) {
+    const uint8_t *Q = wt->w, *Z = wt->zero;
+    const uint16_t *S = wt->scale;
+    const int64_t N = wt->N, K = wt->K, G = wt->group, ng = K / G;
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const __m128i m0f = _mm_set1_epi8(0x0F);
+        const uint8_t *q = Q + n * (K / 2);
+        for (int64_t g = 0; g < ng; g++) {
+            const __m256 s = _mm256_set1_ps(_cvtsh_ss(S[n * ng + g]));
+            const __m256 z = _mm256_set1_ps(Z ? (float)Z[n * ng + g] : 8.f);
+            for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+                __m128i b = _mm_loadl_epi64((const __m128i *)(q + k / 2));
+                __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(b, m0f), _mm_and_si128(_mm_srli_epi16(b, 4), m0f));
+                __m256 w0 = _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nib)), z), s);
+                __m256 w1 = _mm256_mul_ps(
+                    _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(nib, 8))), z), s);
+                if (dtype == 0) {
+                    _mm256_storeu_ps((float *)out + n * K + k, w0);
+                    _mm256_storeu_ps((float *)out + n * K + k + 8, w1);
+                } else if (dtype == 2) {
+                    __m256i h = _mm256_set_m128i(_mm256_cvtps_ph(w1, _MM_FROUND_TO_NEAREST_INT),
+                                                 _mm256_cvtps_ph(w0, _MM_FROUND_TO_NEAREST_INT));
+                    _mm256_storeu_si256((__m256i *)((uint16_t *)out + n * K + k), h);
+                } else {  /* bf16, to nearest even: a finite w, so no NaN to keep */
+                    const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7FFF);
+                    __m256i u0 = _mm256_castps_si256(w0), u1 = _mm256_castps_si256(w1);
+                    u0 = _mm256_srli_epi32(_mm256_add_epi32(u0, _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(u0, 16), one))), 16);
+                    u1 = _mm256_srli_epi32(_mm256_add_epi32(u1, _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(u1, 16), one))), 16);
+                    __m256i h = _mm256_permute4x64_epi64(_mm256_packus_epi32(u0, u1), 0xD8);
+                    _mm256_storeu_si256((__m256i *)((uint16_t *)out + n * K + k), h);
+                }
+            }
+        }
+    }
+    return 0;
+}
+
 /* codes: uint8 [N, K]; scale: fp16 [N, K/G]; zero: uint8 [N, K/G] or NULL (symmetric: 128); x: [K] and y: [N]
  * of dtype. K % G == 0 and G % 16 == 0. */
 int qinfer_int8_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype) {

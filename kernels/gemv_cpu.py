@@ -91,6 +91,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.qinfer_rms_norm.restype = None
     lib.qinfer_decode_attention.argtypes = [_P] * 4 + [_I64] * 13 + [ctypes.c_float, ctypes.c_int]
     lib.qinfer_decode_attention.restype = ctypes.c_int
+    lib.qinfer_int4_dequantize.argtypes, lib.qinfer_int4_dequantize.restype = [_P, _P, ctypes.c_int], ctypes.c_int
     return lib, ""
 
 
@@ -278,15 +279,41 @@ def _int_op(x, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | 
     if not all(t is None or t.is_contiguous() for t in tensors):
         qweight, scale, zero = (None if t is None else t.contiguous() for t in tensors)
         return _int_op(x, qweight, scale, zero, bits, group_size)  # contiguous copies, prepared for this call only
+    lib = _library()[0]
+    kernel = {4: lib.qinfer_int4_gemv, 8: lib.qinfer_int8_gemv}.get(bits, lib.qinfer_narrow_gemv)
+    return _run(kernel, x, _int_weight(qweight, scale, zero, bits, group_size))
+
+
+def _int_weight(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
+                group_size: int) -> Weight:
+    """The prepared Weight of contiguous integer codes, scales and zero points."""
     N, K = qweight.shape[0], qweight.shape[1] * 8 // bits
 
     def build():
         return Weight(qweight.data_ptr(), scale.data_ptr(), None if zero is None else zero.data_ptr(), N, K,
                       qweight.stride(0), K if group_size == -1 else group_size, bits)
 
-    lib = _library()[0]
-    kernel = {4: lib.qinfer_int4_gemv, 8: lib.qinfer_int8_gemv}.get(bits, lib.qinfer_narrow_gemv)
-    return _run(kernel, x, _prepared(_PREPARED["int"], qweight, tensors, build))
+    return _prepared(_PREPARED["int"], qweight, (qweight, scale, zero), build)
+
+
+def dequantize_supported(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
+    """4-bit codes on CPU whose groups (or rows) are a multiple of 16 long, to fp32, bf16 or fp16; eagerly."""
+    group = weight.shape[1] if weight.group_size == -1 else weight.group_size
+    return (
+        weight.bits == 4 and group % 16 == 0 and dtype in _DTYPE_CODES and weight.qweight.device.type == "cpu"
+        and not torch.compiler.is_compiling() and available()
+    )
+
+
+def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """``dequantize_codes(codes, scale, zero, G).to(dtype)`` (``qinfer.format``) in C, the same bits, for
+    weights :func:`dequantize_supported` accepts: ``[N, K]`` in stored column order."""
+    w = weight
+    tensors = tuple(None if t is None else t.contiguous() for t in (w.qweight, w.scale, w.zero))
+    out = torch.empty(w.shape, dtype=dtype)
+    _library()[0].qinfer_int4_dequantize(ctypes.byref(_int_weight(*tensors, w.bits, w.group_size)),
+                                         out.data_ptr(), _DTYPE_CODES[dtype])
+    return out
 
 
 def _fp8_op(x, codes: torch.Tensor, scale: torch.Tensor):

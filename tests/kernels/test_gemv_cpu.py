@@ -121,6 +121,38 @@ def test_int4_entry_point_dispatch_bias_and_permuted_columns():
 
 
 @needs_kernels
+@pytest.mark.parametrize("N,K,group_size", [(5, 64, 32), (40, 256, 64), (7, 640, 128), (3, 48, -1)])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_int4_dequantize_gives_the_references_bits(N, K, group_size, symmetric, dtype):
+    weight = _int(N, K, group_size, symmetric, seed=N * K)
+    weight.scale[0, 0] = 70000.0 / 15 if dtype == torch.float16 else weight.scale[0, 0]  # past fp16's range: inf
+    assert gemv_cpu.dequantize_supported(weight, dtype)
+    got = gemv_cpu.dequantize(weight, dtype)
+    assert got.dtype == dtype and got.shape == (N, K)
+    assert torch.equal(got, weight.dequantize(dtype))  # codes, zeros and scales as format.dequantize_codes reads them
+
+
+@needs_kernels
+def test_prefill_rows_of_4_bit_weights_are_dequantized_in_c(monkeypatch):
+    # a prompt's rows (past int4_cpu's kernel) take the C dequantize, then the dense product: the reference's
+    # numbers exactly, permuted columns included
+    weight = _int(48, 256, 64, False, seed=6)
+    perm = torch.randperm(256, generator=torch.Generator().manual_seed(1)).int()
+    permuted = QuantizedWeight(weight.qweight, weight.scale, weight.zero, 4, 64, weight.shape, perm)
+    x, bias = torch.randn(300, 256).bfloat16(), torch.randn(48).bfloat16()
+    calls = []
+    monkeypatch.setattr(gemv_cpu, "dequantize", lambda w, dtype, f=gemv_cpu.dequantize: calls.append(w) or f(w, dtype))
+    for w in (weight, permuted):
+        assert torch.equal(linear(x, w, bias), dequant_linear_ref(x, w, bias))
+    assert len(calls) == 2
+    assert not gemv_cpu.dequantize_supported(rtn_quantize(torch.randn(8, 64), QuantScheme(bits=3, group_size=32)),
+                                             torch.bfloat16)  # 3-bit codes: PyTorch's ops
+    assert not gemv_cpu.dequantize_supported(rtn_quantize(torch.randn(8, 72), QuantScheme(bits=4, group_size=-1)),
+                                             torch.bfloat16)  # rows of 72: not a multiple of 16
+
+
+@needs_kernels
 def test_one_row_goes_to_the_c_kernels_unless_disabled(monkeypatch):
     calls = []
     run = gemv_cpu._run
