@@ -13,14 +13,18 @@ below 4-bit rounding noise; the tests bound it).
 The kernel's layout is converted once per weight at first use (``_convert_weight_to_int4pack_for_cpu``)
 and cached beside the weight; ``int4_linear_ref`` is the plain-torch definition it is tested against.
 
-It takes fewer than ``MAX_ROWS`` rows: a decode step or a short prompt. The kernel multiplies in fp32 and
-reads each weight once per call, which is what a few rows want; a long prefill is compute-bound, and
-there dequantizing the weight (0.1-1.9 ms for a gemma3 linear) and handing it to oneDNN's bf16 GEMM (AMX
-or AVX-512 bf16) is 1.5-2.5x as fast from 256 rows on (``evals/RESULTS-LOG.md``), so ``quant_linear``
-sends those to the dequantize-then-matmul reference. On a CPU without native bf16 GEMMs that product runs in
-fp32 (``qinfer.kernels.linear``) and is still ~2x the kernel at 256-512 rows; a whole prefill gained nothing
-consistent from a lower threshold there, so ``MAX_ROWS`` is one constant.
+It takes fewer than ``max_rows(x.dtype)`` rows: a decode step or a short prompt. The kernel multiplies in
+fp32 and reads each weight once per call, which is what a few rows want; a longer prompt is compute-bound,
+and there dequantizing the weight (``gemv_cpu``'s C loop: 0.15 ms for a 2048 x 640 gemma3 linear) and
+handing it to oneDNN's GEMM is faster, so ``quant_linear`` sends those rows to the dequantize-then-matmul
+path. Where the GEMM runs in bf16 or fp16 (AMX or AVX-512 bf16) that is from ``MAX_ROWS`` = 32 rows on
+(gemma3-270m's RTN 4-bit prefill on 2 AMX Xeon cores: 64 rows 113 -> 79 ms, 128 rows 196 -> 98 ms, 255
+rows 381 -> 139 ms; 32 rows 69 -> 66 ms); where it runs in fp32 (fp32 activations, or a CPU without native
+half GEMMs: ``qinfer.kernels.linear``) from ``MAX_ROWS_FP32`` = 128 on (the same prefill with the bf16 GEMM
+turned off: 64 rows 120 -> 150 ms, 128 rows 207 -> 194 ms, 255 rows 366 -> 288 ms; evals/RESULTS-LOG.md).
 """
+
+import importlib
 
 import torch
 import torch.nn.functional as F
@@ -29,16 +33,23 @@ from qinfer.format import QuantizedWeight
 from qinfer.kernels.prepared import per_weight
 
 GROUP_SIZES = (32, 64, 128, 256)
-MAX_ROWS = 256  # from this many rows on, dequantize + a GEMM in the activations' dtype is faster
+MAX_ROWS = 32  # from this many rows on, dequantize + a bf16 or fp16 GEMM is faster
+MAX_ROWS_FP32 = 128  # ... + an fp32 GEMM
 MATMUL_DTYPE = torch.float32  # the kernel widens activations and unpacked weights to fp32 and multiply-adds in fp32
 _PACKED: dict[int, tuple[torch.Tensor, dict[torch.dtype, torch.Tensor]]] = {}
+
+
+def max_rows(dtype: torch.dtype) -> int:
+    """Rows of ``dtype`` from which on the dequantize-then-GEMM path is faster than this kernel."""
+    dense = importlib.import_module("qinfer.kernels.linear")  # the module: the package's ``linear`` is a function
+    return MAX_ROWS if dtype != torch.float32 and dense.native_half_gemm(dtype) else MAX_ROWS_FP32
 
 
 def supported(x: torch.Tensor, weight: QuantizedWeight) -> bool:
     N, K = weight.shape
     return (
         x.device.type == "cpu"
-        and x.numel() < MAX_ROWS * x.shape[-1]
+        and x.numel() < max_rows(x.dtype) * x.shape[-1]
         and weight.bits == 4
         and weight.group_size in GROUP_SIZES
         and x.dtype in (torch.bfloat16, torch.float16, torch.float32)

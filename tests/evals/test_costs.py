@@ -123,7 +123,7 @@ def test_content_key_is_stable_and_follows_the_weights(folders, tmp_path):
 def test_prefill_flops_split_by_the_dtype_each_kernel_multiplies_in(folders, monkeypatch, native_bf16):
     # A dense product of the prompt's rows (a bf16 model's linears; FP8's: dequantize, then the dense product)
     # multiplies in bf16 on a CPU with native bf16 GEMMs, else in fp32; a 4-bit model's block linears go
-    # through the CPU int4 kernel, which multiplies in fp32, for a prompt shorter than its MAX_ROWS, and to
+    # through the CPU int4 kernel, which multiplies in fp32, for a prompt shorter than its max_rows, and to
     # the dequantize-then-dense path from there on. The attention goes with a dense product of the prompt's
     # rows; the lm_head's one row stays bf16. The split always sums to prefill_flops.
     monkeypatch.setattr(linear_module, "native_half_gemm", lambda dtype: native_bf16 or dtype == torch.float32)
@@ -146,5 +146,5 @@ def test_prefill_flops_split_by_the_dtype_each_kernel_multiplies_in(folders, mon
     linears = [m for m in model.model.layers.modules() if isinstance(m, QLinear)]
     assert all(int4_cpu.supported(torch.empty(T, m.in_features, dtype=model.dtype), m.weight) for m in linears)
     assert prefill_flops_by_dtype(model, T) == split(model, T, torch.float32)
-    long = int4_cpu.MAX_ROWS
+    long = int4_cpu.max_rows(model.dtype)
     assert prefill_flops_by_dtype(model, long) == split(model, long, dense)

@@ -94,10 +94,13 @@ def test_without_native_half_gemms_few_rows_keep_the_half_product(no_native_half
 
 
 def test_without_native_half_gemms_a_long_prefill_dequantizes_into_an_fp32_product(no_native_half):
-    # from int4_cpu.MAX_ROWS rows on a 4-bit weight goes to the reference: dequantize, then the dense product,
-    # which on such a CPU runs in fp32 (and MFU holds those FLOPs to the fp32 peak)
+    # from int4_cpu.max_rows rows on (MAX_ROWS_FP32 on such a CPU) a 4-bit weight is dequantized and goes to
+    # the dense product, which there runs in fp32 (and MFU holds those FLOPs to the fp32 peak)
     packed = rtn_quantize(torch.randn(32, 128), QuantScheme(method="rtn", bits=4, group_size=32))
-    x = torch.randn(int4_cpu.MAX_ROWS, 128, dtype=torch.bfloat16)
+    rows = int4_cpu.max_rows(torch.bfloat16)
+    assert rows == int4_cpu.MAX_ROWS_FP32
+    x = torch.randn(rows, 128, dtype=torch.bfloat16)
     expected = torch.nn.functional.linear(x.float(), packed.dequantize(torch.bfloat16).float()).bfloat16()
     assert torch.equal(linear(x, packed), expected)
-    assert matmul_dtype(packed, torch.bfloat16, torch.device("cpu"), int4_cpu.MAX_ROWS) == torch.float32
+    assert matmul_dtype(packed, torch.bfloat16, torch.device("cpu"), rows) == torch.float32
+    assert matmul_dtype(packed, torch.bfloat16, torch.device("cpu"), rows - 1) == torch.float32  # the kernel's
