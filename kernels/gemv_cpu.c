@@ -60,6 +60,23 @@ static inline float rounded(float v, int dtype) { /* v rounded to dtype and back
     return v;
 }
 
+/* 8 fp32 values to out[i..i+8) of dtype, each rounded once to nearest even, as PyTorch's casts round them (a
+ * bf16 NaN keeps its sign and quiet bit; only a NaN payload held in the low 16 bits alone would not survive,
+ * and arithmetic on finite codes and scales makes none) */
+static inline void store8(void *out, int dtype, int64_t i, __m256 v) {
+    if (dtype == 0) {
+        _mm256_storeu_ps((float *)out + i, v);
+    } else if (dtype == 2) {
+        _mm_storeu_si128((__m128i *)((uint16_t *)out + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+    } else {
+        __m256i u = _mm256_castps_si256(v);
+        __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+        u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
+        _mm_storeu_si128((__m128i *)((uint16_t *)out + i),
+                         _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
+    }
+}
+
 /* RMSNorm of M rows of D: r = 1 / sqrt(sum(x^2) / D + eps) in fp32, then, as qinfer.kernels.norm.rms_norm_ref
  * orders and rounds it: scale_in_fp32 (Gemma) y = (x r) (offset + w), rounded once to x's dtype; else (Llama)
  * y = w * (x r rounded to x's dtype), the product rounded to it. x and y: [M, D] of dtype; w: [D] of wdtype.
@@ -436,21 +453,8 @@ int qinfer_int4_dequantize(const qinfer_weight *wt, void *out, int dtype) {
                 __m256 w0 = _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nib)), z), s);
                 __m256 w1 = _mm256_mul_ps(
                     _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(nib, 8))), z), s);
-                if (dtype == 0) {
-                    _mm256_storeu_ps((float *)out + n * K + k, w0);
-                    _mm256_storeu_ps((float *)out + n * K + k + 8, w1);
-                } else if (dtype == 2) {
-                    __m256i h = _mm256_set_m128i(_mm256_cvtps_ph(w1, _MM_FROUND_TO_NEAREST_INT),
-                                                 _mm256_cvtps_ph(w0, _MM_FROUND_TO_NEAREST_INT));
-                    _mm256_storeu_si256((__m256i *)((uint16_t *)out + n * K + k), h);
-                } else {  /* bf16, to nearest even: a finite w, so no NaN to keep */
-                    const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7FFF);
-                    __m256i u0 = _mm256_castps_si256(w0), u1 = _mm256_castps_si256(w1);
-                    u0 = _mm256_srli_epi32(_mm256_add_epi32(u0, _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(u0, 16), one))), 16);
-                    u1 = _mm256_srli_epi32(_mm256_add_epi32(u1, _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(u1, 16), one))), 16);
-                    __m256i h = _mm256_permute4x64_epi64(_mm256_packus_epi32(u0, u1), 0xD8);
-                    _mm256_storeu_si256((__m256i *)((uint16_t *)out + n * K + k), h);
-                }
+                store8(out, dtype, n * K + k, w0);
+                store8(out, dtype, n * K + k + 8, w1);
             }
         }
     }
@@ -561,5 +565,19 @@ int qinfer_fp8_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype) 
         store_one(y, dtype, n, s * 256.f * scale[per_row ? n : 0]);
     }
     free(xf);
+    return 0;
+}
+
+/* E4M3 codes [N, K] (rows ld apart; K % 8 == 0) to W [N, K] of dtype: w = (code / 2^8, exact in fp16) times
+ * (scale * 2^8), one fp32 rounding, then one to dtype: qinfer.format.e4m3_times and a cast, the same bits. */
+int qinfer_fp8_dequantize(const qinfer_weight *wt, void *out, int dtype) {
+    const uint8_t *W = wt->w;
+    const float *scale = wt->scale;
+    const int64_t N = wt->N, K = wt->K, ldw = wt->ld, per_row = wt->group == N;
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const __m256 s = _mm256_set1_ps(scale[per_row ? n : 0] * 256.f);
+        for (int64_t k = 0; k < K; k += 8) store8(out, dtype, n * K + k, _mm256_mul_ps(e4m3x8(W + n * ldw + k), s));
+    }
     return 0;
 }

@@ -91,7 +91,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.qinfer_rms_norm.restype = None
     lib.qinfer_decode_attention.argtypes = [_P] * 4 + [_I64] * 13 + [ctypes.c_float, ctypes.c_int]
     lib.qinfer_decode_attention.restype = ctypes.c_int
-    lib.qinfer_int4_dequantize.argtypes, lib.qinfer_int4_dequantize.restype = [_P, _P, ctypes.c_int], ctypes.c_int
+    for kernel in (lib.qinfer_int4_dequantize, lib.qinfer_fp8_dequantize):
+        kernel.argtypes, kernel.restype = [_P, _P, ctypes.c_int], ctypes.c_int
     return lib, ""
 
 
@@ -317,11 +318,34 @@ def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _fp8_op(x, codes: torch.Tensor, scale: torch.Tensor):
+    return _run(_library()[0].qinfer_fp8_gemv, x, _fp8_weight(codes, scale.contiguous()))
+
+
+def _fp8_weight(codes: torch.Tensor, scale: torch.Tensor) -> Weight:
+    """The prepared Weight of E4M3 codes (rows contiguous) and a contiguous scale."""
+
     def build():
         return Weight(codes.data_ptr(), scale.data_ptr(), None, *codes.shape, codes.stride(0), scale.numel())
 
-    scale = scale.contiguous()
-    return _run(_library()[0].qinfer_fp8_gemv, x, _prepared(_PREPARED["fp8"], codes, (codes, scale), build))
+    return _prepared(_PREPARED["fp8"], codes, (codes, scale), build)
+
+
+def fp8_dequantize_supported(weight: Fp8Weight, dtype: torch.dtype) -> bool:
+    """E4M3 codes on CPU, rows contiguous and a multiple of 8 long, to fp32, bf16 or fp16; eagerly."""
+    codes = weight.weight
+    return (
+        weight.shape[1] % 8 == 0 and codes.stride(1) == 1 and codes.device.type == "cpu" and dtype in _DTYPE_CODES
+        and not torch.compiler.is_compiling() and available()
+    )
+
+
+def fp8_dequantize(weight: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
+    """``Fp8Weight.dequantize(dtype)`` (``qinfer.format.e4m3_times`` and a cast) in C, the same bits, for
+    weights :func:`fp8_dequantize_supported` accepts: ``[N, K]``."""
+    out = torch.empty(weight.shape, dtype=dtype)
+    _library()[0].qinfer_fp8_dequantize(ctypes.byref(_fp8_weight(weight.weight, weight.scale.contiguous())),
+                                        out.data_ptr(), _DTYPE_CODES[dtype])
+    return out
 
 
 def _prepared(store: dict, key: torch.Tensor, tensors: tuple, build) -> Weight:

@@ -8,7 +8,7 @@ the int4 kernel where it applies (fewer than ``int4_cpu.max_rows`` rows), else f
 kernel (other bit widths), else the reference, which is also a long prefill's fast path: a GEMM in the
 activations' dtype (in fp32 on a CPU without native bf16 GEMMs: ``qinfer.kernels.linear``), after
 dequantizing 4-bit codes in ``gemv_cpu``'s C loop where it is built (the same weight, 6-7x as fast as the
-reference's PyTorch ops);
+reference's PyTorch ops; FP8 codes likewise);
 ``quant_linear_dtype`` says which dtype the chosen kernel multiplies in. ``fp8_linear`` is FP8's: on a GPU
 the same Triton kernel; on CPU for one row ``gemv_cpu``'s, else ``fp8_cpu``'s one-row path where it applies,
 else the reference. A
@@ -39,7 +39,7 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
     if int8_cpu.supported(x, weight):
         return int8_cpu.int8_linear(_stored_order(x, weight), weight, bias)
     if gemv_cpu.dequantize_supported(weight, x.dtype):  # the reference's dequantize, in C: the same weight
-        return linear(x, weight.unpermute(gemv_cpu.dequantize(weight, x.dtype)), bias)
+        return linear(_stored_order(x, weight), gemv_cpu.dequantize(weight, x.dtype), bias)
     return dequant_linear_ref(x, weight, bias)
 
 
@@ -61,6 +61,8 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = N
         return gemv_cpu.fp8_gemv(x, weight, bias)
     if fp8_cpu.supported(x, weight):
         return fp8_cpu.fp8_linear(x, weight, bias)
+    if gemv_cpu.fp8_dequantize_supported(weight, x.dtype):  # the reference's dequantize, in C: the same weight
+        return linear(x, gemv_cpu.fp8_dequantize(weight, x.dtype), bias)
     return dequant_linear_ref(x, weight, bias)
 
 

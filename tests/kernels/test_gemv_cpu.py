@@ -136,20 +136,38 @@ def test_int4_dequantize_gives_the_references_bits(N, K, group_size, symmetric, 
 @needs_kernels
 def test_prefill_rows_of_4_bit_weights_are_dequantized_in_c(monkeypatch):
     # a prompt's rows (past int4_cpu's kernel) take the C dequantize, then the dense product: the reference's
-    # numbers exactly, permuted columns included
+    # numbers exactly; with permuted columns the product of the permuted rows and the stored columns (the same
+    # terms, which the bf16 GEMM sums in another order)
     weight = _int(48, 256, 64, False, seed=6)
     perm = torch.randperm(256, generator=torch.Generator().manual_seed(1)).int()
     permuted = QuantizedWeight(weight.qweight, weight.scale, weight.zero, 4, 64, weight.shape, perm)
     x, bias = torch.randn(300, 256).bfloat16(), torch.randn(48).bfloat16()
     calls = []
     monkeypatch.setattr(gemv_cpu, "dequantize", lambda w, dtype, f=gemv_cpu.dequantize: calls.append(w) or f(w, dtype))
-    for w in (weight, permuted):
-        assert torch.equal(linear(x, w, bias), dequant_linear_ref(x, w, bias))
+    assert torch.equal(linear(x, weight, bias), dequant_linear_ref(x, weight, bias))
+    torch.testing.assert_close(linear(x, permuted, bias), dequant_linear_ref(x, permuted, bias), rtol=2e-2, atol=2e-2)
     assert len(calls) == 2
     assert not gemv_cpu.dequantize_supported(rtn_quantize(torch.randn(8, 64), QuantScheme(bits=3, group_size=32)),
                                              torch.bfloat16)  # 3-bit codes: PyTorch's ops
     assert not gemv_cpu.dequantize_supported(rtn_quantize(torch.randn(8, 72), QuantScheme(bits=4, group_size=-1)),
                                              torch.bfloat16)  # rows of 72: not a multiple of 16
+
+
+@needs_kernels
+@pytest.mark.parametrize("granularity", ["channel", "tensor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp8_dequantize_gives_the_references_bits_and_serves_prefills(granularity, dtype, monkeypatch):
+    weight = _fp8(40, 72, granularity, seed=4)  # subnormal codes in the first columns
+    assert gemv_cpu.fp8_dequantize_supported(weight, dtype)
+    got = gemv_cpu.fp8_dequantize(weight, dtype)
+    assert got.dtype == dtype and torch.equal(got, weight.dequantize(dtype))
+    calls = []
+    monkeypatch.setattr(gemv_cpu, "fp8_dequantize", lambda w, d, f=gemv_cpu.fp8_dequantize: calls.append(w) or f(w, d))
+    x = torch.randn(9, 72).to(dtype)  # a prompt's rows
+    assert torch.equal(linear(x, weight), dequant_linear_ref(x, weight)) and len(calls) == 1
+    apart = Fp8Weight(torch.cat([weight.weight, weight.weight], 1)[:, :72], weight.scale)  # rows 144 apart
+    assert not gemv_cpu.fp8_dequantize_supported(Fp8Weight(weight.weight.T, torch.ones(1)), dtype)  # columns apart
+    assert torch.equal(gemv_cpu.fp8_dequantize(apart, dtype), weight.dequantize(dtype))
 
 
 @needs_kernels
