@@ -53,6 +53,7 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _disabled = False  # set by disabled()
 _only_gemvs = False  # set by only_gemvs()
+_no_dequantize = False  # set by pytorch_dequantize()
 _PREPARED: dict[str, dict] = {"bf16": {}, "int": {}, "fp8": {}}  # per_weight stores: (data pointers, Weight)
 
 
@@ -123,6 +124,18 @@ def only_gemvs():
         yield
     finally:
         _only_gemvs = prior
+
+
+@contextlib.contextmanager
+def pytorch_dequantize():
+    """Inside it, a prompt's packed weights are dequantized by the format's PyTorch ops, not the C loops (a
+    side-by-side timing; the same bits either way)."""
+    global _no_dequantize
+    prior, _no_dequantize = _no_dequantize, True
+    try:
+        yield
+    finally:
+        _no_dequantize = prior
 
 
 def unavailable_reason() -> str:
@@ -302,7 +315,7 @@ def dequantize_supported(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
     group = weight.shape[1] if weight.group_size == -1 else weight.group_size
     return (
         weight.bits == 4 and group % 16 == 0 and dtype in _DTYPE_CODES and weight.qweight.device.type == "cpu"
-        and not torch.compiler.is_compiling() and available()
+        and not torch.compiler.is_compiling() and not _no_dequantize and available()
     )
 
 
@@ -335,7 +348,7 @@ def fp8_dequantize_supported(weight: Fp8Weight, dtype: torch.dtype) -> bool:
     codes = weight.weight
     return (
         weight.shape[1] % 8 == 0 and codes.stride(1) == 1 and codes.device.type == "cpu" and dtype in _DTYPE_CODES
-        and not torch.compiler.is_compiling() and available()
+        and not torch.compiler.is_compiling() and not _no_dequantize and available()
     )
 
 

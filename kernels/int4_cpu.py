@@ -24,6 +24,7 @@ half GEMMs: ``qinfer.kernels.linear``) from ``MAX_ROWS_FP32`` = 128 on (the same
 turned off: 64 rows 120 -> 150 ms, 128 rows 207 -> 194 ms, 255 rows 366 -> 288 ms; evals/RESULTS-LOG.md).
 """
 
+import contextlib
 import importlib
 
 import torch
@@ -35,14 +36,29 @@ from qinfer.kernels.prepared import per_weight
 GROUP_SIZES = (32, 64, 128, 256)
 MAX_ROWS = 32  # from this many rows on, dequantize + a bf16 or fp16 GEMM is faster
 MAX_ROWS_FP32 = 128  # ... + an fp32 GEMM
+_rows_limit: int | None = None  # set by rows_limit()
 MATMUL_DTYPE = torch.float32  # the kernel widens activations and unpacked weights to fp32 and multiply-adds in fp32
 _PACKED: dict[int, tuple[torch.Tensor, dict[torch.dtype, torch.Tensor]]] = {}
 
 
 def max_rows(dtype: torch.dtype) -> int:
     """Rows of ``dtype`` from which on the dequantize-then-GEMM path is faster than this kernel."""
+    if _rows_limit is not None:
+        return _rows_limit
     dense = importlib.import_module("qinfer.kernels.linear")  # the module: the package's ``linear`` is a function
     return MAX_ROWS if dtype != torch.float32 and dense.native_half_gemm(dtype) else MAX_ROWS_FP32
+
+
+@contextlib.contextmanager
+def rows_limit(rows: int):
+    """Inside it, ``max_rows`` is ``rows`` whatever the dtype (a side-by-side timing of the two paths: 0 sends
+    every prompt to the dequantize-then-GEMM path, a large number every prompt to the kernel)."""
+    global _rows_limit
+    prior, _rows_limit = _rows_limit, rows
+    try:
+        yield
+    finally:
+        _rows_limit = prior
 
 
 def supported(x: torch.Tensor, weight: QuantizedWeight) -> bool:

@@ -147,6 +147,10 @@ def test_prefill_rows_of_4_bit_weights_are_dequantized_in_c(monkeypatch):
     assert torch.equal(linear(x, weight, bias), dequant_linear_ref(x, weight, bias))
     torch.testing.assert_close(linear(x, permuted, bias), dequant_linear_ref(x, permuted, bias), rtol=2e-2, atol=2e-2)
     assert len(calls) == 2
+    with gemv_cpu.pytorch_dequantize():  # the side-by-side timing's other path
+        assert not gemv_cpu.dequantize_supported(weight, torch.bfloat16)
+        assert torch.equal(linear(x, weight, bias), dequant_linear_ref(x, weight, bias)) and len(calls) == 2
+    assert gemv_cpu.dequantize_supported(weight, torch.bfloat16)
     assert not gemv_cpu.dequantize_supported(rtn_quantize(torch.randn(8, 64), QuantScheme(bits=3, group_size=32)),
                                              torch.bfloat16)  # 3-bit codes: PyTorch's ops
     assert not gemv_cpu.dequantize_supported(rtn_quantize(torch.randn(8, 72), QuantScheme(bits=4, group_size=-1)),

@@ -58,6 +58,16 @@ def test_long_prefills_take_the_dequantize_then_matmul_path():
         assert torch.equal(linear(x, weight), want)
 
 
+def test_rows_limit_moves_the_threshold_for_a_side_by_side_timing():
+    weight = _weight(64, 256, 64, False)
+    x = torch.randn(40, 256).bfloat16()
+    with int4_cpu.rows_limit(1 << 30):
+        assert int4_cpu.supported(x, weight) and int4_cpu.max_rows(torch.float32) == 1 << 30
+    with int4_cpu.rows_limit(0):
+        assert not int4_cpu.supported(x[:1], weight)
+    assert int4_cpu.max_rows(torch.float32) == int4_cpu.MAX_ROWS_FP32  # restored
+
+
 def test_unsupported_shapes_fall_back_to_reference():
     W = torch.randn(40, 96) * 0.05  # N not a multiple of 16
     weight = rtn_quantize(W, QuantScheme(method="rtn", bits=4, group_size=32))
