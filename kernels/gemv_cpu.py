@@ -314,10 +314,12 @@ def _int_weight(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor |
 
 
 def dequantize_supported(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
-    """4-bit codes on CPU whose groups (or rows) are a multiple of 16 long, to fp32, bf16 or fp16; eagerly."""
+    """4-bit codes on CPU whose groups (or rows) are a multiple of 16 long, to fp32, bf16 or fp16; eagerly, and
+    with no gradient wanted through the scales (C has no autograd)."""
     group = weight.shape[1] if weight.group_size == -1 else weight.group_size
     return (
         weight.bits == 4 and group % 16 == 0 and dtype in _DTYPE_CODES and weight.qweight.device.type == "cpu"
+        and not (torch.is_grad_enabled() and weight.scale.requires_grad)
         and not torch.compiler.is_compiling() and not _no_dequantize and available()
     )
 
@@ -347,10 +349,12 @@ def _fp8_weight(codes: torch.Tensor, scale: torch.Tensor) -> Weight:
 
 
 def fp8_dequantize_supported(weight: Fp8Weight, dtype: torch.dtype) -> bool:
-    """E4M3 codes on CPU, rows contiguous and a multiple of 8 long, to fp32, bf16 or fp16; eagerly."""
+    """E4M3 codes on CPU, rows contiguous and a multiple of 8 long, to fp32, bf16 or fp16; eagerly, and with no
+    gradient wanted through the scale."""
     codes = weight.weight
     return (
         weight.shape[1] % 8 == 0 and codes.stride(1) == 1 and codes.device.type == "cpu" and dtype in _DTYPE_CODES
+        and not (torch.is_grad_enabled() and weight.scale.requires_grad)
         and not torch.compiler.is_compiling() and not _no_dequantize and available()
     )
 

@@ -151,6 +151,9 @@ def test_prefill_rows_of_4_bit_weights_are_dequantized_in_c(monkeypatch):
         assert not gemv_cpu.dequantize_supported(weight, torch.bfloat16)
         assert torch.equal(linear(x, weight, bias), dequant_linear_ref(x, weight, bias)) and len(calls) == 2
     assert gemv_cpu.dequantize_supported(weight, torch.bfloat16)
+    tuned = QuantizedWeight(weight.qweight, weight.scale.clone().requires_grad_(), weight.zero, 4, 64, weight.shape)
+    assert not gemv_cpu.dequantize_supported(tuned, torch.bfloat16)  # a gradient through the scales: PyTorch's ops
+    assert linear(x[:40], tuned).requires_grad
     assert not gemv_cpu.dequantize_supported(rtn_quantize(torch.randn(8, 64), QuantScheme(bits=3, group_size=32)),
                                              torch.bfloat16)  # 3-bit codes: PyTorch's ops
     assert not gemv_cpu.dequantize_supported(rtn_quantize(torch.randn(8, 72), QuantScheme(bits=4, group_size=-1)),
