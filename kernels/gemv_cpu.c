@@ -531,6 +531,27 @@ int qinfer_narrow_gemv(const qinfer_weight *wt, const void *x, void *y, int dtyp
     return 0;
 }
 
+/* 2-, 3- or 8-bit codes (as qinfer_narrow_gemv and qinfer_int8_gemv read them) to W [N, K] of dtype, as
+ * qinfer_int4_dequantize computes it (the format's numbers bit for bit), 8 codes at a time. G % 8 == 0. */
+int qinfer_int_dequantize(const qinfer_weight *wt, void *out, int dtype) {
+    const uint8_t *Q = wt->w, *Z = wt->zero;
+    const uint16_t *S = wt->scale;
+    const int64_t N = wt->N, K = wt->K, G = wt->group, ng = K / G, B = wt->bits;
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *q = Q + n * K * B / 8;
+        for (int64_t g = 0; g < ng; g++) {
+            const __m256 s = _mm256_set1_ps(_cvtsh_ss(S[n * ng + g]));
+            const __m256 z = _mm256_set1_ps(Z ? (float)Z[n * ng + g] : (float)(1 << (B - 1)));
+            for (int64_t k = g * G; k < (g + 1) * G; k += 8) {
+                __m256 c = B == 8 ? u8x8(q + k) : B == 3 ? narrow8(q + k * 3 / 8, 3) : narrow8(q + k / 4, 2);
+                store8(out, dtype, n * K + k, _mm256_mul_ps(_mm256_sub_ps(c, z), s));
+            }
+        }
+    }
+    return 0;
+}
+
 /* 8 E4M3 codes -> fp32, each 2^-8 times its value: sign-extended to 16 bits and shifted up by 7, the code's
  * exponent and mantissa sit in an fp16's (exponent bias 15 against E4M3's 7; subnormals too), its sign in
  * the fp16's sign; the AND drops the sign extension's copy at bit 14. */

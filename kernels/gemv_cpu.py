@@ -20,8 +20,8 @@ Two more row loops of a decode step live here, for the same reason in another fo
 dozen small ops costs more than their arithmetic. ``rms_norm`` (``qinfer.kernels.norm``) normalises a few rows
 in one call, ``decode_attention`` (``qinfer.kernels.attention``) runs one query row per head over a KV cache's
 slice without fp32 copies of the keys and values. Both are eager only (a compiled graph fuses these ops itself).
-And a prompt's GEMM needs its packed weights dense: ``dequantize`` and ``fp8_dequantize`` write a 4-bit or FP8
-weight out in the activations' dtype, the format's own numbers bit for bit, in one pass 4-12x as fast as its
+And a prompt's GEMM needs its packed weights dense: ``dequantize`` and ``fp8_dequantize`` write an integer or
+FP8 weight out in the activations' dtype, the format's own numbers bit for bit, in one pass 4-19x as fast as its
 PyTorch ops (``python -m qinfer.evals.prefill_bench MODEL``).
 
 The C source is compiled at first use with the system's C compiler into ``<cache>/kernels`` (half a second;
@@ -95,7 +95,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.qinfer_rms_norm.restype = None
     lib.qinfer_decode_attention.argtypes = [_P] * 4 + [_I64] * 13 + [ctypes.c_float, ctypes.c_int]
     lib.qinfer_decode_attention.restype = ctypes.c_int
-    for kernel in (lib.qinfer_int4_dequantize, lib.qinfer_fp8_dequantize):
+    for kernel in (lib.qinfer_int4_dequantize, lib.qinfer_int_dequantize, lib.qinfer_fp8_dequantize):
         kernel.argtypes, kernel.restype = [_P, _P, ctypes.c_int], ctypes.c_int
     return lib, ""
 
@@ -314,11 +314,12 @@ def _int_weight(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor |
 
 
 def dequantize_supported(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
-    """4-bit codes on CPU whose groups (or rows) are a multiple of 16 long, to fp32, bf16 or fp16; eagerly, and
-    with no gradient wanted through the scales (C has no autograd)."""
+    """2-, 3-, 4- or 8-bit codes on CPU whose groups (or rows) are a multiple of 8 long (16 for 4 bits), to fp32,
+    bf16 or fp16; eagerly, and with no gradient wanted through the scales (C has no autograd)."""
     group = weight.shape[1] if weight.group_size == -1 else weight.group_size
     return (
-        weight.bits == 4 and group % 16 == 0 and dtype in _DTYPE_CODES and weight.qweight.device.type == "cpu"
+        weight.bits in (2, 3, 4, 8) and group % (16 if weight.bits == 4 else 8) == 0 and dtype in _DTYPE_CODES
+        and weight.qweight.device.type == "cpu"
         and not (torch.is_grad_enabled() and weight.scale.requires_grad)
         and not torch.compiler.is_compiling() and not _no_dequantize and available()
     )
@@ -330,8 +331,9 @@ def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     w = weight
     tensors = tuple(None if t is None else t.contiguous() for t in (w.qweight, w.scale, w.zero))
     out = torch.empty(w.shape, dtype=dtype)
-    _library()[0].qinfer_int4_dequantize(ctypes.byref(_int_weight(*tensors, w.bits, w.group_size)),
-                                         out.data_ptr(), _DTYPE_CODES[dtype])
+    lib = _library()[0]
+    kernel = lib.qinfer_int4_dequantize if w.bits == 4 else lib.qinfer_int_dequantize
+    kernel(ctypes.byref(_int_weight(*tensors, w.bits, w.group_size)), out.data_ptr(), _DTYPE_CODES[dtype])
     return out
 
 

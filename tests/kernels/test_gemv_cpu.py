@@ -124,9 +124,11 @@ def test_int4_entry_point_dispatch_bias_and_permuted_columns():
 @pytest.mark.parametrize("N,K,group_size", [(5, 64, 32), (40, 256, 64), (7, 640, 128), (3, 48, -1)])
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_int4_dequantize_gives_the_references_bits(N, K, group_size, symmetric, dtype):
-    weight = _int(N, K, group_size, symmetric, seed=N * K)
-    weight.scale[0, 0] = 70000.0 / 15 if dtype == torch.float16 else weight.scale[0, 0]  # past fp16's range: inf
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_dequantize_gives_the_references_bits(N, K, group_size, symmetric, dtype, bits):
+    weight = _int(N, K, group_size, symmetric, seed=N * K, bits=bits)
+    if dtype == torch.float16:
+        weight.scale[0, 0] = 70000.0 / 3  # codes 3 and up, less the zero point, past fp16's range: inf
     assert gemv_cpu.dequantize_supported(weight, dtype)
     got = gemv_cpu.dequantize(weight, dtype)
     assert got.dtype == dtype and got.shape == (N, K)
@@ -154,10 +156,10 @@ def test_prefill_rows_of_4_bit_weights_are_dequantized_in_c(monkeypatch):
     tuned = QuantizedWeight(weight.qweight, weight.scale.clone().requires_grad_(), weight.zero, 4, 64, weight.shape)
     assert not gemv_cpu.dequantize_supported(tuned, torch.bfloat16)  # a gradient through the scales: PyTorch's ops
     assert linear(x[:40], tuned).requires_grad
-    assert not gemv_cpu.dequantize_supported(rtn_quantize(torch.randn(8, 64), QuantScheme(bits=3, group_size=32)),
-                                             torch.bfloat16)  # 3-bit codes: PyTorch's ops
     assert not gemv_cpu.dequantize_supported(rtn_quantize(torch.randn(8, 72), QuantScheme(bits=4, group_size=-1)),
-                                             torch.bfloat16)  # rows of 72: not a multiple of 16
+                                             torch.bfloat16)  # 4-bit rows of 72: not a multiple of 16
+    assert gemv_cpu.dequantize_supported(rtn_quantize(torch.randn(8, 72), QuantScheme(bits=8, group_size=-1)),
+                                         torch.bfloat16)  # 8-bit ones: a multiple of 8 will do
 
 
 @needs_kernels
