@@ -165,7 +165,7 @@ static inline __attribute__((always_inline)) void scores_of(
     }
 }
 
-/* acc[i] += sum_j p[i * n + j - j0] v_j for M (1-4) heads over values j0..j0+n of one KV head, 16 columns at a
+/* acc[i] = sum_j p[i * n + j] v_(j0 + j) for M (1-4) heads over values j0..j0+n of one KV head, 16 columns at a
  * time: the M x 16 sums stay in registers across the keys, each value row's 16 columns widened once. */
 static inline __attribute__((always_inline)) void weighted_sum(
         const char *vh0, int64_t vs, int dtype, const float *p, int64_t n, int64_t j0, int64_t D, float *acc,
