@@ -152,14 +152,14 @@ def describe() -> str:
 
 
 def _one_row(x: torch.Tensor, K: int) -> bool:
-    return x.device.type == "cpu" and x.numel() == x.shape[-1] == K and x.dtype in _DTYPE_CODES
+    return x.is_cpu and x.numel() == x.shape[-1] == K and x.dtype in _DTYPE_CODES
 
 
 def bf16_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """One bf16 row against a bf16 weight [N, K] whose rows are contiguous."""
     return (
         weight.dim() == 2 and _one_row(x, weight.shape[1]) and x.dtype == weight.dtype == torch.bfloat16
-        and weight.device.type == "cpu" and weight.stride(1) == 1 and available()
+        and weight.is_cpu and weight.stride(1) == 1 and available()
     )
 
 
@@ -168,7 +168,7 @@ def int_supported(x: torch.Tensor, weight: QuantizedWeight) -> bool:
     group = weight.shape[1] if weight.group_size == -1 else weight.group_size
     return (
         _one_row(x, weight.shape[1]) and weight.bits in (2, 3, 4, 8) and group % 16 == 0
-        and weight.qweight.device.type == "cpu" and available()
+        and weight.qweight.is_cpu and available()
     )
 
 
@@ -188,7 +188,7 @@ def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor, scale_in_fp32: boo
     """A decode step's few contiguous rows of RMSNorm (``qinfer.kernels.norm``), eagerly: a compiled graph
     fuses the norm with its neighbours itself."""
     return (
-        x.device.type == weight.device.type == "cpu" and x.dtype in _DTYPE_CODES and weight.dtype in _DTYPE_CODES
+        x.is_cpu and weight.is_cpu and x.dtype in _DTYPE_CODES and weight.dtype in _DTYPE_CODES
         and weight.dim() == 1 and x.shape[-1] == weight.numel() and 0 < x.numel() <= NORM_MAX_ROWS * x.shape[-1]
         and x.is_contiguous() and weight.is_contiguous() and (scale_in_fp32 or weight.dtype == x.dtype)
         and _row_loop_allowed(x, weight)
@@ -217,7 +217,7 @@ def attention_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bo
         q.dim() == k.dim() == v.dim() == 4 and q.shape[2] == 1 and k.shape == v.shape and k.shape[2] > 0
         and k.shape[0] == q.shape[0] and k.shape[3] == q.shape[3] and q.shape[3] % 8 == 0
         and q.shape[1] % k.shape[1] == 0 and q.dtype == k.dtype == v.dtype and q.dtype in _DTYPE_CODES
-        and q.device.type == k.device.type == v.device.type == "cpu" and q.stride(3) == k.stride(3) == v.stride(3) == 1
+        and q.is_cpu and k.is_cpu and v.is_cpu and q.stride(3) == k.stride(3) == v.stride(3) == 1
         and _row_loop_allowed(q, k, v)
     )
 
@@ -259,7 +259,7 @@ def fp8_supported(x: torch.Tensor, weight: Fp8Weight) -> bool:
     """One row against E4M3 codes [N, K], K a multiple of 8, rows contiguous."""
     codes = weight.weight
     return (
-        _one_row(x, weight.shape[1]) and weight.shape[1] % 8 == 0 and codes.device.type == "cpu"
+        _one_row(x, weight.shape[1]) and weight.shape[1] % 8 == 0 and codes.is_cpu
         and codes.stride(1) == 1 and available()
     )
 
