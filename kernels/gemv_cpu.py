@@ -292,12 +292,11 @@ def _bf16_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _int_op(x, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, group_size: int):
-    tensors = (qweight, scale, zero)
-    if not all(t is None or t.is_contiguous() for t in tensors):
-        qweight, scale, zero = (None if t is None else t.contiguous() for t in tensors)
+    if not (qweight.is_contiguous() and scale.is_contiguous() and (zero is None or zero.is_contiguous())):
+        qweight, scale, zero = (None if t is None else t.contiguous() for t in (qweight, scale, zero))
         return _int_op(x, qweight, scale, zero, bits, group_size)  # contiguous copies, prepared for this call only
     lib = _library()[0]
-    kernel = {4: lib.qinfer_int4_gemv, 8: lib.qinfer_int8_gemv}.get(bits, lib.qinfer_narrow_gemv)
+    kernel = lib.qinfer_int4_gemv if bits == 4 else lib.qinfer_int8_gemv if bits == 8 else lib.qinfer_narrow_gemv
     return _run(kernel, x, _int_weight(qweight, scale, zero, bits, group_size))
 
 
