@@ -25,7 +25,7 @@ from qinfer.errors import QinferError
 from qinfer.evals.forward import make_cache
 from qinfer.evals.gemv_bench import _kind, _timed
 from qinfer.evals.speed import checked_prompt
-from qinfer.format import Fp8Weight, QuantizedWeight, dequantize_codes
+from qinfer.format import Fp8Weight, QuantizedWeight
 from qinfer.generate import prefill
 from qinfer.kernels import gemv_cpu, int4_cpu
 from qinfer.loader import load_model
@@ -58,20 +58,12 @@ def main(model, prompt_tokens, rows, rounds, calls):
 
 
 def _c_dequantize(w, dtype: torch.dtype) -> torch.Tensor | None:
-    """The C loop's dequantize of ``w`` (stored column order), or None where it does not take ``w``."""
+    """``w.dequantize(dtype)`` through the C loop, or None where it does not take ``w``."""
     if isinstance(w, QuantizedWeight) and gemv_cpu.dequantize_supported(w, dtype):
-        return gemv_cpu.dequantize(w, dtype)
+        return w.unpermute(gemv_cpu.dequantize(w, dtype))
     if isinstance(w, Fp8Weight) and gemv_cpu.fp8_dequantize_supported(w, dtype):
         return gemv_cpu.fp8_dequantize(w, dtype)
     return None
-
-
-def _torch_dequantize(w, dtype: torch.dtype) -> torch.Tensor:
-    # in stored column order, as the C loop gives it (the reference's own dequantize also undoes a permutation)
-    if isinstance(w, QuantizedWeight):
-        zero = 1 << (w.bits - 1) if w.zero is None else w.zero
-        return dequantize_codes(w.codes(), w.scale, zero, w.group_size).to(dtype)
-    return w.dequantize(dtype)
 
 
 def _alternating(paths: dict, rounds: int) -> dict[str, list[float]]:
@@ -108,8 +100,8 @@ def _report(model_name: str, prompt_tokens: int, lengths: list[int], rounds: int
         if _c_dequantize(w, model.dtype) is None:
             print(f"{kind:>12} {f'{N} x {K}':>13} {count:5d}  (no C dequantize for it: PyTorch's ops on both paths)")
             continue
-        same = torch.equal(_c_dequantize(w, model.dtype), _torch_dequantize(w, model.dtype))
-        times = _alternating({"torch": lambda: _timed(lambda: _torch_dequantize(w, model.dtype), calls),
+        same = torch.equal(_c_dequantize(w, model.dtype), w.dequantize(model.dtype))
+        times = _alternating({"torch": lambda: _timed(lambda: w.dequantize(model.dtype), calls),
                               "C": lambda: _timed(lambda: _c_dequantize(w, model.dtype), calls)}, rounds)
         t, c = statistics.median(times["torch"]), statistics.median(times["C"])
         print(f"{kind:>12} {f'{N} x {K}':>13} {count:5d} {t * 1e3:9.3f} {c * 1e3:8.3f} {t / c:6.2f}  "
