@@ -318,9 +318,16 @@ def dequantize_supported(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
     group = weight.shape[1] if weight.group_size == -1 else weight.group_size
     return (
         weight.bits in (2, 3, 4, 8) and group % (16 if weight.bits == 4 else 8) == 0 and dtype in _DTYPE_CODES
-        and weight.qweight.device.type == "cpu"
-        and not (torch.is_grad_enabled() and weight.scale.requires_grad)
-        and not torch.compiler.is_compiling() and not _no_dequantize and available()
+        and weight.qweight.is_cpu and _dequantize_allowed(weight.scale)
+    )
+
+
+def _dequantize_allowed(scale: torch.Tensor) -> bool:
+    """What both dequantize loops need beyond their layouts: no gradient wanted through the scales, an eager
+    call, not inside :func:`pytorch_dequantize`, and the kernels built."""
+    return (
+        not (torch.is_grad_enabled() and scale.requires_grad) and not torch.compiler.is_compiling()
+        and not _no_dequantize and available()
     )
 
 
@@ -354,9 +361,8 @@ def fp8_dequantize_supported(weight: Fp8Weight, dtype: torch.dtype) -> bool:
     gradient wanted through the scale."""
     codes = weight.weight
     return (
-        weight.shape[1] % 8 == 0 and codes.stride(1) == 1 and codes.device.type == "cpu" and dtype in _DTYPE_CODES
-        and not (torch.is_grad_enabled() and weight.scale.requires_grad)
-        and not torch.compiler.is_compiling() and not _no_dequantize and available()
+        weight.shape[1] % 8 == 0 and codes.stride(1) == 1 and codes.is_cpu and dtype in _DTYPE_CODES
+        and _dequantize_allowed(weight.scale)
     )
 
 
