@@ -15,7 +15,7 @@ import click
 import torch
 
 from qinfer.calib.capture import embed_samples, run_block
-from qinfer.errors import QinferError
+from qinfer.errors import Command
 from qinfer.loader import load_model
 from qinfer.quantize import CalibConfig, calibration_batch
 from qinfer.sources import resolve_model
@@ -24,7 +24,7 @@ from qinfer.tokenizer import Tokenizer
 HELD = 16  # the last samples are scored too: --tune-holdout's, the usual choice
 
 
-@click.command()
+@click.command(cls=Command)
 @click.argument("model")
 @click.argument("quantized")
 @click.option("--calib", default="austen", show_default=True, help="The calibration source, as for qinfer quantize.")
@@ -36,10 +36,7 @@ HELD = 16  # the last samples are scored too: --tune-holdout's, the usual choice
 @click.option("--blocks", type=int, default=None, help="Blocks to run (default: all).")
 @click.option("--top", type=int, default=15, show_default=True, help="Tokens listed after the last block.")
 def main(model, quantized, calib, samples, seq_len, seed, pick, blocks, top):
-    try:
-        _report(model, quantized, calib, samples, seq_len, seed, pick, blocks, top)
-    except QinferError as e:  # a bad path or checkpoint: one line, as the qinfer commands give it
-        raise click.ClickException(str(e)) from None
+    _report(model, quantized, calib, samples, seq_len, seed, pick, blocks, top)
 
 
 @torch.no_grad()

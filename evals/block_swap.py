@@ -16,7 +16,7 @@ import click
 import torch
 from tqdm import tqdm
 
-from qinfer.errors import QinferError
+from qinfer.errors import Command, QinferError
 from qinfer.evals.accuracy import HELDOUT, load_text, text_tokens
 from qinfer.evals.divergence import text_metrics
 from qinfer.evals.forward import LogitsFn, window_logits
@@ -25,7 +25,7 @@ from qinfer.sources import resolve_model
 from qinfer.tokenizer import Tokenizer
 
 
-@click.command()
+@click.command(cls=Command)
 @click.argument("model")
 @click.argument("quantized")
 @click.option("--text", default=HELDOUT, show_default=True, help="'heldout' or a UTF-8 text file, as for qinfer eval.")
@@ -33,10 +33,7 @@ from qinfer.tokenizer import Tokenizer
 @click.option("--window", type=int, default=512, show_default=True)
 @click.option("--stride", type=int, default=256, show_default=True)
 def main(model, quantized, text, max_tokens, window, stride):
-    try:
-        _report(model, quantized, text, max_tokens, window, stride)
-    except QinferError as e:  # a bad path or checkpoint: one line, as the qinfer commands give it
-        raise click.ClickException(str(e)) from None
+    _report(model, quantized, text, max_tokens, window, stride)
 
 
 @torch.no_grad()

@@ -30,7 +30,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile
 
-from qinfer.errors import QinferError
+from qinfer.errors import Command, QinferError
 from qinfer.evals.forward import make_cache
 from qinfer.evals.speed import checked_prompt
 from qinfer.generate import compiled_decode_step, decode_step, greedy, prefill
@@ -41,7 +41,7 @@ from qinfer.sources import resolve_model
 WARMUP_STEPS = 4
 
 
-@click.command()
+@click.command(cls=Command)
 @click.argument("model")
 @click.option("--prompt-tokens", type=int, default=512, show_default=True)
 @click.option("--steps", type=int, default=8, show_default=True, help="Decode steps timed, and then profiled.")
@@ -52,12 +52,9 @@ WARMUP_STEPS = 4
               help="Also time a torch.compile'd decode step against the eager one (minutes to compile).")
 @click.option("--rounds", type=int, default=3, show_default=True, help="With --compile: rounds of --steps each.")
 def main(model, prompt_tokens, steps, top, min_share, compiled, rounds):
-    try:
-        if steps < 1 or top < 1 or prompt_tokens < 1 or rounds < 1:
-            raise QinferError("--prompt-tokens, --steps, --top and --rounds must be at least 1")
-        _report(model, prompt_tokens, steps, top, min_share, rounds if compiled else 0)
-    except QinferError as e:  # a bad path or checkpoint: one line, as the qinfer commands give it
-        raise click.ClickException(str(e)) from None
+    if steps < 1 or top < 1 or prompt_tokens < 1 or rounds < 1:
+        raise QinferError("--prompt-tokens, --steps, --top and --rounds must be at least 1")
+    _report(model, prompt_tokens, steps, top, min_share, rounds if compiled else 0)
 
 
 @torch.no_grad()

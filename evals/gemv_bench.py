@@ -24,7 +24,7 @@ import time
 import click
 import torch
 
-from qinfer.errors import QinferError
+from qinfer.errors import Command, QinferError
 from qinfer.evals.decode_profile import alternating_rounds, warmed_up
 from qinfer.format import Fp8Weight, QuantizedWeight
 from qinfer.generate import decode_step
@@ -34,21 +34,18 @@ from qinfer.model import QLinear
 from qinfer.sources import resolve_model
 
 
-@click.command()
+@click.command(cls=Command)
 @click.argument("model")
 @click.option("--prompt-tokens", type=int, default=512, show_default=True)
 @click.option("--steps", type=int, default=8, show_default=True, help="Decode steps of each path per round.")
 @click.option("--rounds", type=int, default=5, show_default=True)
 @click.option("--calls", type=int, default=50, show_default=True, help="Calls of each linear per path and round.")
 def main(model, prompt_tokens, steps, rounds, calls):
-    try:
-        if min(prompt_tokens, steps, rounds, calls) < 1:
-            raise QinferError("--prompt-tokens, --steps, --rounds and --calls must be at least 1")
-        if not gemv_cpu.available():
-            raise QinferError(f"the C GEMV kernels are not in use here ({gemv_cpu.unavailable_reason()})")
-        _report(model, prompt_tokens, steps, rounds, calls)
-    except QinferError as e:
-        raise click.ClickException(str(e)) from None
+    if min(prompt_tokens, steps, rounds, calls) < 1:
+        raise QinferError("--prompt-tokens, --steps, --rounds and --calls must be at least 1")
+    if not gemv_cpu.available():
+        raise QinferError(f"the C GEMV kernels are not in use here ({gemv_cpu.unavailable_reason()})")
+    _report(model, prompt_tokens, steps, rounds, calls)
 
 
 def _weight_bytes(w) -> int:

@@ -21,7 +21,7 @@ import time
 import click
 import torch
 
-from qinfer.errors import QinferError
+from qinfer.errors import Command, QinferError
 from qinfer.evals.forward import make_cache
 from qinfer.evals.gemv_bench import _kind, _timed
 from qinfer.evals.speed import checked_prompt
@@ -35,7 +35,7 @@ from qinfer.sources import resolve_model
 PATHS = ("torch", "C")
 
 
-@click.command()
+@click.command(cls=Command)
 @click.argument("model")
 @click.option("--prompt-tokens", type=int, default=512, show_default=True)
 @click.option("--rows", default="16,32,64,128,255", show_default=True,
@@ -44,17 +44,14 @@ PATHS = ("torch", "C")
 @click.option("--calls", type=int, default=20, show_default=True, help="Dequantize calls of each weight per path and round.")
 def main(model, prompt_tokens, rows, rounds, calls):
     try:
-        try:
-            lengths = [int(r) for r in rows.split(",") if r.strip()]
-        except ValueError:
-            raise QinferError(f"--rows takes prompt lengths separated by commas, got {rows!r}") from None
-        if min(prompt_tokens, rounds, calls, *lengths) < 1:
-            raise QinferError("--prompt-tokens, --rows, --rounds and --calls must be at least 1")
-        if not gemv_cpu.available():
-            raise QinferError(f"the C kernels are not in use here ({gemv_cpu.unavailable_reason()})")
-        _report(model, prompt_tokens, lengths, rounds, calls)
-    except QinferError as e:
-        raise click.ClickException(str(e)) from None
+        lengths = [int(r) for r in rows.split(",") if r.strip()]
+    except ValueError:
+        raise QinferError(f"--rows takes prompt lengths separated by commas, got {rows!r}") from None
+    if min(prompt_tokens, rounds, calls, *lengths) < 1:
+        raise QinferError("--prompt-tokens, --rows, --rounds and --calls must be at least 1")
+    if not gemv_cpu.available():
+        raise QinferError(f"the C kernels are not in use here ({gemv_cpu.unavailable_reason()})")
+    _report(model, prompt_tokens, lengths, rounds, calls)
 
 
 def _c_dequantize(w, dtype: torch.dtype) -> torch.Tensor | None:

@@ -23,7 +23,7 @@ import statistics
 import click
 import torch
 
-from qinfer.errors import QinferError
+from qinfer.errors import Command, QinferError
 from qinfer.evals.accuracy import HELDOUT, load_text, text_tokens
 from qinfer.evals.divergence import TokenSeries, se_block, token_series
 from qinfer.evals.forward import window_logits
@@ -34,7 +34,7 @@ from qinfer.tokenizer import Tokenizer
 BLOCKS = (1, 32, 128, 512, 2048)  # besides qinfer eval's own
 
 
-@click.command()
+@click.command(cls=Command)
 @click.argument("model")
 @click.argument("quantized", nargs=-1, required=True)
 @click.option("--text", default=HELDOUT, show_default=True, help="'heldout' or a UTF-8 text file, as for qinfer eval.")
@@ -43,10 +43,7 @@ BLOCKS = (1, 32, 128, 512, 2048)  # besides qinfer eval's own
 @click.option("--window", type=int, default=512, show_default=True)
 @click.option("--stride", type=int, default=256, show_default=True)
 def main(model, quantized, text, max_tokens, segment, window, stride):
-    try:
-        _report(model, quantized, text, max_tokens, segment, window, stride)
-    except QinferError as e:  # a bad path or checkpoint: one line, as the qinfer commands give it
-        raise click.ClickException(str(e)) from None
+    _report(model, quantized, text, max_tokens, segment, window, stride)
 
 
 @torch.no_grad()

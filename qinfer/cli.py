@@ -1,49 +1,15 @@
 """The ``qinfer`` command line. Each command builds a dataclass and calls a library function."""
 
-import re
 import sys
 
 import click
 
-from qinfer.errors import QinferError
+from qinfer.errors import Group, QinferError
 
 DTYPES = ("bf16", "fp32")
 
 
-class _Group(click.Group):
-    """Every ``QinferError`` becomes one ``Error: ...`` line and exit status 1, never a traceback."""
-
-    def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except QinferError as e:
-            raise click.ClickException(str(e)) from None
-        except (MemoryError, RuntimeError) as e:
-            if isinstance(e, RuntimeError) and not _out_of_memory(e):
-                raise
-            raise click.ClickException(
-                f"out of memory{_request(e)}: close other programs, or ask for less "
-                "(quantize: fewer --samples or a shorter --seq-len; eval: a smaller --max-tokens)"
-            ) from None
-        except OSError as e:
-            if getattr(e, "errno", None) == 28:  # ENOSPC
-                raise click.ClickException(f"disk full while writing {e.filename or 'output'}: free space and retry") from None
-            raise
-
-
-def _out_of_memory(e: RuntimeError) -> bool:
-    """Whether a RuntimeError is an allocator's refusal (torch's CPU and CUDA allocators raise these)."""
-    text = str(e)
-    return type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in text or "out of memory" in text
-
-
-def _request(e: BaseException) -> str:
-    """' (a request for 2.0 GiB)' when the allocator's message says how much it was asked for."""
-    asked = re.search(r"allocate (\d+) bytes", str(e))
-    return f" (a request for {int(asked.group(1)) / (1 << 30):.1f} GiB)" if asked else ""
-
-
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="qinfer-llm")
 def cli():
     """qinfer: quantize a model, run it, and measure what the quantization cost."""

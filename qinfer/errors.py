@@ -1,9 +1,55 @@
-"""One exception type for every user-facing failure.
+"""One exception type for every user-facing failure, and the click classes that print it.
 
-The CLI prints ``error: <message>`` on one line and exits non-zero for a ``QinferError``; anything else
-is a bug and keeps its traceback. Messages name the problem and the fix.
+Commands built on ``Group`` or ``Command`` (``qinfer`` itself and the ``python -m qinfer.evals.*`` tools) print
+``Error: <message>`` on one line and exit with status 1 for a ``QinferError``, for the allocator's refusal and
+for a full disk; anything else is a bug and keeps its traceback. Messages name the problem and the fix.
 """
+
+import re
+
+import click
 
 
 class QinferError(Exception):
     """A problem with the user's input or environment, explained in one line."""
+
+
+class _OneLineErrors:
+    """Turns user-facing failures raised while a click command runs into one ``Error: ...`` line."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except QinferError as e:
+            raise click.ClickException(str(e)) from None
+        except (MemoryError, RuntimeError) as e:
+            if isinstance(e, RuntimeError) and not _out_of_memory(e):
+                raise
+            raise click.ClickException(
+                f"out of memory{_request(e)}: close other programs, or ask for less "
+                "(quantize: fewer --samples or a shorter --seq-len; eval: a smaller --max-tokens)"
+            ) from None
+        except OSError as e:
+            if getattr(e, "errno", None) == 28:  # ENOSPC
+                raise click.ClickException(f"disk full while writing {e.filename or 'output'}: free space and retry") from None
+            raise
+
+
+class Command(_OneLineErrors, click.Command):
+    """A click command whose user-facing failures end as one line (``@click.command(cls=Command)``)."""
+
+
+class Group(_OneLineErrors, click.Group):
+    """A click group whose commands' user-facing failures end as one line."""
+
+
+def _out_of_memory(e: RuntimeError) -> bool:
+    """Whether a RuntimeError is an allocator's refusal (torch's CPU and CUDA allocators raise these)."""
+    text = str(e)
+    return type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in text or "out of memory" in text
+
+
+def _request(e: BaseException) -> str:
+    """' (a request for 2.0 GiB)' when the allocator's message says how much it was asked for."""
+    asked = re.search(r"allocate (\d+) bytes", str(e))
+    return f" (a request for {int(asked.group(1)) / (1 << 30):.1f} GiB)" if asked else ""

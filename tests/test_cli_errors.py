@@ -96,6 +96,28 @@ def test_out_of_memory_is_one_line(tmp_path, monkeypatch):
     assert "fewer --samples or a shorter --seq-len" in result.output
 
 
+@pytest.mark.parametrize("tool", ["block_errors", "block_swap", "decode_profile", "gemv_bench", "prefill_bench",
+                                  "text_spread"])
+def test_evals_tools_give_the_same_one_line_errors(tool, monkeypatch):
+    # the python -m qinfer.evals.* tools share the qinfer command's handling: here the allocator's refusal
+    import importlib
+
+    from click.testing import CliRunner
+
+    module = importlib.import_module(f"qinfer.evals.{tool}")
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 2147483648 bytes")
+
+    monkeypatch.setattr(module, "resolve_model", refuse)
+    args = ["a"] if tool in ("decode_profile", "gemv_bench", "prefill_bench") else ["a", "b"]
+    result = CliRunner().invoke(module.main, args)
+    assert result.exit_code == 1, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)  # no traceback: a ClickException
+    assert result.output.startswith("Error: out of memory (a request for 2.0 GiB)")
+    assert len(result.output.strip().splitlines()) == 1
+
+
 def test_force_replaces_only_a_model_folder(tmp_path):
     make_model("llama", tmp_path / "src")
     keep = tmp_path / "documents"
