@@ -363,10 +363,10 @@ def _kv_scales(tensors: dict, i: int, stats, scheme: QuantScheme) -> None:
 
 
 def _block_tensors(tensors: dict, model: Transformer, i: int) -> None:
-    """Block ``i``'s unquantized tensors (its norms) into ``tensors``."""
-    names = model.config.arch.linear_names
+    """Block ``i``'s unquantized tensors (its norms, and its linears' biases, Qwen2's q/k/v) into ``tensors``."""
+    packed = {f"{n}.weight" for n in model.config.arch.linear_names}
     for name, t in model.model.layers[i].state_dict().items():
-        if not any(name.startswith(n + ".") for n in names):
+        if name not in packed:
             tensors[f"model.layers.{i}.{name}"] = t.contiguous()
 
 

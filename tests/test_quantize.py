@@ -147,6 +147,27 @@ def test_output_folder_is_complete_and_loads_packed(tiny, tmp_path, calib_file):
     assert report.bytes_after < report.bytes_before
 
 
+@pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
+def test_linear_biases_are_kept(tmp_path, calib_file, method):
+    # Qwen2's q/k/v have biases: written beside the packed weights, and the model loads and runs with them
+    src, out = tmp_path / "src", tmp_path / "q"
+    make_model("qwen2", src)
+    quantize_model(src, out, QuantScheme(method=method, bits=4, group_size=32),
+                   CalibConfig(source=str(calib_file), samples=8, seq_len=32))
+    stored, source = load_file(out / "model.safetensors"), load_file(src / "model.safetensors")
+    biases = [n for n in source if n.endswith("_proj.bias")]
+    assert len(biases) == 9  # as the model computes in its dtype; AWQ leaves v_proj (a biased producer) alone:
+    assert all(torch.equal(stored[n], source[n].to(stored[n].dtype)) for n in biases)
+    ids = torch.tensor([[1, 5, 9, 300, 2, 7, 11, 42]])
+    kept = logits_error(src, out, ids)
+    model = load_model(out, dtype=torch.float32)
+    for n in biases:
+        model.get_submodule(n.removesuffix(".bias")).bias.data.zero_()
+    with torch.no_grad():
+        a, b = load_model(src, dtype=torch.float32)(ids), model(ids)
+    assert kept < 0.5 * float((a - b).norm() / a.norm())
+
+
 @pytest.mark.parametrize("method", ["rtn", "gptq"])
 def test_the_bos_position_is_stored_from_the_unquantized_model(tiny, tmp_path, calib_file, method):
     """By default the unquantized model's BOS position is stored and loaded; --no-keep-bos leaves it out; a

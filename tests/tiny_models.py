@@ -46,9 +46,9 @@ def make_model(kind: str, folder, dtype=torch.float32):
     torch.manual_seed(0)
     config = CONFIGS[kind]()
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
-    with torch.no_grad():  # non-trivial norm weights so an offset or scaling mistake shows up
+    with torch.no_grad():  # non-trivial norm weights and biases (zeros at init) so a mistake or loss shows up
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith(".bias"):
                 p.add_(torch.randn_like(p) * 0.1)
     model.eval()
     model.save_pretrained(folder)
