@@ -59,7 +59,7 @@ def main(model, prompt_tokens, steps, top, min_share, compiled, rounds):
 
 @torch.no_grad()
 def _report(model_name: str, prompt_tokens: int, steps: int, top: int, min_share: float, rounds: int) -> None:
-    model = load_model(resolve_model(model_name), huge_pages=True)
+    model = load_model(resolve_model(model_name), run=True)
     token, pos, cache = warmed_up(model, prompt_tokens, 2 * steps + (1 + rounds * steps if rounds else 0))
     times = []
     for pos in range(pos, pos + steps):

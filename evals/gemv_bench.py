@@ -11,8 +11,9 @@ Two parts, each alternating the two paths so a machine that slows down for a whi
    steps at batch 1), ``--steps`` steps of each path per round from copies of one cache state, and whether
    their greedy tokens agree; and, in the same rounds, the C GEMVs' steps on a second copy of the model whose
    weights stay in the checkpoint's file map (4 KiB pages) against the copy in 2 MiB pages that the qinfer
-   commands run (``qinfer.loader.into_huge_pages``), where the OS has transparent huge pages, and the C GEMVs
-   with PyTorch's ops for RMSNorm and the attention (``gemv_cpu.only_gemvs``).
+   commands run (``qinfer.loader.into_huge_pages``), where the OS has transparent huge pages; the C GEMVs
+   with PyTorch's ops for RMSNorm and the attention (``gemv_cpu.only_gemvs``); and the C kernels with q/k/v and
+   gate/up multiplied one linear at a time (``qinfer.model.separate_linears``) instead of fused.
 
 Diagnostic only, CPU only: nothing is written, nothing cached.
 """
@@ -30,7 +31,7 @@ from qinfer.format import Fp8Weight, QuantizedWeight
 from qinfer.generate import decode_step
 from qinfer.kernels import gemv_cpu, linear
 from qinfer.loader import huge_pages_reason, load_model
-from qinfer.model import QLinear
+from qinfer.model import QLinear, fuse_linears, separate_linears
 from qinfer.sources import resolve_model
 
 
@@ -73,7 +74,7 @@ def _timed(fn, calls: int) -> float:
 
 @torch.no_grad()
 def _report(model_name: str, prompt_tokens: int, steps: int, rounds: int, calls: int) -> None:
-    model = load_model(resolve_model(model_name), huge_pages=True)
+    model = load_model(resolve_model(model_name), run=True)
     print(f"{model_name}: {torch.get_num_threads()} threads; medians over {rounds} alternating rounds")
     weights = {}
     for module in model.modules():
@@ -94,6 +95,8 @@ def _report(model_name: str, prompt_tokens: int, steps: int, rounds: int, calls:
         print(f"{kind:>12} {f'{N} x {K}':>13} {count:5d} {t * 1e6:9.1f} {c * 1e6:8.1f} {gb / t:10.1f} {gb / c:7.1f} "
               f"{t / c:6.2f}")
     small_pages = None if huge_pages_reason() else load_model(resolve_model(model_name))
+    if small_pages is not None:
+        fuse_linears(small_pages)  # as the model in 2 MiB pages: only the pages differ
     _decode_steps(model, small_pages, prompt_tokens, steps, rounds)
 
 
@@ -101,6 +104,7 @@ def _decode_steps(model, small_pages, prompt_tokens: int, steps: int, rounds: in
     token, pos, cache = warmed_up(model, prompt_tokens, rounds * steps)
     paths = {"torch": (decode_step, gemv_cpu.disabled), "C": (decode_step, contextlib.nullcontext)}
     paths["C GEMVs only"] = (decode_step, gemv_cpu.only_gemvs)
+    paths["C, linears apart"] = (decode_step, separate_linears)
     if small_pages is not None:  # the same steps through the other copy of the weights
         paths["C, 4 KiB pages"] = (lambda _, *args: decode_step(small_pages, *args), contextlib.nullcontext)
     times, agree = alternating_rounds(model, token, pos, cache, steps, rounds, paths)
@@ -111,6 +115,9 @@ def _decode_steps(model, small_pages, prompt_tokens: int, steps: int, rounds: in
           f"{'the same' if agree else 'differ'}")
     print(f"decode step with the C GEMVs: {n:.1f} ms with PyTorch's norm and attention ops, {c:.1f} ms with the "
           f"C ones ({n / c:.2f}x)")
+    a = statistics.median(times["C, linears apart"]) * 1000
+    print(f"decode step with the C kernels: {a:.1f} ms with q/k/v and gate/up one linear at a time, {c:.1f} ms "
+          f"fused ({a / c:.2f}x)")
     if small_pages is None:
         print(f"weights in 2 MiB pages: not measured ({huge_pages_reason()})")
     else:

@@ -84,7 +84,7 @@ def _prefill_seconds(model, prompt: torch.Tensor, context) -> tuple[float, torch
 
 @torch.no_grad()
 def _report(model_name: str, prompt_tokens: int, lengths: list[int], rounds: int, calls: int) -> None:
-    model = load_model(resolve_model(model_name), huge_pages=True)
+    model = load_model(resolve_model(model_name), run=True)
     weights = {}
     for module in model.modules():
         if isinstance(module, QLinear) and isinstance(module.weight, (QuantizedWeight, Fp8Weight)):

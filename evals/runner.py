@@ -158,7 +158,7 @@ def eval_device() -> str:
 
 
 def _load(folder: Path):
-    return load_model(folder, dtype=torch.bfloat16, device=eval_device(), huge_pages=True)
+    return load_model(folder, dtype=torch.bfloat16, device=eval_device(), run=True)
 
 
 def _log(config: EvalConfig, message: str) -> None:

@@ -25,7 +25,7 @@ def _open(model: str, dtype: str):
     folder = resolve_model(model)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-    return load_model(folder, dtype=torch_dtype, device=device, huge_pages=True), Tokenizer.from_folder(folder)
+    return load_model(folder, dtype=torch_dtype, device=device, run=True), Tokenizer.from_folder(folder)
 
 
 def _sampling_options(f):

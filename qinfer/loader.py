@@ -5,8 +5,9 @@ bf16 checkpoint as bf16 on CPU copies nothing; other dtypes or devices convert t
 The pages of a mapped tensor stay resident once read; :func:`drop_pages` gives back those of tensors no
 longer needed (the quantize pipeline, after each block).
 
-A model loaded to run (``huge_pages=True``: generate, chat, eval) has its CPU weights copied out of the
-file maps into one anonymous map of 2 MiB pages (Linux's transparent huge pages), see :func:`into_huge_pages`.
+A model loaded to run (``run=True``: generate, chat, eval) has the linears that read one input fused (q/k/v,
+gate/up: ``qinfer.model.fuse_linears``) and its CPU weights copied out of the file maps into one anonymous map
+of 2 MiB pages (Linux's transparent huge pages), see :func:`into_huge_pages`.
 """
 
 import dataclasses
@@ -23,7 +24,7 @@ import torch
 from qinfer.arch import ModelConfig
 from qinfer.errors import QinferError
 from qinfer.format import QUANT_CONFIG_FILE, QuantScheme, packed_weight
-from qinfer.model import BosState, QLinear, RMSNorm, Transformer
+from qinfer.model import BosState, QLinear, RMSNorm, Transformer, fuse_linears
 
 BOS_HIDDEN = "model.bos_hidden"  # the stored BOS position's output; its keys and values: self_attn.bos_k / bos_v
 
@@ -117,10 +118,11 @@ def read_folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(
-    folder: Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", huge_pages: bool = False
+    folder: Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", run: bool = False
 ) -> Transformer:
-    """Build the decoder for ``folder``'s config and fill it with the folder's weights; ``huge_pages``: then
-    :func:`into_huge_pages` (for a model that will run, not one the quantize pipeline walks block by block)."""
+    """Build the decoder for ``folder``'s config and fill it with the folder's weights. ``run``: laid out to run,
+    not for the quantize pipeline to walk block by block: the linears that read one input fused
+    (``qinfer.model.fuse_linears``), then :func:`into_huge_pages`."""
     folder = Path(folder)
     config = ModelConfig.from_folder(folder)
     tensors = read_folder_tensors(folder)
@@ -166,7 +168,8 @@ def load_model(
     if embed_from_head:
         model.model.embed_tokens.tie_to_packed(packed["lm_head.weight"], dtype)
     model.set_bos(bos)
-    if huge_pages:
+    if run:
+        fuse_linears(model)
         into_huge_pages(model)
     return model.eval()
 
@@ -191,7 +194,7 @@ def huge_pages_reason() -> str:
 
 
 def weight_pages() -> str:
-    """The pages a CPU model loaded with ``huge_pages=True`` holds its weights in, in a few words."""
+    """The pages a CPU model loaded with ``run=True`` holds its weights in, in a few words."""
     reason = huge_pages_reason()
     return f"4 KiB pages ({reason})" if reason else "2 MiB pages"
 
@@ -229,17 +232,29 @@ def into_huge_pages(model: Transformer) -> int:
         for t in found:
             if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous() and t.numel():
                 tensors[id(t)] = t
-    sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in tensors.values()]
+    # Tensors that share a storage (a fused weight and its members' views of it) move together: the bytes they
+    # span are copied once and each is pointed at its place in the copy.
+    spans: dict[int, list] = {}  # storage address -> [first byte, end byte, tensors]
+    for t in tensors.values():
+        start = t.storage_offset() * t.element_size()
+        end = start + t.numel() * t.element_size()
+        span = spans.setdefault(t.untyped_storage().data_ptr(), [start, end, []])
+        span[0], span[1] = min(span[0], start), max(span[1], end)
+        span[2].append(t)
+    sizes = [-(-(end - start) // 64) * 64 for start, end, _ in spans.values()]
     total = sum(sizes)
     if not total:
         return 0
     whole, offset = huge_page_buffer(total), 0
+    base = whole.storage_offset()
     with torch.no_grad():
-        for t, size in zip(tensors.values(), sizes):
-            copy = whole[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-            copy.copy_(t)
-            drop_pages([t])  # a file-mapped tensor's pages leave as it is copied: the peak is one copy, not two
-            t.set_(copy.untyped_storage(), copy.storage_offset(), t.shape, t.stride())
+        for (start, end, found), size in zip(spans.values(), sizes):
+            stored = torch.empty(0, dtype=torch.uint8).set_(found[0].untyped_storage())
+            whole[offset : offset + end - start].copy_(stored[start:end])
+            drop_pages(found)  # a file-mapped tensor's pages leave as it is copied: the peak is one copy, not two
+            for t in found:
+                at = base + offset + t.storage_offset() * t.element_size() - start  # bytes into the map
+                t.set_(whole.untyped_storage(), at // t.element_size(), t.shape, t.stride())
             offset += size
     return total
 

@@ -68,7 +68,7 @@ def test_huge_pages_take_every_weight_and_change_no_output(tmp_path, monkeypatch
     if scheme is not None:
         quantize_model(folder, tmp_path / "q", scheme, CalibConfig(samples=2, seq_len=16))
         folder = tmp_path / "q"
-    plain, moved = load_model(folder), load_model(folder, huge_pages=True)
+    plain, moved = load_model(folder), load_model(folder, run=True)
     before = {t.data_ptr() for t in _weights(plain)}
     weights = _weights(moved)
     starts = sorted(t.data_ptr() for t in weights)

@@ -12,6 +12,8 @@ STEP = re.compile(r"^decode step \(16-token prompt\): (\S+) ms with PyTorch's ke
                   r"\((\S+)x; medians of 4 steps each\); greedy tokens (the same|differ)$", re.M)
 NORMS = re.compile(r"^decode step with the C GEMVs: (\S+) ms with PyTorch's norm and attention ops, (\S+) ms with "
                    r"the C ones \((\S+)x\)$", re.M)
+FUSED = re.compile(r"^decode step with the C kernels: (\S+) ms with q/k/v and gate/up one linear at a time, (\S+) ms "
+                   r"fused \((\S+)x\)$", re.M)
 PAGES = re.compile(r"^(decode step with the C kernels: (\S+) ms with the weights in 4 KiB pages \(the file map\), "
                    r"(\S+) ms in 2 MiB pages \((\S+)x\)|weights in 2 MiB pages: not measured \(.+\))$", re.M)
 
@@ -28,6 +30,8 @@ def test_gemv_bench_times_every_linear_and_the_decode_step(tiny):  # noqa: F811
     assert step and float(step.group(1)) > 0 and float(step.group(2)) > 0
     norms = NORMS.search(result.stdout)
     assert norms and float(norms.group(1)) > 0 and norms.group(2) == step.group(2)
+    fused = FUSED.search(result.stdout)
+    assert fused and float(fused.group(1)) > 0 and fused.group(2) == step.group(2)
     assert PAGES.search(result.stdout)
 
 
