@@ -94,8 +94,14 @@ def test_prefill_in_chunks_matches_one_forward(tiny, chunk):
     torch.testing.assert_close(step, expected_step, rtol=1e-4, atol=1e-4)
 
 
-def test_compiled_decoding_gives_the_eager_tokens_and_compiles_once(tiny):
-    # the tiny gemma3's sliding window (5) is crossed: the compiled step takes every position without recompiling
+@pytest.mark.parametrize("run", [False, True])
+def test_compiled_decoding_gives_the_eager_tokens_and_compiles_once(tiny, tmp_path, run):
+    # the tiny gemma3's sliding window (5) is crossed: the compiled step takes every position without recompiling;
+    # run: loaded as the qinfer commands load a model to run (q/k/v and gate/up fused)
+    if run:
+        make_model("gemma3", tmp_path)
+        tiny = load_model(tmp_path, dtype=torch.float32, run=True)
+        assert tiny.model.layers[0].self_attn.fused is not None
     params = SamplingParams(max_tokens=10)
     first, again = GenerationStats(), GenerationStats()
     assert list(generate(tiny, [5, 17, 3, 42], params, stats=first, compiled=True)) == list(
