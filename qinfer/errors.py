@@ -31,7 +31,8 @@ class _OneLineErrors:
             ) from None
         except OSError as e:
             if getattr(e, "errno", None) == 28:  # ENOSPC
-                raise click.ClickException(f"disk full while writing {e.filename or 'output'}: free space and retry") from None
+                where = e.filename or "output"
+                raise click.ClickException(f"disk full while writing {where}: free space and retry") from None
             raise
 
 

@@ -532,7 +532,8 @@ def stacked(weights: list) -> tuple[object, list] | None:
     if isinstance(first, Fp8Weight):
         codes = torch.cat([w.weight for w in weights])
         scale = torch.cat([w.scale.expand(w.shape[0], 1) for w in weights])
-        views = [Fp8Weight(c, w.scale if w.granularity == "tensor" else s) for c, s, w in zip(rows(codes), rows(scale), weights)]
+        views = [Fp8Weight(c, w.scale if w.granularity == "tensor" else s)
+                 for c, s, w in zip(rows(codes), rows(scale), weights)]
         return Fp8Weight(codes, scale), views
     if isinstance(first, QuantizedWeight):
         same = (first.bits, first.group_size, first.symmetric)
@@ -540,9 +541,10 @@ def stacked(weights: list) -> tuple[object, list] | None:
             return None
         qweight, scale = torch.cat([w.qweight for w in weights]), torch.cat([w.scale for w in weights])
         zero = None if first.symmetric else torch.cat([w.zero for w in weights])
-        whole = QuantizedWeight(qweight, scale, zero, first.bits, first.group_size, (bounds[-1], first.shape[1]), first.perm)
+        K = first.shape[1]
+        whole = QuantizedWeight(qweight, scale, zero, first.bits, first.group_size, (bounds[-1], K), first.perm)
         zeros = [None] * len(weights) if zero is None else rows(zero)
-        views = [QuantizedWeight(q, s, z, first.bits, first.group_size, (q.shape[0], first.shape[1]), first.perm)
+        views = [QuantizedWeight(q, s, z, first.bits, first.group_size, (q.shape[0], K), first.perm)
                  for q, s, z in zip(rows(qweight), rows(scale), zeros)]
         return whole, views
     return None

@@ -50,8 +50,9 @@ class FusedLinear(nn.Module):
     Built by :func:`fuse_linears`, which makes each member's weight (and bias) a view of its rows here, so
     nothing is stored twice. One call multiplies a decode step's row by all of them (q/k/v: one kernel call
     instead of three; gemma3-270m's decode step makes 72 linear calls instead of 126); prompts, and members
-    that no longer hold the weights they were fused from (one replaced after fusing), run member by member. Not a ``QLinear``: walks over a
-    model's linears (bytes, FLOPs, calibration hooks) see the members only; not in the state dict.
+    that no longer hold the weights they were fused from (one replaced after fusing), run member by member.
+    Not a ``QLinear``: walks over a model's linears (bytes, FLOPs, calibration hooks) see the members only;
+    not in the state dict.
     """
 
     enabled = True  # off inside separate_linears()
@@ -102,8 +103,7 @@ def fuse_linears(model: "Transformer") -> int:
     fused = 0
     for block in model.model.layers:
         for group in model.config.arch.linear_groups:
-            owner_name = group.linears[0].rpartition(".")[0]
-            owner = block.get_submodule(owner_name)
+            owner = block.get_submodule(group.linears[0].rpartition(".")[0])  # self_attn, mlp
             members = [block.get_submodule(name) for name in group.linears]
             if len(members) < 2 or owner.fused is not None or len({m.bias is None for m in members}) > 1:
                 continue

@@ -39,6 +39,11 @@ def _storage(t: torch.Tensor) -> tuple[int, int]:
     return t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
 
 
+def _codes(w) -> torch.Tensor:
+    """A weight's largest tensor: dense values, FP8 codes or packed integer codes."""
+    return w if isinstance(w, torch.Tensor) else (w.weight if isinstance(w, Fp8Weight) else w.qweight)
+
+
 PERM = torch.randperm(64, generator=torch.Generator().manual_seed(1)).to(torch.int32)
 CASES = {
     "bf16": lambda n, s: torch.randn(n, 64, generator=torch.Generator().manual_seed(s)).bfloat16(),
@@ -61,8 +66,7 @@ def test_stacked_weight_is_the_members_side_by_side_and_they_are_views_of_it(cas
     for view, member in zip(views, members):
         assert torch.equal(_dense(view), _dense(member))
     # each view's codes are rows of the stacked weight's: one storage, nothing stored twice
-    codes = lambda w: w if isinstance(w, torch.Tensor) else (w.weight if isinstance(w, Fp8Weight) else w.qweight)  # noqa: E731
-    assert all(_storage(codes(v)) == _storage(codes(whole)) for v in views)
+    assert all(_storage(_codes(v)) == _storage(_codes(whole)) for v in views)
     x = torch.randn(1, 64, generator=torch.Generator().manual_seed(9)).bfloat16()
     y = linear(x, whole)
     assert torch.equal(y, torch.cat([linear(x, v) for v in views], dim=-1))  # one row: each output its own sum
@@ -118,11 +122,8 @@ def test_a_fused_model_decodes_bit_for_bit_as_the_separate_one(tmp_path, kind, s
         assert torch.equal(a, b) and torch.equal(a, c)
     if not huge_pages_reason():  # moved into one map, the members are still views of their fused weight
         attn = layers[0].self_attn
-        q = attn.q_proj.weight
-        codes = q if isinstance(q, torch.Tensor) else (q.weight if isinstance(q, Fp8Weight) else q.qweight)
-        whole = attn.fused.weight
-        whole = whole if isinstance(whole, torch.Tensor) else (whole.weight if isinstance(whole, Fp8Weight) else whole.qweight)
-        assert codes.data_ptr() == whole.data_ptr() and codes.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+        q, whole = _codes(attn.q_proj.weight), _codes(attn.fused.weight)
+        assert q.data_ptr() == whole.data_ptr() and _storage(q) == _storage(whole)
 
 
 def test_a_member_given_a_new_weight_runs_on_its_own(tmp_path):
