@@ -13,7 +13,9 @@ Two parts, each alternating the two paths so a machine that slows down for a whi
    weights stay in the checkpoint's file map (4 KiB pages) against the copy in 2 MiB pages that the qinfer
    commands run (``qinfer.loader.into_huge_pages``), where the OS has transparent huge pages; the C GEMVs
    with PyTorch's ops for RMSNorm and the attention (``gemv_cpu.only_gemvs``); and the C kernels with q/k/v and
-   gate/up multiplied one linear at a time (``qinfer.model.separate_linears``) instead of fused.
+   gate/up multiplied one linear at a time (``qinfer.model.separate_linears``) instead of fused; and, on a CPU
+   with AVX-VNNI, the C kernels with 4-bit rows through the AVX2 float loop (``gemv_cpu.without_vnni``)
+   instead of the VNNI one.
 
 Diagnostic only, CPU only: nothing is written, nothing cached.
 """
@@ -105,6 +107,8 @@ def _decode_steps(model, small_pages, prompt_tokens: int, steps: int, rounds: in
     paths = {"torch": (decode_step, gemv_cpu.disabled), "C": (decode_step, contextlib.nullcontext)}
     paths["C GEMVs only"] = (decode_step, gemv_cpu.only_gemvs)
     paths["C, linears apart"] = (decode_step, separate_linears)
+    if gemv_cpu.int4_vnni():
+        paths["C, int4 without VNNI"] = (decode_step, gemv_cpu.without_vnni)
     if small_pages is not None:  # the same steps through the other copy of the weights
         paths["C, 4 KiB pages"] = (lambda _, *args: decode_step(small_pages, *args), contextlib.nullcontext)
     times, agree = alternating_rounds(model, token, pos, cache, steps, rounds, paths)
@@ -118,6 +122,12 @@ def _decode_steps(model, small_pages, prompt_tokens: int, steps: int, rounds: in
     a = statistics.median(times["C, linears apart"]) * 1000
     print(f"decode step with the C kernels: {a:.1f} ms with q/k/v and gate/up one linear at a time, {c:.1f} ms "
           f"fused ({a / c:.2f}x)")
+    if "C, int4 without VNNI" in times:
+        v = statistics.median(times["C, int4 without VNNI"]) * 1000
+        print(f"decode step with the C kernels: {v:.1f} ms with 4-bit rows through the AVX2 float loop, {c:.1f} ms "
+              f"through AVX-VNNI ({v / c:.2f}x)")
+    else:
+        print("4-bit rows through AVX-VNNI: not measured (no AVX-VNNI here)")
     if small_pages is None:
         print(f"weights in 2 MiB pages: not measured ({huge_pages_reason()})")
     else:

@@ -2,7 +2,8 @@
  * with AVX2, FMA and F16C; and a decode step's RMSNorm rows and attention. Built and loaded by gemv_cpu.py
  * (which documents why); OpenMP splits the GEMVs' rows and the attention's chunks of keys.
  *
- * Every product and sum is fp32; each output is rounded once to the activations' dtype.
+ * Every product and sum is fp32 (the 4-bit VNNI loop's: exact integers, scaled once a group); each output is
+ * rounded once to the activations' dtype.
  * dtype codes: 0 = fp32, 1 = bf16, 2 = fp16. Each entry point but the norm (which allocates nothing) returns
  * 0, or 1 when it could not allocate its fp32 scratch (a row's copy, a head's scores).
  */
@@ -367,6 +368,65 @@ static float int4_row(const uint8_t *Q, const uint16_t *S, const uint8_t *Z, con
     return hsum(acc) - zacc;
 }
 
+/* The same row with integer dot products (AVX-VNNI's VPDPBUSD: four u8 x s8 products summed into each int32
+ * lane), for CPUs that have them: x in fixed point per group, x[k] = step[g] * (256 h[k] + l[k]) with h and l
+ * signed bytes and |256 h + l| <= 16383 (so within step / 2 = max|x in g| / 32766 of x, where bf16 keeps 2^-9
+ * of x itself), and each group's codes summed against h and against l as integers, exactly, then scaled once.
+ * Four codes' worth of multiply-adds an instruction instead of the AVX2 loop's conversions to float. The
+ * zero-point term is the AVX2 loop's, on the exact x sums. 32 bytes (64 codes) a step: groups of 64 or more. */
+#if defined(__clang__) ? __clang_major__ >= 13 : __GNUC__ >= 11  /* compilers that know AVX-VNNI */
+#define QINFER_VNNI 1
+__attribute__((target("avx2,fma,f16c,avxvnni")))
+static float int4_row_vnni(const uint8_t *Q, const uint16_t *S, const uint8_t *Z, const int8_t *xh, const int8_t *xl,
+                           const float *step, const float *xs, int64_t n, int64_t ng, int64_t hb) {
+    const __m256i low = _mm256_set1_epi8(0xF);
+    const uint8_t *q = Q + n * ng * hb;
+    int64_t half = ng * hb;  /* x's even entries first, then its odd ones: h[k] for even k at xh[k / 2] */
+    __m256 acc = _mm256_setzero_ps();
+    float zacc = 0.f;
+    for (int64_t g = 0; g < ng; g++) {
+        __m256i eh = _mm256_setzero_si256(), oh = eh, el = eh, ol = eh;
+        for (int64_t i = g * hb, end = i + hb; i < end; i += 32) {
+            PREFETCH(q + i);
+            __m256i v = _mm256_loadu_si256((const __m256i *)(q + i));
+            __m256i e = _mm256_and_si256(v, low), o = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            eh = _mm256_dpbusd_avx_epi32(eh, e, _mm256_loadu_si256((const __m256i *)(xh + i)));
+            oh = _mm256_dpbusd_avx_epi32(oh, o, _mm256_loadu_si256((const __m256i *)(xh + half + i)));
+            el = _mm256_dpbusd_avx_epi32(el, e, _mm256_loadu_si256((const __m256i *)(xl + i)));
+            ol = _mm256_dpbusd_avx_epi32(ol, o, _mm256_loadu_si256((const __m256i *)(xl + half + i)));
+        }
+        __m256i t = _mm256_add_epi32(_mm256_slli_epi32(_mm256_add_epi32(eh, oh), 8), _mm256_add_epi32(el, ol));
+        int64_t sg = n * ng + g;
+        float s = _cvtsh_ss(S[sg]);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(s * step[g]), acc);
+        zacc += s * (Z ? (float)Z[sg] : 8.f) * xs[g];
+    }
+    return hsum(acc) - zacc;
+}
+#else
+#define QINFER_VNNI 0
+static float int4_row_vnni(const uint8_t *Q, const uint16_t *S, const uint8_t *Z, const int8_t *xh, const int8_t *xl,
+                           const float *step, const float *xs, int64_t n, int64_t ng, int64_t hb) {
+    return 0.f;  /* never called: qinfer_int4_vnni says 0 */
+}
+#endif
+
+static int int4_vnni = -1;  /* -1: not asked yet; then whether the CPU has AVX-VNNI (qinfer_int4_vnni can turn it off) */
+
+/* Whether qinfer_int4_gemv takes the VNNI loop where a weight allows it; on = 0 or 1 sets it (1 only where the
+ * CPU has AVX-VNNI), any other value leaves it. Returns the setting before the call. */
+int qinfer_int4_vnni(int on) {
+#if QINFER_VNNI
+    int has = __builtin_cpu_supports("avxvnni") != 0;
+#else
+    int has = 0;
+#endif
+    if (int4_vnni < 0) int4_vnni = has;
+    int before = int4_vnni;
+    if (on == 0 || on == 1) int4_vnni = on && has;
+    return before;
+}
+
 /* codes: uint8 [N, K/2]; scale: fp16 [N, K/G]; zero: uint8 [N, K/G] or NULL (symmetric: 8); x: [K] and y: [N]
  * of dtype. K % G == 0 and G % 16 == 0. */
 int qinfer_int4_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype) {
@@ -374,18 +434,39 @@ int qinfer_int4_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype)
     const uint16_t *S = wt->scale;
     int64_t N = wt->N, K = wt->K, G = wt->group;
     int64_t ng = K / G, hb = G / 2;
-    float *xe = malloc(sizeof(float) * (K + ng + 1)), *xo = xe + K / 2, *xs = xe + K;
+    /* a group's int32 lanes reach at most (G / 64) * 2 * 4 * 15 * 64 * 256 (+ the low bytes' far smaller sums):
+     * below 2^31 for G up to 2^16 */
+    int vnni = hb % 32 == 0 && G <= 65536 && qinfer_int4_vnni(-1);
+    float *xe = malloc(sizeof(float) * (K + 2 * ng + 1) + 2 * K), *xo = xe + K / 2, *xs = xe + K, *step = xs + ng;
     if (!xe) return 1;
+    int8_t *xh = (int8_t *)(step + ng), *xl = xh + K;  /* even entries, then odd ones, as xe and xo */
     for (int64_t g = 0; g < ng; g++) {
-        float s = 0.f;
+        float s = 0.f, m = 0.f;
         for (int64_t k = g * G; k < (g + 1) * G; k += 2) {
             float a = load_one(x, dtype, k), b = load_one(x, dtype, k + 1);
             xe[k / 2] = a, xo[k / 2] = b, s += a + b;
+            m = fmaxf(m, fmaxf(fabsf(a), fabsf(b)));
         }
         xs[g] = s;
+        step[g] = m / 16383.f;
+        vnni &= isfinite(s) && isfinite(m);  /* a NaN or infinity in x: the float loop, which carries it to y */
     }
-    #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) store_one(y, dtype, n, int4_row(Q, S, Z, xe, xo, xs, n, ng, hb));
+    for (int64_t g = 0; g < ng && vnni; g++) {
+        float m = step[g] * 16383.f, to_int = m > 0.f ? 16383.f / m : 0.f;
+        for (int64_t k = g * G / 2; k < (g + 1) * G / 2; k++) {
+            for (int odd = 0; odd < 2; odd++) {
+                int32_t i = (int32_t)lrintf((odd ? xo[k] : xe[k]) * to_int), h = (i + 128) >> 8;
+                xh[odd * (K / 2) + k] = (int8_t)h, xl[odd * (K / 2) + k] = (int8_t)(i - 256 * h);
+            }
+        }
+    }
+    if (vnni) {
+        #pragma omp parallel for schedule(static)
+        for (int64_t n = 0; n < N; n++) store_one(y, dtype, n, int4_row_vnni(Q, S, Z, xh, xl, step, xs, n, ng, hb));
+    } else {
+        #pragma omp parallel for schedule(static)
+        for (int64_t n = 0; n < N; n++) store_one(y, dtype, n, int4_row(Q, S, Z, xe, xo, xs, n, ng, hb));
+    }
     free(xe);
     return 0;
 }

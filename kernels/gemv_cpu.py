@@ -8,11 +8,14 @@ measures); its int4 weight-only kernel (``int4_cpu``) takes ~115 us for a 2048 x
 and 8-bit codes went through one int8 matmul per group (``int8_cpu``) and FP8 codes through an fp16 copy of
 the weight (``fp8_cpu``). ``gemv_cpu.c`` does each product in one pass over the stored bytes with
 AVX2/FMA/F16C: bf16 bits move into fp32 in registers; 4-bit codes are unpacked in registers, their nibbles
-meeting the row's even and odd entries; 2- and 3-bit codes, 8 to a 16- or 24-bit word, by a shift per lane;
+meeting the row's even and odd entries (on a CPU with AVX-VNNI, groups of 64 or more: as bytes in integer dot
+products, VPDPBUSD, against x in 15-bit fixed point per group, exact integer sums scaled once a group, within
+max|x in the group| / 32766 of each x where bf16 keeps 2^-9 of x itself); 2- and 3-bit codes, 8 to a 16- or 24-bit word, by a shift per lane;
 integer codes are summed against x per group and scaled once (``s * (sum q x - z * sum x)``); E4M3 codes
 move into fp16 bits (sign-extended, shifted, masked: exact, subnormals too) and F16C widens them. Rows split
-across OpenMP threads (PyTorch's own runtime: ``torch.set_num_threads``). Every product and sum is fp32 and
-each output is rounded once to the row's dtype: the references' results up to the order of their sums.
+across OpenMP threads (PyTorch's own runtime: ``torch.set_num_threads``). Every product and sum is fp32 (the
+VNNI loop's are exact integers until each group's is scaled) and each output is rounded once to the row's
+dtype: the references' results up to the order of their sums (and the VNNI loop's fixed-point x).
 ``python -m qinfer.evals.gemv_bench MODEL`` times each against PyTorch's path side by side
 (``evals/RESULTS-LOG.md``).
 
@@ -97,6 +100,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.qinfer_decode_attention.restype = ctypes.c_int
     for kernel in (lib.qinfer_int4_dequantize, lib.qinfer_int_dequantize, lib.qinfer_fp8_dequantize):
         kernel.argtypes, kernel.restype = [_P, _P, ctypes.c_int], ctypes.c_int
+    lib.qinfer_int4_vnni.argtypes, lib.qinfer_int4_vnni.restype = [ctypes.c_int], ctypes.c_int
     return lib, ""
 
 
@@ -141,6 +145,24 @@ def pytorch_dequantize():
         _no_dequantize = prior
 
 
+def int4_vnni() -> bool:
+    """Whether 4-bit rows go through the AVX-VNNI loop (integer dot products against x in 15-bit fixed point per
+    group; groups of 64 or more): the CPU has AVX-VNNI, the compiler knew it, and :func:`without_vnni` is off."""
+    return available() and bool(_library()[0].qinfer_int4_vnni(-1))
+
+
+@contextlib.contextmanager
+def without_vnni():
+    """Inside it, 4-bit rows take the AVX2 float loop even where the CPU has AVX-VNNI (a side-by-side timing)."""
+    lib = _library()[0]
+    prior = lib.qinfer_int4_vnni(0) if lib is not None else 0
+    try:
+        yield
+    finally:
+        if lib is not None:
+            lib.qinfer_int4_vnni(prior)
+
+
 def unavailable_reason() -> str:
     """Why the kernels are not in use ('' when they are)."""
     return _library()[1]
@@ -148,7 +170,9 @@ def unavailable_reason() -> str:
 
 def describe() -> str:
     """What a decode step's one-row products run through on CPU, in a few words (``qinfer eval``'s reports)."""
-    return "qinfer's C GEMVs" if available() else f"PyTorch's one-row kernels ({unavailable_reason()})"
+    if not available():
+        return f"PyTorch's one-row kernels ({unavailable_reason()})"
+    return "qinfer's C GEMVs (4-bit codes through AVX-VNNI)" if int4_vnni() else "qinfer's C GEMVs"
 
 
 def _one_row(x: torch.Tensor, K: int) -> bool:

@@ -1,5 +1,6 @@
 """The C one-row kernels against exact (float64) products, the dispatch to them, their build and their fallback."""
 
+import contextlib
 import gc
 
 import pytest
@@ -15,12 +16,20 @@ needs_kernels = pytest.mark.skipif(not gemv_cpu.available(), reason=f"no C GEMV 
 ROUNDING = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}  # one output rounding, relative
 
 
-def _check(got: torch.Tensor, exact: torch.Tensor, magnitude: torch.Tensor, dtype: torch.dtype) -> None:
-    # each output: its exact value up to one rounding to dtype and an fp32 sum's error (K terms of |w x|)
-    bound = exact.abs() * ROUNDING[dtype] + magnitude * 1e-6 + 1e-30
+def _check(got: torch.Tensor, exact: torch.Tensor, magnitude: torch.Tensor, dtype: torch.dtype, fixed=0.0) -> None:
+    # each output: its exact value up to one rounding to dtype, an fp32 sum's error (K terms of |w x|) and
+    # ``fixed``, the VNNI loop's x in fixed point (see _fixed_point_error)
+    bound = exact.abs() * ROUNDING[dtype] + magnitude * 1e-6 + fixed + 1e-30
     assert got.dtype == dtype
     excess = (got.double() - exact).abs() / bound
     assert float(excess.max()) <= 1.0, float(excess.max())
+
+
+def _fixed_point_error(x: torch.Tensor, w: torch.Tensor, group: int) -> torch.Tensor:
+    """What the 4-bit VNNI loop may add to each output: every x within max|x in its group| / 32766, times |w|
+    (float64, [1, N])."""
+    step = x.double().abs().reshape(-1, group).amax(dim=1).repeat_interleave(group) / 32766
+    return step[None] @ w.abs().T
 
 
 def _int(N, K, group_size, symmetric, seed=0, bits=4) -> QuantizedWeight:
@@ -74,10 +83,31 @@ def test_bf16_rows_apart_bias_and_leading_dimensions():
 def test_int_row_matches_the_exact_product(N, K, group_size, symmetric, dtype, bits):
     weight = _int(N, K, group_size, symmetric, seed=N + K, bits=bits)
     x = torch.randn(1, K, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x[0, 5] *= 40  # an outlier, as real activations have: the VNNI loop's steps are set by a group's largest
     assert gemv_cpu.int_supported(x, weight)
-    got = gemv_cpu.int_gemv(x, weight)
     w = weight.dequantize(torch.float32).double()
-    _check(got, x.double() @ w.T, x.double().abs() @ w.abs().T, dtype)
+    group = K if group_size == -1 else group_size
+    vnni = bits == 4 and group % 64 == 0 and gemv_cpu.int4_vnni()  # else the float loop (and below, always)
+    for path in (contextlib.nullcontext, gemv_cpu.without_vnni):
+        with path():
+            got = gemv_cpu.int_gemv(x, weight)
+        fixed = _fixed_point_error(x, w, group) if vnni and path is contextlib.nullcontext else 0.0
+        _check(got, x.double() @ w.T, x.double().abs() @ w.abs().T, dtype, fixed)
+
+
+@needs_kernels
+def test_int4_rows_carry_nan_and_infinity_and_take_a_zero_row():
+    # a NaN or infinity in x sends the row to the float loop (fixed point has no place for them): y is not finite
+    weight = _int(16, 256, 128, False)
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(1, 256, generator=torch.Generator().manual_seed(4))
+        x[0, 3] = bad
+        assert not torch.isfinite(gemv_cpu.int_gemv(x, weight)).any()
+    assert torch.equal(gemv_cpu.int_gemv(torch.zeros(1, 256), weight), torch.zeros(1, 16))
+    before = gemv_cpu.int4_vnni()
+    with gemv_cpu.without_vnni():
+        assert not gemv_cpu.int4_vnni() and gemv_cpu.describe() == "qinfer's C GEMVs"
+    assert gemv_cpu.int4_vnni() == before and ("AVX-VNNI" in gemv_cpu.describe()) == before
 
 
 @needs_kernels
