@@ -34,8 +34,13 @@ class ChatSession:
         stream = StreamDecoder(self.tokenizer)
         answer = []
         try:
-            for token in generate(self.model, ids, self.params, stop_ids=self.tokenizer.eos_ids, stats=stats,
-                                  compiled=self.compiled):
+            tokens = generate(self.model, ids, self.params, stop_ids=self.tokenizer.eos_ids, stats=stats,
+                              compiled=self.compiled)
+        except QinferError:  # the conversation no longer fits the context: this turn is not kept
+            self.messages.pop()
+            raise
+        try:
+            for token in tokens:
                 piece = stream.feed(token)
                 answer.append(piece)
                 yield piece
@@ -79,6 +84,8 @@ def repl(session: ChatSession, stdin=None, stdout=None) -> None:
                 stdout.flush()
         except KeyboardInterrupt:
             stdout.write(" [stopped]")
+        except QinferError as e:  # this turn cannot run (the conversation is too long): say so, keep the session
+            stdout.write(f"({e}; /reset clears the conversation)")
         stdout.write("\n")
         stdout.flush()
         if session.compiled and compile_failure_note() and not noted:

@@ -86,8 +86,9 @@ def generate(model, prompt, dtype, max_tokens, temperature, top_p, top_k, seed, 
     lm, tok = _open(model, dtype)
     stats = GenerationStats()
     stream = StreamDecoder(tok)
+    tokens = run(lm, tok.encode(prompt), params, stop_ids=tok.eos_ids, stats=stats, compiled=compiled)  # checked
     sys.stdout.write(prompt)
-    for token in run(lm, tok.encode(prompt), params, stop_ids=tok.eos_ids, stats=stats, compiled=compiled):
+    for token in tokens:
         sys.stdout.write(stream.feed(token))
         sys.stdout.flush()
     sys.stdout.write(stream.flush() + "\n")

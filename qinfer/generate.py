@@ -160,18 +160,23 @@ def generate(
     should_stop: Callable[[], bool] = lambda: False,
     compiled: bool = False,
 ) -> Iterator[int]:
-    """Yield generated token ids one by one (stop ids are not yielded). ``compiled``: decode through
+    """Generated token ids one by one (stop ids are not yielded). ``compiled``: decode through
     :func:`compiled_decode_step` from the second step on (the first, eager, builds the kernels' weight layouts,
-    which must not be made inside a traced step)."""
-    stats = stats if stats is not None else GenerationStats()
-    max_len = len(prompt_ids) + params.max_tokens
+    which must not be made inside a traced step). A request that cannot run (an empty prompt, or one too long
+    for the model's context) is refused here, before any token: the caller has written nothing yet."""
     if not prompt_ids:
         raise QinferError("the prompt is empty after tokenization")
-    if max_len > model.config.max_position_embeddings:
+    if len(prompt_ids) + params.max_tokens > model.config.max_position_embeddings:
         raise QinferError(
             f"prompt ({len(prompt_ids)} tokens) + --max-tokens ({params.max_tokens}) exceeds the model's context "
             f"of {model.config.max_position_embeddings} tokens: shorten the prompt or lower --max-tokens"
         )
+    return _tokens(model, prompt_ids, params, stop_ids, stats if stats is not None else GenerationStats(),
+                   should_stop, compiled)
+
+
+def _tokens(model, prompt_ids, params, stop_ids, stats, should_stop, compiled) -> Iterator[int]:
+    max_len = len(prompt_ids) + params.max_tokens
     generator = None
     if params.seed is not None:
         generator = torch.Generator(device=model.device).manual_seed(params.seed)

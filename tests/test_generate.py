@@ -148,6 +148,21 @@ def test_cli_generate_and_chat_with_compile(tmp_path):
     assert compiled.stdout == eager.stdout and len(compiled.stdout.strip().splitlines()) == 2  # two replies
 
 
+def test_a_request_longer_than_the_context_is_refused_before_any_output(tmp_path):
+    make_model("llama", tmp_path)  # a context of 256 positions
+    long = " ".join(["word"] * 300)
+    proc = run_qinfer("generate", str(tmp_path), long, "--max-tokens", "3")
+    assert proc.returncode == 1 and proc.stdout == "" and "Traceback" not in proc.stderr  # not even the prompt
+    assert proc.stderr.strip().splitlines()[-1].startswith("Error: prompt (") and "context of 256" in proc.stderr
+    # in a chat, that turn is refused and dropped; the conversation goes on
+    chat = subprocess.run([sys.executable, "-m", "qinfer", "chat", str(tmp_path), "--max-tokens", "6"],
+                          input=f"hello\n{long}\nhello again\n", capture_output=True, text=True, timeout=300)
+    assert chat.returncode == 0 and "Traceback" not in chat.stderr, chat.stderr
+    replies = chat.stdout.strip().splitlines()
+    assert len(replies) == 3 and "exceeds the model's context" in replies[1] and "/reset" in replies[1]
+    assert "exceeds" not in replies[0] + replies[2]
+
+
 def test_cli_compile_without_a_compiler_decodes_eagerly_with_a_note(tmp_path):
     make_model("llama", tmp_path / "m")
     plain = run_qinfer("generate", str(tmp_path / "m"), "a b", "--max-tokens", "6")
