@@ -7,6 +7,7 @@
  * dtype codes: 0 = fp32, 1 = bf16, 2 = fp16. Each entry point but the norm (which allocates nothing) returns
  * 0, or 1 when it could not allocate its fp32 scratch (a row's copy, a head's scores).
  */
+#include <float.h>
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -449,7 +450,9 @@ int qinfer_int4_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype)
         }
         xs[g] = s;
         step[g] = m / 16383.f;
-        vnni &= isfinite(s) && isfinite(m);  /* a NaN or infinity in x: the float loop, which carries it to y */
+        /* a NaN or infinity in x: the float loop, which carries it to y; so too a group whose step would be
+         * subnormal (x near 1e-34 at most), whose steps would lose their precision */
+        vnni &= isfinite(s) && isfinite(m) && (m == 0.f || m >= 16383.f * FLT_MIN);
     }
     for (int64_t g = 0; g < ng && vnni; g++) {
         float m = step[g] * 16383.f, to_int = m > 0.f ? 16383.f / m : 0.f;

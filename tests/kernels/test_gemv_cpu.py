@@ -104,6 +104,11 @@ def test_int4_rows_carry_nan_and_infinity_and_take_a_zero_row():
         x[0, 3] = bad
         assert not torch.isfinite(gemv_cpu.int_gemv(x, weight)).any()
     assert torch.equal(gemv_cpu.int_gemv(torch.zeros(1, 256), weight), torch.zeros(1, 16))
+    # x so small that a fixed-point step (max|x| / 16383) would be subnormal: the float loop, as precise as ever
+    tiny = torch.randn(1, 256, generator=torch.Generator().manual_seed(5)) * 1e-35
+    w = weight.dequantize(torch.float32).double()
+    error = (gemv_cpu.int_gemv(tiny, weight).double() - tiny.double() @ w.T).abs()
+    assert float((error / (tiny.double().abs() @ w.abs().T)).max()) < 1e-5
     before = gemv_cpu.int4_vnni()
     with gemv_cpu.without_vnni():
         assert not gemv_cpu.int4_vnni() and gemv_cpu.describe() == "qinfer's C GEMVs"
