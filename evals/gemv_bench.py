@@ -12,7 +12,7 @@ Two parts, each alternating the two paths so a machine that slows down for a whi
    their greedy tokens agree; and, in the same rounds, the C GEMVs' steps on a second copy of the model whose
    weights stay in the checkpoint's file map (4 KiB pages) against the copy in 2 MiB pages that the qinfer
    commands run (``qinfer.loader.into_huge_pages``), where the OS has transparent huge pages; the C GEMVs
-   with PyTorch's ops for RMSNorm and the attention (``gemv_cpu.only_gemvs``); and the C kernels with q/k/v and
+   with PyTorch's ops for RMSNorm and the attention (``gemv_cpu.only_gemvs``); the C kernels with q/k/v and
    gate/up multiplied one linear at a time (``qinfer.model.separate_linears``) instead of fused; and, on a CPU
    with AVX-VNNI, the C kernels with 4-bit rows through the AVX2 float loop (``gemv_cpu.without_vnni``)
    instead of the VNNI one.

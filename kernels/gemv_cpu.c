@@ -412,7 +412,8 @@ static float int4_row_vnni(const uint8_t *Q, const uint16_t *S, const uint8_t *Z
 }
 #endif
 
-static int int4_vnni = -1;  /* -1: not asked yet; then whether the CPU has AVX-VNNI (qinfer_int4_vnni can turn it off) */
+/* -1: not asked yet; then whether the CPU has AVX-VNNI and qinfer_int4_vnni has not turned it off */
+static int int4_vnni = -1;
 
 /* Whether qinfer_int4_gemv takes the VNNI loop where a weight allows it; on = 0 or 1 sets it (1 only where the
  * CPU has AVX-VNNI), any other value leaves it. Returns the setting before the call. */
