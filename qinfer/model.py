@@ -49,8 +49,9 @@ class FusedLinear(nn.Module):
 
     Built by :func:`fuse_linears`, which makes each member's weight (and bias) a view of its rows here, so
     nothing is stored twice. One call multiplies a decode step's row by all of them (q/k/v: one kernel call
-    instead of three; gemma3-270m's decode step makes 72 linear calls instead of 126); prompts, and members
-    that no longer hold the weights they were fused from (one replaced after fusing), run member by member.
+    instead of three; gemma3-270m's decode step: 72 calls into its blocks' linears instead of 126); prompts,
+    and members that no longer hold the weights they were fused from (one replaced after fusing), run member
+    by member.
     Not a ``QLinear``: walks over a model's linears (bytes, FLOPs, calibration hooks) see the members only;
     not in the state dict.
     """
