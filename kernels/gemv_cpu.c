@@ -456,7 +456,7 @@ int qinfer_int4_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype)
         vnni &= isfinite(s) && isfinite(m) && (m == 0.f || m >= 16383.f * FLT_MIN);
     }
     for (int64_t g = 0; g < ng && vnni; g++) {
-        float m = step[g] * 16383.f, to_int = m > 0.f ? 16383.f / m : 0.f;
+        const float to_int = step[g] > 0.f ? 1.f / step[g] : 0.f;
         for (int64_t k = g * G / 2; k < (g + 1) * G / 2; k++) {
             for (int odd = 0; odd < 2; odd++) {
                 int32_t i = (int32_t)lrintf((odd ? xo[k] : xe[k]) * to_int), h = (i + 128) >> 8;
@@ -464,13 +464,10 @@ int qinfer_int4_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype)
             }
         }
     }
-    if (vnni) {
-        #pragma omp parallel for schedule(static)
-        for (int64_t n = 0; n < N; n++) store_one(y, dtype, n, int4_row_vnni(Q, S, Z, xh, xl, step, xs, n, ng, hb));
-    } else {
-        #pragma omp parallel for schedule(static)
-        for (int64_t n = 0; n < N; n++) store_one(y, dtype, n, int4_row(Q, S, Z, xe, xo, xs, n, ng, hb));
-    }
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        store_one(y, dtype, n, vnni ? int4_row_vnni(Q, S, Z, xh, xl, step, xs, n, ng, hb)
+                                    : int4_row(Q, S, Z, xe, xo, xs, n, ng, hb));
     free(xe);
     return 0;
 }
