@@ -112,12 +112,12 @@ def compiled_decode_step() -> Callable:
     cache length and prompt, with two exceptions: a step whose keys fill the whole cache is another graph, so
     callers keep a spare position; and a graph inductor read from its on-disk cache guards which side of a
     sliding window the position lies on, so a sequence passing the window compiles once more. Another model
-    compiles again). On 2 CPU cores it takes about a minute to compile, then runs 1.28-1.31x as many decode
-    steps a second as the eager step on gemma3-270m and its RTN 4-bit model, 1.57x on SmolLM2 (``python -m
-    qinfer.evals.decode_profile MODEL --compile``), 1.29x on FP8 weights (``qinfer eval MODEL --compile``;
-    README). Inductor's fused code sums in another order than the eager kernels: the logits differ in their
-    last bits, and a greedy continuation can part from the eager one at a near-tie. Inductor compiles C++ with
-    the machine's compiler."""
+    compiles again). On 2 CPU cores it takes up to a minute to compile, then runs 1.05-1.12x as many decode
+    steps a second as the eager step on gemma3-270m and its 4-bit and FP8 models (``qinfer eval MODEL
+    --compile``, README; more before the eager step's products, norms and attention ran in C, and 1.57x on
+    SmolLM2 then; ``python -m qinfer.evals.decode_profile MODEL --compile`` times one model). Inductor's fused
+    code sums in another order than the eager kernels: the logits differ in their last bits, and a greedy
+    continuation can part from the eager one at a near-tie. Inductor compiles C++ with the machine's compiler."""
     return torch.compile(decode_step, dynamic=True)
 
 
