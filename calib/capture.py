@@ -324,7 +324,9 @@ def calibrate_in_stages(
     pos = torch.arange(L, device=model.device)
     mask = model.masks(pos, 0)[model.config.sliding_window[layer_idx]]
     heads_width = block.self_attn.o_proj.in_features
-    kept = torch.empty(S, L, max(heads_width, block.mlp.down_proj.in_features), dtype=KEEP_DTYPE, device=X.device)
+    # zeros, not empty: o_proj reads kept[..., :heads_width], a view with wider rows, and PyTorch's bf16 GEMM
+    # may read a row's unused tail (times zero): memory that happened to hold a NaN made the output NaN
+    kept = torch.zeros(S, L, max(heads_width, block.mlp.down_proj.in_features), dtype=KEEP_DTYPE, device=X.device)
     cache = _StatsCache(model.config.num_kv_heads)
     batch = batch_size(model, X)
     first = first_kept(model)

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 
 from qinfer.block_tune import TuneConfig
@@ -21,7 +22,7 @@ from qinfer.quantize import CalibConfig, calibration_batch, quantize_model
 from qinfer.quantizers.gptq import fp_target
 from qinfer.tokenizer import Tokenizer
 from tests.test_cli_errors import assert_one_line_error, run_qinfer
-from tests.tiny_models import CONFIGS, TEXT, VOCAB, make_model
+from tests.tiny_models import COMMON, CONFIGS, TEXT, VOCAB, make_model
 
 CALIB = CalibConfig(samples=16, seq_len=64)
 
@@ -284,6 +285,28 @@ def test_nan_weight_names_the_layer(tmp_path):
     with pytest.raises(QinferError, match="model.layers.1.mlp.up_proj"):
         quantize_model(tmp_path / "src", tmp_path / "out", QuantScheme(method="rtn", group_size=32), CALIB)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_calibration_reads_no_memory_it_did_not_write(tmp_path, calib_file, monkeypatch, method):
+    # every float tensor the pipeline gets from torch.empty starts as NaN, so reading one before writing it
+    # shows. o_proj's calibration input was a view of a wider torch.empty buffer, and PyTorch's bf16 GEMM reads
+    # a row's unused tail (times zero) at widths like 80: a NaN left in that memory made the Hessian NaN.
+    wide = {**COMMON, "hidden_size": 80, "num_attention_heads": 5, "num_key_value_heads": 1, "head_dim": 16}
+    monkeypatch.setitem(CONFIGS, "llama-80", lambda: transformers.LlamaConfig(**wide))
+    make_model("llama-80", tmp_path / "src")
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    quantize_model(tmp_path / "src", tmp_path / "q", QuantScheme(method=method, bits=4, group_size=-1),
+                   CalibConfig(source=str(calib_file), samples=8, seq_len=32))
+    monkeypatch.setattr(torch, "empty", empty)
+    stored = load_file(tmp_path / "q" / "model.safetensors")
+    assert all(bool(t.float().isfinite().all()) for t in stored.values() if t.is_floating_point())
 
 
 def test_cli_quantize_then_generate(tiny, tmp_path, calib_file):
