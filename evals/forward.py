@@ -28,7 +28,8 @@ def make_cache(model: Transformer, batch: int, max_len: int, kv_dtype: str) -> K
     if kv_dtype == "bf16":
         return KVCache(model.config, batch, max_len, model.dtype, model.device)
     scales = getattr(model, "kv_scales", None) or None  # calibrated by `qinfer quantize --kv-cache`, if present
-    return KVCache(model.config, batch, max_len, model.dtype, model.device, kv_dtype=kv_dtype, scales=scales)
+    return KVCache(model.config, batch, max_len, model.dtype, model.device, kv_dtype=kv_dtype, scales=scales,
+                   scales_for=getattr(model, "kv_scales_dtype", None))
 
 
 def _hidden(model: Transformer, ids: torch.Tensor, kv_dtype: str) -> torch.Tensor:

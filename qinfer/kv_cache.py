@@ -10,7 +10,9 @@ quantizes on write and dequantizes on read, one scale per KV head and layer:
 
 Scales come from calibration (``scales``: {layer: (k_scale [Hkv], v_scale [Hkv])}, as stored by
 ``qinfer quantize --kv-cache``); without them a layer's scale is set on its first write (the prefill)
-from that write's absmax times ``UNCALIBRATED_HEADROOM``, so later tokens rarely clip.
+from that write's absmax times ``UNCALIBRATED_HEADROOM``, so later tokens rarely clip. Scales calibrated for
+the other dtype (``scales_for``) are the same calibrated absmax over that dtype's QMAX, and are rescaled to
+this one's: an int8 cache given FP8 scales as they are would clip everything past 127/448 of the range.
 """
 
 import torch
@@ -33,6 +35,7 @@ class KVCache:
         device="cpu",
         kv_dtype: str = "bf16",
         scales: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        scales_for: str | None = None,
     ):
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
@@ -41,8 +44,10 @@ class KVCache:
         self.max_len, self.dtype, self.kv_dtype = max_len, dtype, kv_dtype
         self.k = [torch.zeros(shape, dtype=store, device=device) for _ in range(config.num_layers)]
         self.v = [torch.zeros(shape, dtype=store, device=device) for _ in range(config.num_layers)]
-        # per layer: (k_scale, v_scale), each [Hkv] fp32
-        self.scales = {i: (k.float().to(device), v.float().to(device)) for i, (k, v) in (scales or {}).items()}
+        # per layer: (k_scale, v_scale), each [Hkv] fp32; scales_for: the dtype they were calibrated for
+        ratio = QMAX[scales_for] / QMAX[kv_dtype] if scales_for in QMAX and kv_dtype in QMAX else 1.0
+        self.scales = {i: (k.float().to(device) * ratio, v.float().to(device) * ratio)
+                       for i, (k, v) in (scales or {}).items()}
 
     def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0,
                end: int | None = None):

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from qinfer.block_tune import TuneConfig
 from qinfer.errors import QinferError
+from qinfer.evals.forward import make_cache
 from qinfer.format import QuantScheme
 from qinfer.loader import load_model
 from qinfer.calib.capture import calibrate_in_stages, capture_block, embed_samples, run_block
@@ -70,6 +71,25 @@ def with_salient_channels(folder, tmp_path):
             t[:4] = (offset + t[:4]) * 10 - offset
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     return out
+
+
+def test_kv_scales_calibrated_for_one_cache_dtype_serve_the_other(tiny, tmp_path, calib_file):
+    # the stored scales are the calibrated absmax over the dtype's largest code: an int8 cache reads FP8 scales
+    # (absmax / 448) as absmax / 127, not as they are (which clipped every key past 28% of its range)
+    calib = CalibConfig(source=str(calib_file), samples=8, seq_len=32)
+    models = {}
+    for kv in ("int8", "fp8"):
+        quantize_model(tiny, tmp_path / kv, QuantScheme(method="rtn", group_size=32, kv_cache=kv), calib)
+        models[kv] = load_model(tmp_path / kv, dtype=torch.float32)
+        assert models[kv].kv_scales_dtype == kv
+    for stored, used in (("int8", "fp8"), ("fp8", "int8")):
+        got = make_cache(models[stored], 1, 8, used).scales
+        want = make_cache(models[used], 1, 8, used).scales
+        assert set(got) == set(want) == {0, 1, 2}
+        for i in got:
+            for a, b in zip(got[i], want[i]):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+    assert load_model(tiny, dtype=torch.float32).kv_scales_dtype is None
 
 
 def test_calibrated_methods_beat_rtn(tiny, tmp_path, calib_file):
