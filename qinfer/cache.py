@@ -12,9 +12,13 @@ from pathlib import Path
 from qinfer.errors import QinferError
 
 
+def cache_root() -> Path:
+    """The cache folder's path (not made)."""
+    return Path(os.environ.get("QINFER_CACHE") or Path.home() / ".cache" / "qinfer").expanduser()
+
+
 def cache_dir() -> Path:
-    root = os.environ.get("QINFER_CACHE") or Path.home() / ".cache" / "qinfer"
-    path = Path(root).expanduser()
+    path = cache_root()
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -53,6 +57,10 @@ def check_writable(folder: Path, what: str | None = None, option: str = "-o") ->
     make are removed again, so a run that fails later leaves nothing behind; the run makes them when it writes."""
     folder = Path(folder)
     made = [p for p in (folder.absolute(), *folder.absolute().parents) if not p.exists()]
+    below = (folder.absolute(), *folder.absolute().parents)[len(made)]  # the deepest that exists
+    if not below.is_dir():
+        raise QinferError(f"cannot write {what or folder}: {below} is a file, not a folder; choose an {option} in a "
+                          "folder you can write to")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         Path(tempfile.mkdtemp(prefix=".probe-", dir=folder)).rmdir()

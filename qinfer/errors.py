@@ -1,11 +1,14 @@
 """One exception type for every user-facing failure, and the click classes that print it.
 
 Commands built on ``Group`` or ``Command`` (``qinfer`` itself and the ``python -m qinfer.evals.*`` tools) print
-``Error: <message>`` on one line and exit with status 1 for a ``QinferError``, for the allocator's refusal and
-for a full disk; anything else is a bug and keeps its traceback. Messages name the problem and the fix.
+``Error: <message>`` on one line and exit with status 1 for a ``QinferError``, for the allocator's refusal, for a
+full disk and for a file that may not be written; anything else is a bug and keeps its traceback. Messages
+name the problem and the fix.
 """
 
+import errno
 import re
+from pathlib import Path
 
 import click
 
@@ -30,9 +33,11 @@ class _OneLineErrors:
                 "(quantize: fewer --samples or a shorter --seq-len; eval: a smaller --max-tokens)"
             ) from None
         except OSError as e:
-            if getattr(e, "errno", None) == 28:  # ENOSPC
+            if e.errno == errno.ENOSPC:
                 where = e.filename or "output"
                 raise click.ClickException(f"disk full while writing {where}: free space and retry") from None
+            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR) and e.filename:
+                raise click.ClickException(_unwritable(e)) from None
             raise
 
 
@@ -54,3 +59,14 @@ def _request(e: BaseException) -> str:
     """' (a request for 2.0 GiB)' when the allocator's message says how much it was asked for."""
     asked = re.search(r"allocate (\d+) bytes", str(e))
     return f" (a request for {int(asked.group(1)) / (1 << 30):.1f} GiB)" if asked else ""
+
+
+def _unwritable(e: OSError) -> str:
+    """One line for a file or folder that could not be written: where, why, and the fix (the cache's own
+    folder: ``QINFER_CACHE``)."""
+    from qinfer.cache import cache_root  # cache imports this module
+
+    path, root = Path(e.filename).absolute(), cache_root().absolute()
+    fix = ("set QINFER_CACHE to a folder you can write to" if path == root or root in path.parents
+           else "choose a folder you can write to")
+    return f"cannot write {e.filename}: {e.strerror or e}; {fix}"

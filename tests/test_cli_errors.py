@@ -126,13 +126,50 @@ def test_force_replaces_only_a_model_folder(tmp_path):
     base = ["quantize", str(tmp_path / "src"), "--method", "rtn", "--group-size", "32", "--force", "-o"]
     assert_one_line_error(run_qinfer(*base, str(keep)), "without a model in it", "choose another -o")
     assert_one_line_error(run_qinfer(*base, str(tmp_path / "src")), "is the model being read")
-    assert_one_line_error(run_qinfer(*base, str(keep / "notes.txt" / "out")), "cannot write")
+    assert_one_line_error(run_qinfer(*base, str(keep / "notes.txt" / "out")), "notes.txt is a file, not a folder")
     assert (keep / "notes.txt").read_text() == "keep me"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["documents", "src"]
     assert run_qinfer(*base, str(tmp_path / "out")).returncode == 0
     proc = run_qinfer("export", str(tmp_path / "out"), "--format", "gptq", "-o", str(keep), "--force")
     assert_one_line_error(proc, "without a model in it")
     assert run_qinfer(*base, str(tmp_path / "out")).returncode == 0  # a model folder is replaced
+
+
+def test_cache_that_cannot_be_written(tmp_path):
+    # QINFER_CACHE where no folder can be made (under a file): one line naming it and the variable, for a
+    # command that writes there (the Austen text for calibration) as for one that only reads a local model
+    make_model("llama", tmp_path / "src")
+    (tmp_path / "file").write_text("")
+    env = {"QINFER_CACHE": str(tmp_path / "file" / "cache")}
+    args = ["--group-size", "32", "--samples", "2", "--seq-len", "16", "-o", str(tmp_path / "q")]
+    proc = run_qinfer("quantize", str(tmp_path / "src"), *args, env=env)
+    assert_one_line_error(proc, "cannot write", "set QINFER_CACHE to a folder you can write to")
+    assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("code", ["EROFS", "EACCES"])
+def test_unwritable_paths_are_one_line(tmp_path, monkeypatch, code):
+    # a read-only file system or a refused permission (which root, running the tests, never meets): the path,
+    # the reason and the fix; in the cache, the variable that moves it
+    import errno
+
+    from click.testing import CliRunner
+
+    import qinfer.sources
+    from qinfer.cli import cli
+
+    monkeypatch.setenv("QINFER_CACHE", str(tmp_path / "cache"))
+    reason = os.strerror(getattr(errno, code))
+    for where, fix in ((tmp_path / "cache" / "converted", "set QINFER_CACHE to a folder you can write to"),
+                       (tmp_path / "out", "choose a folder you can write to")):
+        def refuse(*args, **kwargs):
+            raise OSError(getattr(errno, code), reason, str(where))
+
+        monkeypatch.setattr(qinfer.sources, "resolve_model", refuse)
+        result = CliRunner().invoke(cli, ["generate", "anything", "hi"])
+        assert result.exit_code == 1, result.output
+        assert result.exception is None or isinstance(result.exception, SystemExit)
+        assert result.output.strip() == f"Error: cannot write {where}: {reason}; {fix}"
 
 
 def test_eval_out_that_cannot_be_written(tmp_path):
