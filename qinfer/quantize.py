@@ -205,6 +205,7 @@ def quantize_model(
     reuse_freed_memory()
     model = load_model(folder, dtype=torch.bfloat16)
     check_shapes(model, scheme)  # before any calibration work
+    Tokenizer.from_folder(folder)  # copied into OUT, which every other command reads it from: refuse a broken one
     needs_calib = uses_calibration(scheme, tune)
     if needs_calib:
         check_calibration_size(model, calib, tune)

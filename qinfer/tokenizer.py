@@ -116,6 +116,16 @@ class _SentencePieceBackend:
         return self._sp.id_to_piece(token_id) if 0 <= token_id < self.vocab_size else None
 
 
+def _parsed(file: Path, parse):
+    """``parse(str(file))``, or one line naming a tokenizer file its library cannot read."""
+    try:
+        return parse(str(file))
+    except Exception as e:  # the tokenizers and sentencepiece libraries raise plain Exception / RuntimeError
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise QinferError(f"{file} is not a tokenizer file its library can read ({reason}): copy the model's "
+                          "tokenizer files again") from None
+
+
 class Tokenizer:
     """Text ↔ token ids for one model folder, its special tokens and its chat template."""
 
@@ -143,10 +153,10 @@ class Tokenizer:
         path = Path(path)
         config = _read_json(path / "tokenizer_config.json")
         if (path / "tokenizer.json").is_file():
-            backend: _Backend = _FastBackend(HFTokenizer.from_file(str(path / "tokenizer.json")))
+            backend: _Backend = _FastBackend(_parsed(path / "tokenizer.json", HFTokenizer.from_file))
             add_bos_token = config.get("add_bos_token")
         elif (path / "tokenizer.model").is_file():
-            sp = SentencePieceProcessor(model_file=str(path / "tokenizer.model"))
+            sp = _parsed(path / "tokenizer.model", lambda file: SentencePieceProcessor(model_file=file))
             extra = {
                 _token_text(t): int(i)
                 for i, t in config.get("added_tokens_decoder", {}).items()

@@ -172,6 +172,20 @@ def test_unwritable_paths_are_one_line(tmp_path, monkeypatch, code):
         assert result.output.strip() == f"Error: cannot write {where}: {reason}; {fix}"
 
 
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer.model"])
+def test_tokenizer_file_that_cannot_be_read(tmp_path, name):
+    # a damaged tokenizer file: one line naming it, from the commands that read it and from quantize (which
+    # would copy it into a model no other command could then open), before any output is written
+    make_model("llama", tmp_path / "src")
+    (tmp_path / "src" / "tokenizer.json").unlink()
+    (tmp_path / "src" / name).write_bytes(b"garbage, not a tokenizer\n" * 8)
+    needle = f"{name} is not a tokenizer file its library can read"
+    assert_one_line_error(run_qinfer("generate", str(tmp_path / "src"), "hi"), needle)
+    proc = run_qinfer("quantize", str(tmp_path / "src"), "--method", "rtn", "--group-size", "32", "-o", str(tmp_path / "q"))
+    assert_one_line_error(proc, needle)
+    assert not (tmp_path / "q").exists()
+
+
 def test_eval_out_that_cannot_be_written(tmp_path):
     # refused before any model is resolved or measured (a file stands where the folder would go)
     (tmp_path / "file").write_text("")
