@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from qinfer.arch import ModelConfig
 from qinfer.cache import available_memory, check_writable
 from qinfer.errors import QinferError
 from qinfer.evals import result_cache
@@ -135,6 +136,7 @@ def run_eval(config: EvalConfig) -> list[ModelResult]:
     text_fields = dict(baseline=baseline.key, baseline_kv=BASELINE_KV, kv=config.kv_cache, window=config.window,
                        stride=config.stride, tokens=hashlib.sha256(tokens.numpy().tobytes()).hexdigest(),
                        se=[SE_BLOCKS, SE_MIN_BLOCK])
+    _check_context(config, [*models, baseline])  # before the perplexity pass, not after it
     texts = _text_part(config, models, baseline, text, tokens, text_fields)
     roofline = measure_roofline(eval_device()) if config.speed else None
     all_tasks, speeds = _model_parts(config, models, examples, roofline)
@@ -177,6 +179,23 @@ def _resolve(specs) -> list[_Model]:
             label = f"{label}#{seen[label]}"
         out.append(_Model(spec, label, folder, content_key(folder)))
     return out
+
+
+def _check_context(config: EvalConfig, models: list[_Model]) -> None:
+    """Refuse a --window (with the BOS put in front of it) or a speed run's prompt and steps past a model's context."""
+    for m in models:
+        c = ModelConfig.from_folder(m.folder)
+        lead = c.bos_token_id is not None
+        if config.window + lead > c.max_position_embeddings:
+            raise QinferError(
+                f"--window {config.window}{' and the BOS before it' if lead else ''} is longer than {m.label}'s "
+                f"context of {c.max_position_embeddings} tokens: lower --window (and --stride)"
+            )
+        if config.speed and config.prompt_tokens + config.decode_steps > c.max_position_embeddings:
+            raise QinferError(
+                f"the speed run's {config.prompt_tokens}-token prompt and {config.decode_steps} decode steps exceed "
+                f"{m.label}'s context of {c.max_position_embeddings} tokens: lower --prompt-tokens, or pass --no-speed"
+            )
 
 
 def _text_part(config, models: list[_Model], baseline: _Model, text: str, tokens, fields: dict) -> dict[str, TextMetrics]:

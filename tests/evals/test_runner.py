@@ -196,6 +196,17 @@ def test_text_too_short_for_one_window_is_a_clear_error(env):
 
 
 @pytest.mark.parametrize("change, message", [
+    (dict(window=256, stride=128, max_tokens=1024), "--window 256 and the BOS before it is longer than m's context of 256"),
+    ({**SPEED, "prompt_tokens": 250, "decode_steps": 16}, "250-token prompt and 16 decode steps exceed m's context"),
+])
+def test_windows_and_speed_runs_past_the_context_are_refused_before_any_work(env, count_loads, change, message):
+    # the tiny model reads 256 positions; a window needs one more for the BOS in front of it
+    with pytest.raises(QinferError, match=message):
+        run_eval(EvalConfig(models=(env["model"],), text=env["text"], **{**SMALL, **change}))
+    assert count_loads == []
+
+
+@pytest.mark.parametrize("change, message", [
     (dict(models=()), "at least one MODEL"),
     (dict(kv_cache="int4"), "--kv-cache"),
     (dict(stride=100), "--stride"),
