@@ -29,8 +29,8 @@ class SamplingParams:
     def __post_init__(self):
         if self.max_tokens < 1:
             raise QinferError(f"--max-tokens must be at least 1 (got {self.max_tokens})")
-        if self.temperature < 0:
-            raise QinferError(f"--temperature must be >= 0 (got {self.temperature})")
+        if not 0 <= self.temperature < float("inf"):  # NaN fails too
+            raise QinferError(f"--temperature must be a finite number >= 0 (got {self.temperature})")
         if not 0 < self.top_p <= 1:
             raise QinferError(f"--top-p must be in (0, 1] (got {self.top_p})")
         if self.top_k < 0:

@@ -60,7 +60,8 @@ def test_no_network_while_pulling(tmp_path):
     assert_one_line_error(run_qinfer("pull", "smollm2-135m-instruct", env=env), "could not download")
 
 
-@pytest.mark.parametrize("args", [["--max-tokens", "0"], ["--top-p", "1.5"], ["--temperature", "-1"]])
+@pytest.mark.parametrize("args", [["--max-tokens", "0"], ["--top-p", "1.5"], ["--top-p", "nan"], ["--temperature", "-1"],
+                                  ["--temperature", "nan"], ["--temperature", "inf"]])
 def test_bad_sampling_options(args):
     assert_one_line_error(run_qinfer("generate", "gemma3-270m", "hi", *args))
 
