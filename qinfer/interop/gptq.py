@@ -169,6 +169,12 @@ def from_gptq_tensors(prefix: str, tensors: dict[str, torch.Tensor], scheme: Qua
     N, K = qweight.shape[1], qweight.shape[0] * 32 // b
     if qweight.shape[0] * 32 % b:
         raise QinferError(f"{prefix}.qweight: {qweight.shape[0]} words per column do not hold whole {b}-bit codes")
+    g_idx = tensors.get(f"{prefix}.g_idx")
+    if g_idx is not None and g_idx.dim() == 1 and g_idx.numel() != K:  # one entry per input channel
+        raise QinferError(
+            f"{prefix}: qweight's {qweight.shape[0]} words per column hold {K} codes of bits={b}, but g_idx has "
+            f"{g_idx.numel()} input channels: quantization_config's bits does not match the stored weights"
+        )
     _check_shape(N, K, prefix)
     n_g = group_count(K, G)
     if G != -1 and K % G:

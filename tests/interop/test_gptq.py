@@ -265,6 +265,9 @@ def test_import_errors():
         from_gptq_tensors("p", dict(t, **{"p.scales": t["p.scales"].float() * (1 + 1e-6)}), scheme)
     with pytest.raises(QinferError, match=r"qzeros: expected int32 \[1, 4\]"):
         from_gptq_tensors("p", t, QuantScheme(method="gptq", bits=4, group_size=-1, symmetric=False))
+    # the config's bits wrong for the stored words: named as such, not as a shape GPTQ cannot hold
+    with pytest.raises(QinferError, match="hold 32 codes of bits=8, but g_idx has 64 input channels"):
+        from_gptq_tensors("p", t, QuantScheme(method="gptq", bits=8, group_size=32, symmetric=False))
     # g_idx may be absent; bf16 scales that fit float16 exactly are accepted
     ok = {k: v for k, v in t.items() if not k.endswith("g_idx")}
     ok["p.scales"] = torch.full_like(t["p.scales"], 0.125, dtype=torch.bfloat16)
