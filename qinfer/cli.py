@@ -1,6 +1,7 @@
 """The ``qinfer`` command line. Each command builds a dataclass and calls a library function."""
 
 import sys
+from pathlib import Path
 
 import click
 
@@ -66,9 +67,12 @@ def list_models():
     for spec in BUILTINS.values():
         state = f"cached at {model_dir(spec.name)}" if is_pulled(spec.name) else "not pulled"
         click.echo(f"{spec.name:24s} {state}\n{'':24s} {spec.description}")
+    from qinfer.format import QUANT_CONFIG_FILE
+
     converted = sorted((cache_dir() / "converted").glob("*/config.json"))
-    for c in converted:
-        click.echo(f"{'(converted gguf)':24s} {c.parent}")
+    for c in converted:  # a GGUF dequantized to bf16, or a GPTQ / compressed-tensors folder in the qinfer format
+        kind = "(imported)" if (c.parent / QUANT_CONFIG_FILE).exists() else "(converted gguf)"
+        click.echo(f"{kind:24s} {c.parent}")
 
 
 @cli.command()
@@ -208,6 +212,12 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
     if given and not uses_calibration(scheme, tune):
         click.echo(f"note: --method rtn rounds to nearest and reads no calibration text: {', '.join(given)} "
                    "not used (--kv-cache or --tune-steps would use them)", err=True)
+    from qinfer.interop.folders import foreign_quant_method
+
+    given = Path(model).expanduser()
+    if (given / "config.json").is_file() and foreign_quant_method(given) is not None:  # before converting it
+        raise QinferError(f"{model} is already quantized ({foreign_quant_method(given)}): quantize the original "
+                          "model instead")
     try:
         report = quantize_model(resolve_model(model), out, scheme, calib_config, force=force, tune=tune)
     except KeyboardInterrupt:

@@ -172,6 +172,10 @@ def test_cli_export_and_generate_from_export(quantized, tmp_path):
     assert via_export.stdout == direct.stdout and direct.stdout.strip()
     assert_one_line_error(run_qinfer("export", str(quantized / "int4-sym"), "-o", str(out), "--format", "gptq"),
                           "already exists", "--force")
+    # quantizing it again names the folder given, not the cache's converted copy
+    assert_one_line_error(run_qinfer("quantize", str(out), "--method", "rtn", "-o", str(tmp_path / "again")),
+                          f"{out} is already quantized (compressed-tensors): quantize the original model")
+    assert f"(imported)               {resolve_model(str(out))}" in run_qinfer("list").stdout
 
 
 def test_cli_export_bad_input(src, quantized, tmp_path):
