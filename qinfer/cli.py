@@ -214,9 +214,9 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
                    "not used (--kv-cache or --tune-steps would use them)", err=True)
     from qinfer.interop.folders import foreign_quant_method
 
-    given = Path(model).expanduser()
-    if (given / "config.json").is_file() and foreign_quant_method(given) is not None:  # before converting it
-        raise QinferError(f"{model} is already quantized ({foreign_quant_method(given)}): quantize the original "
+    path = Path(model).expanduser()
+    if (path / "config.json").is_file() and foreign_quant_method(path) is not None:  # before converting it
+        raise QinferError(f"{model} is already quantized ({foreign_quant_method(path)}): quantize the original "
                           "model instead")
     try:
         report = quantize_model(resolve_model(model), out, scheme, calib_config, force=force, tune=tune)
