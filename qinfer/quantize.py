@@ -314,7 +314,8 @@ def quantize_model(
     _lm_head(model, X, scheme, tensors, report)
     del X
     with atomic_dir(out, force=force) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "qinfer_format": "1"})
+        # one metadata key: safetensors writes several in a per-process order, and the same run gave other bytes
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "model.safetensors").chmod(0o644)  # safetensors creates 0600
         for name in COPIED_FILES:
             if (folder / name).exists():

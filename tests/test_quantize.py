@@ -329,6 +329,17 @@ def test_calibration_reads_no_memory_it_did_not_write(tmp_path, calib_file, monk
     assert all(bool(t.float().isfinite().all()) for t in stored.values() if t.is_floating_point())
 
 
+def test_same_options_write_the_same_bytes(tiny, tmp_path, calib_file):
+    # two processes (safetensors orders several metadata keys per process), the same options and seed: the same
+    # files byte for byte, so a checksum verifies a model
+    args = ["--group-size", "32", "--calib", str(calib_file), "--samples", "4", "--seq-len", "32", "--seed", "3"]
+    for name in ("a", "b"):
+        proc = run_qinfer("quantize", str(tiny), "-o", str(tmp_path / name), *args)
+        assert proc.returncode == 0, proc.stderr
+    for name in ("model.safetensors", "quant_config.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
 def test_cli_quantize_then_generate(tiny, tmp_path, calib_file):
     out = tmp_path / "cli"
     proc = run_qinfer("quantize", str(tiny), "-o", str(out), "--bits", "4", "--group-size", "32",
