@@ -65,7 +65,9 @@ def _text_documents(path: Path) -> list[str]:
 
 def _jsonl_documents(path: Path) -> list[str]:
     docs = []
-    for lineno, line in enumerate(_read_text(path).splitlines(), start=1):
+    # lines end at \n only: str.splitlines() also breaks at U+2028, U+0085 and the like, which a JSON string
+    # may hold unescaped (web text does)
+    for lineno, line in enumerate(_read_text(path).split("\n"), start=1):
         if not line.strip():
             continue
         try:

@@ -155,10 +155,13 @@ def import_folder(src: Path, out: Path, force: bool = False) -> ConvertReport:
 def imported_copy(src: Path, cache: Path) -> Path:
     """The qinfer-format conversion of the foreign folder ``src`` under ``cache``, made on first use.
 
-    Keyed by the config and the size, modification time and first megabyte of each weight file.
+    Keyed by the config, the tokenizer and generation files copied beside the weights, and the size,
+    modification time and first megabyte of each weight file.
     """
     src = Path(src)
     h = hashlib.sha256((src / "config.json").read_bytes())
+    for name in SIDE_FILES:
+        h.update(name.encode() + ((src / name).read_bytes() if (src / name).is_file() else b"\0absent"))
     for f in sorted(src.glob("*.safetensors")):
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())

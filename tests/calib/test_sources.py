@@ -23,9 +23,10 @@ def test_text_file_splits_on_blank_lines(tmp_path):
 
 def test_jsonl_reads_the_text_field(tmp_path):
     path = tmp_path / "calib.jsonl"
-    rows = [{"text": "  indented code\n", "id": 1}, {"text": "second"}, {"text": "   "}]
-    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n\n", encoding="utf-8")
-    assert load_calibration_documents(str(path)) == ["  indented code\n", "second"]
+    # U+2028 and U+0085 may stand unescaped inside a JSON string: they do not end a line
+    rows = [{"text": "  indented code\n", "id": 1}, {"text": "second\u2028line\x85next"}, {"text": "   "}]
+    path.write_text("\n".join(json.dumps(row, ensure_ascii=False) for row in rows) + "\r\n\n", encoding="utf-8")
+    assert load_calibration_documents(str(path)) == ["  indented code\n", "second\u2028line\x85next"]
 
 
 @pytest.mark.parametrize(

@@ -151,6 +151,20 @@ def test_import_folder_writes_qinfer_format(quantized, tmp_path):
     assert torch.equal(logits(tmp_path / "back"), logits(quantized / "int4-sym"))
 
 
+def test_an_imported_copy_follows_its_tokenizer_files(quantized, tmp_path):
+    # the cached qinfer-format copy of a foreign folder is made again when a file copied beside the weights
+    # changes (a chat template removed here), not only the config or the weights
+    export_folder(quantized / "int4-sym", tmp_path / "gptq", "gptq")
+    first = resolve_model(str(tmp_path / "gptq"))
+    assert resolve_model(str(tmp_path / "gptq")) == first
+    config = json.loads((tmp_path / "gptq" / "tokenizer_config.json").read_text())
+    assert config.pop("chat_template")
+    (tmp_path / "gptq" / "tokenizer_config.json").write_text(json.dumps(config))
+    again = resolve_model(str(tmp_path / "gptq"))
+    assert again != first
+    assert "chat_template" not in json.loads((again / "tokenizer_config.json").read_text())
+
+
 @pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors"])
 def test_export_leaves_the_stored_bos_position_out(src, tmp_path, fmt):
     quantize_model(src, tmp_path / "q", SCHEMES["int4-sym"], CalibConfig(samples=2, seq_len=16))
