@@ -79,7 +79,7 @@ class EvalConfig:
             raise QinferError(f"--max-tokens ({self.max_tokens}) must be at least one --window ({self.window}) >= 2")
         for name in ("limit", "prompt_tokens", "decode_steps", "repeats"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 1:
-                raise QinferError(f"EvalConfig.{name} must be a positive integer; got {getattr(self, name)!r}")
+                raise QinferError(f"--{name.replace('_', '-')} must be a positive integer; got {getattr(self, name)!r}")
 
     @property
     def baseline_spec(self) -> str:

@@ -188,9 +188,17 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
     from qinfer.quantize import CalibConfig, quantize_model, uses_calibration
     from qinfer.sources import resolve_model
 
+    ctx = click.get_current_context()
+    given = {name for name in ctx.params if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE}
+    if "lm_head_bits" in given and not quantize_lm_head:
+        raise QinferError("--lm-head-bits sets the bits of a quantized lm_head: add --quantize-lm-head, or drop it")
     if fmt == "fp8":  # GPTQ's error feedback onto the FP8 grid, or (--method rtn) plain round to nearest
         if method == "awq":
             raise QinferError("AWQ produces integer weights: use --format int, or --method gptq|rtn with --format fp8")
+        if "group_size" in given and group_size != -1:
+            raise QinferError("--format fp8 scales each output channel, not groups: drop --group-size")
+        if "lm_head_bits" in given and lm_head_bits != 8:
+            raise QinferError("--format fp8 quantizes the lm_head to FP8 (8 bits): drop --lm-head-bits")
         method, group_size, lm_head_bits = ("gptq" if method == "gptq" else "fp8"), -1, 8
     if act_order is None:
         act_order = method == "gptq"
@@ -206,11 +214,9 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
                                fp_target_damp=CalibConfig.fp_target_damp if fp_target_damp is None else fp_target_damp)
     tune = TuneConfig(steps=tune_steps, lr=tune_lr, batch=tune_batch, e2e_steps=e2e_steps, seed=seed,
                       rounding=tune_rounding, holdout=tune_holdout)
-    ctx = click.get_current_context()
-    given = [f"--{name.replace('_', '-')}" for name in ("calib", "samples", "seq_len", "seed")
-             if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
-    if given and not uses_calibration(scheme, tune):
-        click.echo(f"note: --method rtn rounds to nearest and reads no calibration text: {', '.join(given)} "
+    unused = [f"--{name.replace('_', '-')}" for name in ("calib", "samples", "seq_len", "seed") if name in given]
+    if unused and not uses_calibration(scheme, tune):
+        click.echo(f"note: --method rtn rounds to nearest and reads no calibration text: {', '.join(unused)} "
                    "not used (--kv-cache or --tune-steps would use them)", err=True)
     from qinfer.interop.folders import foreign_quant_method
 

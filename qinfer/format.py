@@ -165,14 +165,16 @@ class QuantScheme:
             if self.group_size != -1:
                 raise QinferError("QuantScheme: fp8 has no groups; set group_size=-1 and choose fp8_granularity")
             if not self.symmetric:
-                raise QinferError("QuantScheme: fp8 is symmetric (no zero point); set symmetric=True")
+                raise QinferError("QuantScheme: fp8 is symmetric (no zero point): drop --asym (symmetric=True)")
             if self.mse_clip:
-                raise QinferError("QuantScheme: the clip search (mse_clip) is for integer formats; fp8 keeps the full range")
+                raise QinferError("QuantScheme: the clip search (--mse-clip) is for integer formats; fp8 keeps the full range: "
+                                 "drop --mse-clip")
         else:
             _choice("bits", self.bits, INT_BITS)
             _choice("lm_head_bits", self.lm_head_bits, INT_BITS)
         if self.act_order and self.method != "gptq":
-            raise QinferError(f"QuantScheme.act_order applies only to method 'gptq', not {self.method!r}")
+            raise QinferError(f"QuantScheme: act_order (--act-order) applies only to --method gptq, not {self.method!r}: "
+                              "drop --act-order")
 
     @property
     def maxq(self) -> int:

@@ -105,7 +105,7 @@ def test_pack_errors():
         (dict(damp=0.0), "damp"),
         (dict(damp=float("nan")), "damp"),
         (dict(lm_head_bits=16), "lm_head_bits"),
-        (dict(act_order=True), "act_order applies only to method 'gptq'"),
+        (dict(act_order=True), "act_order \\(--act-order\\) applies only to --method gptq"),
         (dict(method="fp8"), "method 'fp8' with format 'int'"),
         (dict(method="awq", format="fp8", bits=8, group_size=-1), "format 'fp8' goes with method 'fp8'"),
         (dict(method="fp8", format="fp8", bits=4, group_size=-1), r"bits must be 8; got 4 \(fp8 E4M3 weights are 8 bits: use --bits 8"),

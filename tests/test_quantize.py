@@ -500,12 +500,17 @@ def test_fp_target_aims_at_the_unquantized_model(tiny, tmp_path, calib_file, mon
         (["--tune-rounding", "--e2e-steps", "2"], "add --tune-steps"),
         (["--tune-holdout", "4"], "add --tune-steps"),
         (["--tune-steps", "2", "--tune-holdout", "8", "--samples", "8"], "leaves none of the 8 calibration samples"),
-        (["--bits", "8", "--format", "fp8", "--mse-clip"], "clip search"),
+        (["--bits", "8", "--format", "fp8", "--mse-clip"], "drop --mse-clip"),
         (["--method", "rtn", "--true-sequential"], "drop it for --method rtn"),
         (["--method", "rtn", "--fp-target"], "drop it for --method rtn"),
         (["--fp-target", "--no-true-sequential"], "drop --no-true-sequential"),
         (["--fp-target", "--fp-target-damp", "0"], "--fp-target-damp must be > 0"),
         (["--fp-target-damp", "0.1"], "add --fp-target"),
+        (["--bits", "8", "--format", "fp8", "--group-size", "32"], "drop --group-size"),
+        (["--bits", "8", "--format", "fp8", "--quantize-lm-head", "--lm-head-bits", "4"], "drop --lm-head-bits"),
+        (["--lm-head-bits", "4", "--group-size", "32"], "add --quantize-lm-head"),
+        (["--bits", "8", "--format", "fp8", "--asym"], "drop --asym"),
+        (["--method", "awq", "--act-order", "--group-size", "32"], "drop --act-order"),
     ],
 )
 def test_cli_bad_options(tiny, tmp_path, args, needle):
