@@ -8,7 +8,7 @@ import sys
 from collections.abc import Iterator
 
 from qinfer.errors import QinferError
-from qinfer.generate import GenerationStats, SamplingParams, compile_failure_note, generate
+from qinfer.generate import ContextFull, GenerationStats, SamplingParams, compile_failure_note, generate
 from qinfer.model import Transformer
 from qinfer.tokenizer import StreamDecoder, Tokenizer
 
@@ -18,6 +18,13 @@ class ChatSession:
                  compiled: bool = False):
         if not tokenizer.chat_template:
             raise QinferError("this model has no chat template (a base model?): use `qinfer generate` instead")
+        if system:  # a template that takes no system message would fail every turn: refuse it now
+            probe = [{"role": "system", "content": system}, {"role": "user", "content": "Hello."}]
+            try:
+                tokenizer.apply_chat_template(probe, add_generation_prompt=True)
+            except QinferError as e:
+                raise QinferError(f"--system: {e}; this model's template may take no system message: drop --system") \
+                    from None
         self.model, self.tokenizer, self.params, self.system = model, tokenizer, params, system
         self.compiled = compiled  # decode through torch.compile (qinfer.generate.generate)
         self.messages: list[dict] = []
@@ -29,16 +36,16 @@ class ChatSession:
     def reply(self, text: str, stats: GenerationStats | None = None) -> Iterator[str]:
         """Stream the assistant's answer to ``text`` as text pieces; the answer joins the history."""
         self.messages.append({"role": "user", "content": text})
-        prompt = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)
-        ids = self.tokenizer.encode(prompt, add_bos=False)  # templates write their own BOS where they want one
-        stream = StreamDecoder(self.tokenizer)
-        answer = []
         try:
+            prompt = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)
+            ids = self.tokenizer.encode(prompt, add_bos=False)  # templates write their own BOS where they want one
             tokens = generate(self.model, ids, self.params, stop_ids=self.tokenizer.eos_ids, stats=stats,
                               compiled=self.compiled)
-        except QinferError:  # the conversation no longer fits the context: this turn is not kept
+        except QinferError:  # the template refused the turn, or the conversation no longer fits: not kept
             self.messages.pop()
             raise
+        stream = StreamDecoder(self.tokenizer)
+        answer = []
         try:
             for token in tokens:
                 piece = stream.feed(token)
@@ -84,8 +91,9 @@ def repl(session: ChatSession, stdin=None, stdout=None) -> None:
                 stdout.flush()
         except KeyboardInterrupt:
             stdout.write(" [stopped]")
-        except QinferError as e:  # this turn cannot run (the conversation is too long): say so, keep the session
-            stdout.write(f"({e}; /reset clears the conversation)")
+        except QinferError as e:  # this turn cannot run: say so, keep the session (without the turn)
+            hint = "; /reset clears the conversation" if isinstance(e, ContextFull) else ""
+            stdout.write(f"({e}{hint})")
         stdout.write("\n")
         stdout.flush()
         if session.compiled and compile_failure_note() and not noted:

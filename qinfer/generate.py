@@ -18,6 +18,10 @@ from qinfer.model import Transformer
 PREFILL_CHUNK = 4096
 
 
+class ContextFull(QinferError):
+    """A prompt and its --max-tokens past the model's context (a chat turn: the conversation has grown too long)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 128
@@ -167,7 +171,7 @@ def generate(
     if not prompt_ids:
         raise QinferError("the prompt is empty after tokenization")
     if len(prompt_ids) + params.max_tokens > model.config.max_position_embeddings:
-        raise QinferError(
+        raise ContextFull(
             f"prompt ({len(prompt_ids)} tokens) + --max-tokens ({params.max_tokens}) exceeds the model's context "
             f"of {model.config.max_position_embeddings} tokens: shorten the prompt or lower --max-tokens"
         )

@@ -1,4 +1,5 @@
 import importlib
+import json
 import subprocess
 import sys
 
@@ -9,7 +10,7 @@ from qinfer.errors import QinferError
 from qinfer.generate import GenerationStats, SamplingParams, generate, greedy, prefill, sample
 from qinfer.kv_cache import KVCache
 from qinfer.loader import load_model
-from tests.test_cli_errors import run_qinfer
+from tests.test_cli_errors import assert_one_line_error, run_qinfer
 from tests.tiny_models import make_model
 
 generate_module = importlib.import_module("qinfer.generate")
@@ -161,6 +162,28 @@ def test_a_request_longer_than_the_context_is_refused_before_any_output(tmp_path
     replies = chat.stdout.strip().splitlines()
     assert len(replies) == 3 and "exceeds the model's context" in replies[1] and "/reset" in replies[1]
     assert "exceeds" not in replies[0] + replies[2]
+
+
+def test_chat_drops_a_turn_its_template_refuses_and_refuses_a_system_message_it_cannot_take(tmp_path):
+    make_model("llama", tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = (  # no system role; a message "bad" is refused
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+        "{% if m['content'] == 'bad' %}{{ raise_exception('bad content') }}{% endif %}"
+        "<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+
+    def chat(text, *flags):
+        return subprocess.run([sys.executable, "-m", "qinfer", "chat", str(tmp_path), "--max-tokens", "4", *flags],
+                              input=text, capture_output=True, text=True, timeout=300)
+
+    proc = chat("hello\nbad\ngood\n")  # the refused turn is not kept: the next one runs
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    replies = proc.stdout.strip().splitlines()
+    assert len(replies) == 3 and "bad content" in replies[1] and "/reset" not in replies[1]
+    assert "failed" not in replies[0] + replies[2]
+    assert_one_line_error(chat("hello\n", "--system", "be brief"), "no system role", "drop --system")
 
 
 def test_cli_compile_without_a_compiler_decodes_eagerly_with_a_note(tmp_path):
