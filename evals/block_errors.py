@@ -14,8 +14,10 @@ Diagnostic only: nothing is written.
 import click
 import torch
 
+from qinfer.arch import ModelConfig
 from qinfer.calib.capture import embed_samples, run_block
-from qinfer.errors import Command
+from qinfer.errors import Command, QinferError
+from qinfer.evals.checkpoint import check_same_model
 from qinfer.loader import load_model
 from qinfer.quantize import CalibConfig, calibration_batch
 from qinfer.sources import resolve_model
@@ -42,6 +44,10 @@ def main(model, quantized, calib, samples, seq_len, seed, pick, blocks, top):
 @torch.no_grad()
 def _report(model, quantized, calib, samples, seq_len, seed, pick, blocks, top):
     folder, quantized = resolve_model(model), resolve_model(quantized)  # both paths checked before any work
+    check_same_model(folder, quantized)
+    layers = ModelConfig.from_folder(folder).num_layers
+    if pick < 1 or (blocks is not None and not 1 <= blocks <= layers):
+        raise QinferError(f"--pick must be at least 1 and --blocks in 1..{layers} (got {pick}, {blocks})")
     ids = calibration_batch(folder, CalibConfig(source=calib, samples=samples, seq_len=seq_len, seed=seed))
     pick = min(pick, samples)
     held = min(HELD, pick // 2)

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from qinfer.errors import Command, QinferError
 from qinfer.evals.accuracy import HELDOUT, load_text, text_tokens
+from qinfer.evals.checkpoint import check_same_model
 from qinfer.evals.divergence import text_metrics
 from qinfer.evals.forward import LogitsFn, window_logits
 from qinfer.loader import load_model
@@ -39,13 +40,12 @@ def main(model, quantized, text, max_tokens, window, stride):
 @torch.no_grad()
 def _report(model, quantized, text, max_tokens, window, stride):
     folder, quantized = resolve_model(model), resolve_model(quantized)  # both paths checked before any work
+    check_same_model(folder, quantized)
     tok = Tokenizer.from_folder(folder)
     tokens = text_tokens(tok, load_text(text)[0], max_tokens)
     if tokens.numel() < window:
         raise QinferError(f"the text has {tokens.numel()} tokens, fewer than one --window of {window}")
     ref, quant = load_model(folder), load_model(quantized)
-    if len(ref.model.layers) != len(quant.model.layers):
-        raise QinferError(f"{quantized} has {len(quant.model.layers)} blocks, {folder} {len(ref.model.layers)}")
     base = _remembered(window_logits(ref, "bf16", tok.bos_id))  # one reference pass serves all 1 + blocks scores
 
     def score(label: str) -> None:

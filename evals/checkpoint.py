@@ -14,6 +14,7 @@ and RTN 4-bit g128 with fp16 scales 4.125. Weight counts come from the stored sh
 ``qweight`` ``[N, K * bits / 8]`` holds ``N * K`` weights).
 """
 
+import dataclasses
 import hashlib
 import json
 import struct
@@ -97,3 +98,13 @@ def effective_bits(folder: Path) -> float:
                 bits += 8 * (end - start)
         weights += n_weights
     return bits / weights
+
+
+def check_same_model(reference: Path, quantized: Path) -> None:
+    """Refuse a pair of folders whose configs describe different decoders (the diagnostics swap and compare
+    their blocks one for one): a quantized model keeps its source's config."""
+    a, b = ModelConfig.from_folder(reference), ModelConfig.from_folder(quantized)
+    if a != b:
+        differ = [f.name for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)]
+        raise QinferError(f"{quantized} is not a quantized copy of {reference}: their configs differ in "
+                          f"{', '.join(differ)}; give the model it was quantized from")

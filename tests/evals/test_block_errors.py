@@ -6,6 +6,7 @@ from qinfer.evals.block_errors import main
 from qinfer.format import QuantScheme
 from qinfer.quantize import CalibConfig, quantize_model
 from tests.test_quantize import calib_file, tiny  # noqa: F401 (fixtures)
+from tests.tiny_models import make_model
 
 
 def test_block_errors_reports_every_block_and_the_worst_tokens(tiny, tmp_path, calib_file):  # noqa: F811
@@ -26,3 +27,14 @@ def test_block_errors_names_a_bad_model_folder_in_one_line(tiny, tmp_path):  # n
     assert result.exit_code == 1 and result.exception is not None
     assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
     assert "missing" in result.output and result.output.startswith("Error: ")
+
+
+def test_block_errors_refuses_bad_picks_and_another_model(tiny, tmp_path):  # noqa: F811
+    quantize_model(tiny, tmp_path / "q", QuantScheme(method="rtn", bits=4, group_size=32), CalibConfig())
+    make_model("qwen3", tmp_path / "other")
+    for extra, needle in ((["--pick", "0"], "--pick must be at least 1"), (["--blocks", "9"], "--blocks in 1..3"),
+                          (["--blocks", "0"], "--blocks in 1..3")):
+        result = CliRunner().invoke(main, [str(tiny), str(tmp_path / "q"), *extra])
+        assert result.exit_code == 1 and needle in result.output and len(result.output.strip().splitlines()) == 1
+    result = CliRunner().invoke(main, [str(tiny), str(tmp_path / "other")])
+    assert result.exit_code == 1 and "is not a quantized copy of" in result.output, result.output

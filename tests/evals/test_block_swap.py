@@ -6,6 +6,7 @@ from safetensors.torch import load_file, save_file
 
 from qinfer.evals.block_swap import main
 from tests.test_quantize import calib_file, tiny  # noqa: F401 (fixtures)
+from tests.tiny_models import make_model
 
 LINE = re.compile(r"^(as quantized|block (\d) restored): perplexity (\S+), KL (\S+), top-1", re.M)
 
@@ -32,3 +33,6 @@ def test_block_swap_names_a_bad_model_folder_in_one_line(tiny, tmp_path):  # noq
     result = CliRunner().invoke(main, [str(tiny), str(tmp_path / "missing")])
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert len(result.output.strip().splitlines()) == 1 and "missing" in result.output
+    make_model("qwen3", tmp_path / "other")  # not the model's quantized copy: its blocks do not swap in
+    result = CliRunner().invoke(main, [str(tiny), str(tmp_path / "other")])
+    assert result.exit_code == 1 and "is not a quantized copy of" in result.output, result.output
