@@ -32,7 +32,7 @@ def load_text(spec: str) -> tuple[str, str]:
     if not path.is_file():
         raise QinferError(f"--text {spec}: no such file; pass 'heldout' or a UTF-8 text file")
     try:
-        return path.read_text(encoding="utf-8"), str(path)
+        return path.read_text(encoding="utf-8-sig"), str(path)  # a BOM is not text (as --calib reads it)
     except UnicodeDecodeError:
         raise QinferError(f"--text {spec} is not UTF-8 text") from None
 

@@ -131,6 +131,7 @@ class QuantizeReport:
     tune_best_steps: dict[str, int] = field(default_factory=dict)  # --tune-holdout: block -> the step kept
     tune_held_out: dict[str, list] = field(default_factory=dict)  # --tune-holdout: block -> [(step, loss)] checks
     e2e_kl: tuple[float, float] | None = None  # end-to-end tuning: KL to the unquantized model (before, after)
+    e2e_samples: int = 0  # ... over this many calibration samples
     compute_dtype: str = "bfloat16"  # what the blocks ran in during calibration
     embedding_bits: int | None = None  # a tied embedding read from the quantized lm_head: its bits
     kept_bos: bool = False  # what the unquantized model computes at the BOS position is stored
@@ -161,7 +162,7 @@ class QuantizeReport:
             text += f"\nthe tied embedding is read from the {self.embedding_bits}-bit lm_head (not stored on its own)"
         if self.e2e_kl is not None:
             text += (f"\nend-to-end tuning: KL to the unquantized model {self.e2e_kl[0]:.4f} -> {self.e2e_kl[1]:.4f} "
-                     f"(first {E2E_EVAL_SAMPLES} calibration samples)")
+                     f"(first {self.e2e_samples} calibration samples)")
         return text
 
 
@@ -289,7 +290,7 @@ def quantize_model(
         del block, loaded
     if tune.e2e_steps:
         quantized, result = tune_end_to_end(model, quantized, ids, model.model.norm(X_ref), tune)
-        report.e2e_kl = (result.loss_before, result.loss_after)
+        report.e2e_kl, report.e2e_samples = (result.loss_before, result.loss_after), min(len(ids), E2E_EVAL_SAMPLES)
         for i in range(model.config.num_layers):
             _block_tensors(tensors, model, i)
         if scheme.kv_cache != "none" or scheme.quantize_lm_head:
@@ -419,7 +420,7 @@ def _folder_bytes(folder: Path) -> int:
 def _report_json(report: QuantizeReport, scheme: QuantScheme, calib: CalibConfig, tune: TuneConfig) -> dict:
     return {
         "scheme": json.loads(scheme.to_json()),
-        "calibration": calib.__dict__,
+        "calibration": calib.__dict__ if uses_calibration(scheme, tune) else None,  # RTN alone reads no text
         "bytes_before": report.bytes_before,
         "bytes_after": report.bytes_after,
         "effective_bits": report.effective_bits,

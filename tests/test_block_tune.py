@@ -278,7 +278,7 @@ def test_pipeline_end_to_end_tuning_brings_the_model_closer(tiny, tmp_path, cali
     assert logits_error(tiny, tmp_path / "tuned", ids) < logits_error(tiny, tmp_path / "plain", ids)
     saved = json.loads((tmp_path / "tuned" / "quantize_report.json").read_text())
     assert saved["tuning"]["e2e_steps"] == 32 and saved["e2e_kl"][1] < saved["e2e_kl"][0]
-    assert "end-to-end tuning: KL" in report.summary()
+    assert "end-to-end tuning: KL" in report.summary() and "(first 8 calibration samples)" in report.summary()
     assert QuantScheme.load(tmp_path / "tuned") == scheme
     # the KV-cache scales are those of the tuned model, in every block
     model = dense_copy(tmp_path / "tuned")

@@ -531,6 +531,7 @@ def test_cli_says_when_rtn_reads_no_calibration_text(tiny, tmp_path):
     notes = [line for line in rtn.stderr.splitlines() if line.startswith("note:")]
     assert len(notes) == 1 and "--calib, --samples not used" in notes[0]
     assert (tmp_path / "rtn" / "quant_config.json").exists()
+    assert json.loads((tmp_path / "rtn" / "quantize_report.json").read_text())["calibration"] is None  # none read
     # with KV-cache scales to calibrate, RTN reads the text: the missing file is an error, and no note
     kv = run_qinfer("quantize", str(tiny), "-o", str(tmp_path / "kv"), "--method", "rtn", "--group-size", "32",
                     "--kv-cache", "int8", "--seq-len", "64", "--calib", missing)

@@ -42,3 +42,15 @@ def test_perfect_model_has_perplexity_one():
 def test_too_short_text_is_a_clear_error():
     with pytest.raises(QinferError, match="at least 2"):
         windows(1, 512, 256)
+
+
+def test_text_file_is_read_without_its_byte_order_mark(tmp_path):
+    # editors on Windows start a UTF-8 file with a BOM: it is no part of the text (as --calib reads it)
+    from qinfer.evals.accuracy import load_text
+
+    path = tmp_path / "text.txt"
+    path.write_bytes("\ufeffIt is a truth.".encode("utf-8"))
+    assert load_text(str(path)) == ("It is a truth.", str(path))
+    path.write_bytes(b"\xff\xfe not utf-8")
+    with pytest.raises(QinferError, match="is not UTF-8 text"):
+        load_text(str(path))
