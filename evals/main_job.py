@@ -22,7 +22,7 @@ from qinfer.block_tune import TuneConfig
 from qinfer.cache import cache_dir
 from qinfer.errors import QinferError
 from qinfer.format import QuantScheme
-from qinfer.quantize import CalibConfig, code_fingerprint, quantize_model, uses_calibration
+from qinfer.quantize import CalibConfig, code_fingerprint, quantize_model, recorded_calibration
 from qinfer.sources import resolve_model
 
 MODEL = "gemma3-270m"
@@ -57,8 +57,8 @@ def _matches(folder: Path, scheme: QuantScheme, calib: CalibConfig) -> bool:
     """True when ``folder`` is a finished quantization with this scheme and calibration, by this code."""
     try:
         report = json.loads((folder / "quantize_report.json").read_text())
-        read = calib.resolved(scheme.method).__dict__ if uses_calibration(scheme, TuneConfig()) else None
-        same = report.get("calibration") == read and report.get("code") == code_fingerprint()
+        same = report.get("calibration") == recorded_calibration(scheme, calib, TuneConfig())
+        same = same and report.get("code") == code_fingerprint()
         return QuantScheme.load(folder) == scheme and same
     except (OSError, ValueError, QinferError):
         return False

@@ -180,6 +180,11 @@ def uses_calibration(scheme: QuantScheme, tune: TuneConfig) -> bool:
     return scheme.method in ("gptq", "awq") or scheme.kv_cache != "none" or tune.active
 
 
+def recorded_calibration(scheme: QuantScheme, calib: CalibConfig, tune: TuneConfig) -> dict | None:
+    """What quantize_report.json records of the calibration: the settings it ran with, None when it read no text."""
+    return calib.resolved(scheme.method).__dict__ if uses_calibration(scheme, tune) else None
+
+
 def quantize_model(
     folder: Path, out: Path, scheme: QuantScheme, calib: CalibConfig, force: bool = False, tune: TuneConfig | None = None
 ) -> QuantizeReport:
@@ -420,7 +425,7 @@ def _folder_bytes(folder: Path) -> int:
 def _report_json(report: QuantizeReport, scheme: QuantScheme, calib: CalibConfig, tune: TuneConfig) -> dict:
     return {
         "scheme": json.loads(scheme.to_json()),
-        "calibration": calib.__dict__ if uses_calibration(scheme, tune) else None,  # RTN alone reads no text
+        "calibration": recorded_calibration(scheme, calib, tune),
         "bytes_before": report.bytes_before,
         "bytes_after": report.bytes_after,
         "effective_bits": report.effective_bits,
