@@ -35,7 +35,8 @@ class ArchSpec:
     sandwich_norms: bool = False  # Gemma: extra norms after attention and after the MLP
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma 3)
     qkv_bias: bool = False  # Qwen2
-    activation: str = "silu"  # gate activation of the gated MLP
+    activation: str = "silu"  # gate activation of the gated MLP, unless config.json names another
+    activation_key: str = "hidden_act"  # the config.json key that names it
     embed_scale: bool = False  # Gemma multiplies embeddings by sqrt(hidden_size)
     mlp_norm: str = "post_attention_layernorm"  # the norm that feeds the MLP
 
@@ -66,6 +67,7 @@ ARCHS: dict[str, ArchSpec] = {
         sandwich_norms=True,
         qk_norm=True,
         activation="gelu_tanh",
+        activation_key="hidden_activation",
         embed_scale=True,
         mlp_norm="pre_feedforward_layernorm",
     ),
@@ -73,6 +75,21 @@ ARCHS: dict[str, ArchSpec] = {
 # config.json model_type values that are the same decoder under another name.
 MODEL_TYPE_ALIASES = {"gemma3": "gemma3_text"}
 ROPE_TYPES = ("default", "linear", "llama3")
+# transformers' activation names (ACT2FN) -> the gate activation the decoder computes.
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+# config.json settings that change what a supported family computes and that qinfer's decoder does not implement:
+# (model types, key, what the setting adds). A null or false value is the plain model.
+UNSUPPORTED = (
+    (("llama", "mistral", "qwen3", "gemma3_text"), "attention_bias", "biases on the attention linears"),
+    (("llama",), "mlp_bias", "biases on the MLP linears"),
+    (("gemma3_text",), "final_logit_softcapping", "soft-capped logits"),
+    (("gemma3_text",), "attn_logit_softcapping", "soft-capped attention scores"),
+    (("gemma3_text",), "use_bidirectional_attention", "bidirectional attention (an embedding model, not a decoder)"),
+)
+# Defaults transformers assumes where config.json leaves these out.
+DEFAULT_SLIDING_WINDOW = 4096
+DEFAULT_MAX_WINDOW_LAYERS = 28  # Qwen2/Qwen3: layers below this one attend fully even with use_sliding_window
+DEFAULT_SLIDING_WINDOW_PATTERN = 6  # Gemma 3 configs without layer_types: every 6th layer is global
 
 
 @dataclass(frozen=True)
@@ -105,6 +122,7 @@ class ModelConfig:
     attn_scale: float
     tie_word_embeddings: bool
     max_position_embeddings: int
+    activation: str = "silu"  # one of ACTIVATIONS' values
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -141,15 +159,13 @@ class ModelConfig:
                 f"unsupported architecture {raw.get('model_type')!r} (config.json model_type); "
                 f"qinfer runs {', '.join(sorted(ARCHS))}"
             )
+        _check_supported(raw, model_type)
         try:
             n_layers = int(raw["num_hidden_layers"])
             hidden = int(raw["hidden_size"])
             n_heads = int(raw["num_attention_heads"])
             head_dim = int(raw.get("head_dim") or hidden // n_heads)
-            layer_types = raw.get("layer_types") or ["full_attention"] * n_layers
-            window = raw.get("sliding_window")
-            if model_type == "mistral" or (model_type in ("qwen2", "qwen3") and raw.get("use_sliding_window")):
-                layer_types = ["sliding_attention" if window else "full_attention"] * n_layers
+            layer_types, window = _layer_types(raw, model_type, n_layers)
             rope_global, rope_local = _rope_configs(raw, model_type)
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -164,10 +180,11 @@ class ModelConfig:
                 head_dim=head_dim,
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope=tuple(rope_local if t == "sliding_attention" else rope_global for t in layer_types),
-                sliding_window=tuple(int(window) if t == "sliding_attention" else None for t in layer_types),
+                sliding_window=tuple(int(window) if t == "sliding_attention" and window else None for t in layer_types),
                 attn_scale=float(raw.get("query_pre_attn_scalar") or head_dim) ** -0.5,
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type == "gemma3_text")),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+                activation=_activation(raw, ARCHS[model_type]),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )
@@ -175,6 +192,57 @@ class ModelConfig:
             raise QinferError(f"config.json lacks {e.args[0]!r}: is this a complete Hugging Face model config?") from None
         except (TypeError, ValueError) as e:
             raise QinferError(f"config.json has a malformed value: {e}") from None
+
+
+def _check_supported(raw: dict, model_type: str) -> None:
+    architectures = raw.get("architectures") or []
+    if raw.get("vision_config") or any("ConditionalGeneration" in a for a in architectures):
+        raise QinferError(
+            f"config.json describes a multimodal model ({', '.join(architectures) or 'vision_config'}); qinfer runs "
+            "text-only decoders: use the text-only checkpoint (e.g. a *ForCausalLM one)"
+        )
+    for types, key, what in UNSUPPORTED:
+        if model_type in types and raw.get(key):
+            raise QinferError(
+                f"config.json sets {key}: {json.dumps(raw[key])}, {what}, which qinfer's {model_type} decoder "
+                "does not implement"
+            )
+
+
+def _activation(raw: dict, arch: ArchSpec) -> str:
+    name = raw.get(arch.activation_key)
+    if name is None:
+        return arch.activation
+    if name not in ACTIVATIONS:
+        raise QinferError(
+            f"config.json: {arch.activation_key} {name!r} is not supported; qinfer runs {', '.join(ACTIVATIONS)}"
+        )
+    return ACTIVATIONS[name]
+
+
+def _layer_types(raw: dict, model_type: str, n_layers: int) -> tuple[list[str], int | None]:
+    """Each layer's attention ("full_attention" or "sliding_attention") and the sliding window, read as
+    transformers reads them: Mistral slides in every layer when it has a window; Qwen2/Qwen3 only with
+    ``use_sliding_window``, from layer ``max_window_layers`` on; Gemma 3 per ``layer_types``, or in older
+    configs every ``sliding_window_pattern``-th layer global. Llama attends fully."""
+    window = raw.get("sliding_window", DEFAULT_SLIDING_WINDOW)
+    if model_type == "mistral":
+        return ["sliding_attention" if window else "full_attention"] * n_layers, window
+    if model_type in ("qwen2", "qwen3"):
+        window = window if raw.get("use_sliding_window") else None
+        first = int(raw.get("max_window_layers", DEFAULT_MAX_WINDOW_LAYERS))
+        default = ["sliding_attention" if window and i >= first else "full_attention" for i in range(n_layers)]
+    elif model_type == "gemma3_text":
+        pattern = int(raw.get("sliding_window_pattern") or DEFAULT_SLIDING_WINDOW_PATTERN)
+        default = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+    else:
+        return ["full_attention"] * n_layers, None
+    types = list(raw.get("layer_types") or default)
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise QinferError(f"config.json: layer_types {unknown[0]!r} is not supported; qinfer runs full_attention "
+                          "and sliding_attention layers")
+    return types, window
 
 
 def _rope_configs(raw: dict, model_type: str) -> tuple[RopeConfig, RopeConfig]:

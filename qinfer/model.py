@@ -249,7 +249,7 @@ class MLP(nn.Module):
         C, F_ = config.hidden_size, config.intermediate_size
         self.gate_proj, self.up_proj, self.down_proj = QLinear(C, F_), QLinear(C, F_), QLinear(F_, C)
         self.fused: FusedLinear | None = None  # gate/up run as one: see fuse_linears
-        self.act = config.arch.activation
+        self.act = config.activation
 
     def forward(self, x):
         return self.down_proj(self.hidden(x))
@@ -260,7 +260,10 @@ class MLP(nn.Module):
             gate, up = self.fused(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        gate = F.gelu(gate, approximate="tanh") if self.act == "gelu_tanh" else F.silu(gate)
+        if self.act == "silu":
+            gate = F.silu(gate)
+        else:
+            gate = F.gelu(gate, approximate="tanh" if self.act == "gelu_tanh" else "none")
         return gate * up
 
 

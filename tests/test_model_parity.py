@@ -1,7 +1,10 @@
 """Our decoder against transformers on tiny random models of every supported architecture."""
 
+import json
+
 import pytest
 import torch
+import transformers
 
 from qinfer.kv_cache import KVCache
 from qinfer.loader import load_model
@@ -61,3 +64,30 @@ def test_a_stored_bos_position_stands_in_for_the_models_own(kind, tmp_path):
     assert (got[0, 1:] - own[0, 1:]).abs().max() > 1e-3  # later tokens attend to the stored K/V
     torch.testing.assert_close(got[1], own[1])  # no BOS: the model's own
     torch.testing.assert_close(torch.cat(steps, dim=1), got, atol=1e-4, rtol=1e-4)  # the same through a KV cache
+
+
+# config.json spellings that decide which layers slide or which activation the MLP uses, as published configs
+# write them: (architecture, keys set, keys removed). Each one changes the logits if it is read wrongly.
+VARIANTS = {
+    "gemma3-sliding-window-pattern": ("gemma3", {"sliding_window_pattern": 3}, ["layer_types"]),
+    "qwen2-max-window-layers": ("qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}, ["layer_types"]),
+    "qwen3-max-window-layers": ("qwen3", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 2}, ["layer_types"]),
+    "llama-gelu": ("llama", {"hidden_act": "gelu"}, []),
+    "gemma3-silu": ("gemma3", {"hidden_activation": "silu"}, []),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_config_variants_match_transformers(variant, tmp_path):
+    kind, overrides, removed = VARIANTS[variant]
+    make_model(kind, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(overrides)
+    for key in removed:
+        config.pop(key)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ours = load_model(tmp_path, dtype=torch.float32)
+    ids = torch.randint(0, 97, (2, 19))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), ref(ids).logits, atol=2e-4, rtol=2e-4)
