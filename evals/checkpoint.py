@@ -23,6 +23,7 @@ from pathlib import Path
 from qinfer.arch import ModelConfig
 from qinfer.errors import QinferError
 from qinfer.format import QUANT_CONFIG_FILE, QuantScheme
+from qinfer.loader import weight_files
 
 _WEIGHT_KEYS = ("weight", "qweight", "scale", "zero", "perm")  # a linear's stored weight; its bias is not a weight
 _HASHED_FILES = ("config.json", QUANT_CONFIG_FILE)
@@ -43,13 +44,6 @@ def safetensors_header(path: Path) -> dict:
     return header
 
 
-def _weight_files(folder: Path) -> list[Path]:
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise QinferError(f"{folder} has no *.safetensors weights: qinfer reads safetensors checkpoints only")
-    return files
-
-
 def content_key(folder: Path) -> str:
     """A sha256 hex digest that changes whenever the folder's model does (see the module docstring)."""
     folder = Path(folder)
@@ -60,21 +54,21 @@ def content_key(folder: Path) -> str:
     for path in sorted(p for p in folder.iterdir() if p.is_file()):
         stat = path.stat()
         h.update(f"{path.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
-    for path in _weight_files(folder):
+    for path in weight_files(folder):
         h.update(json.dumps(safetensors_header(path), sort_keys=True).encode())
     return h.hexdigest()
 
 
 def size_on_disk(folder: Path) -> int:
     """Bytes of the folder's safetensors files."""
-    return sum(path.stat().st_size for path in _weight_files(folder))
+    return sum(path.stat().st_size for path in weight_files(folder))
 
 
 def effective_bits(folder: Path) -> float:
     """Stored bits per weight over the quantizable linears (see the module docstring)."""
     folder = Path(folder)
     header: dict[str, dict] = {}
-    for path in _weight_files(folder):
+    for path in weight_files(folder):
         header.update(safetensors_header(path))
     config = ModelConfig.from_folder(folder)
     scheme = QuantScheme.load(folder) if (folder / QUANT_CONFIG_FILE).exists() else None

@@ -107,12 +107,37 @@ def drop_pages(tensors: Iterable[torch.Tensor]) -> int:
     return dropped
 
 
-def read_folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    files = sorted(Path(folder).glob("*.safetensors"))
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files that hold ``folder``'s model, as transformers picks them: the shards its
+    ``model.safetensors.index.json`` lists, else ``model.safetensors``, else every ``*.safetensors`` there.
+    Other files beside an index or a ``model.safetensors`` (Mistral's ``consolidated.safetensors``, an
+    adapter, a stale shard) are not read."""
+    folder = Path(folder)
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+            raise QinferError(f"{index} is not a safetensors index (a JSON object with a weight_map): "
+                              "re-download it or remove it") from None
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise QinferError(f"{folder}: {missing[0]} (listed in {INDEX_FILE}) is missing: re-download it")
+        return [folder / n for n in names]
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise QinferError(f"{folder} has no *.safetensors weights: qinfer reads safetensors checkpoints only")
+    return files
+
+
+def read_folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
     tensors = {}
-    for f in files:
+    for f in weight_files(folder):
         tensors.update(read_safetensors(f))
     return tensors
 
@@ -137,7 +162,7 @@ def load_model(
     skip = set(packed) | ({"model.embed_tokens.weight"} if embed_from_head else set())
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items() if name not in skip}
     expected = set(shapes)
-    tied = "lm_head.weight" not in packed and (config.tie_word_embeddings or "lm_head.weight" not in tensors)
+    tied = "lm_head.weight" not in packed and config.tie_word_embeddings
     if tied:
         if "model.embed_tokens.weight" in tensors:
             tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]

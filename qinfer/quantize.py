@@ -60,7 +60,7 @@ from qinfer.calib.sources import load_calibration_documents
 from qinfer.errors import QinferError
 from qinfer.format import Fp8Weight, QuantScheme
 from qinfer.interop.folders import SIDE_FILES
-from qinfer.loader import bos_tensors, drop_pages, load_model
+from qinfer.loader import bos_tensors, drop_pages, load_model, weight_files
 from qinfer.model import BosState, Transformer
 from qinfer.preflight import check_calibration_size, check_shapes
 from qinfer.quantizers.fp8 import fp8_kv_scale, fp8_quantize, int8_kv_scale
@@ -419,7 +419,7 @@ def _quantize_rows(W: torch.Tensor, H: torch.Tensor | None, scheme: QuantScheme,
 
 
 def _folder_bytes(folder: Path) -> int:
-    return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
+    return sum(f.stat().st_size for f in weight_files(folder))
 
 
 def _report_json(report: QuantizeReport, scheme: QuantScheme, calib: CalibConfig, tune: TuneConfig) -> dict:

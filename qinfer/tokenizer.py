@@ -138,8 +138,10 @@ class Tokenizer:
         bos_token: str | None,
         eos_token: str | None,
         chat_template: str | None,
+        model_vocab_size: int | None = None,
     ):
         self._backend = backend
+        self.model_vocab_size = model_vocab_size  # config.json's vocab_size: ids at or past it have no embedding
         self.bos_id = bos_id
         self.eos_ids = eos_ids
         # None: the tokenizer.json post-processor decides; True/False: tokenizer_config.json decides.
@@ -189,7 +191,9 @@ class Tokenizer:
             bos_token = backend.id_to_token(bos_id)
         if eos_token is None and eos_ids:
             eos_token = backend.id_to_token(eos_ids[0])
-        return cls(backend, bos_id, tuple(eos_ids), add_bos_token, bos_token, eos_token, template)
+        vocab = (model_config.get("text_config") or model_config).get("vocab_size")
+        model_vocab = int(vocab) if isinstance(vocab, int) else None
+        return cls(backend, bos_id, tuple(eos_ids), add_bos_token, bos_token, eos_token, template, model_vocab)
 
     @property
     def vocab_size(self) -> int:
@@ -207,6 +211,15 @@ class Tokenizer:
                 ids = [bos] + ids
             while ids[:2] == [bos, bos]:  # post-processor BOS + a BOS written in the text
                 ids = ids[1:]
+        # A tokenizer may list a few more tokens than the model has rows (Gemma 3's image token): refuse only
+        # an id that is actually produced.
+        if self.model_vocab_size is not None and ids and max(ids) >= self.model_vocab_size:
+            i = max(ids)
+            raise QinferError(
+                f"the tokenizer gave token {self._backend.id_to_token(i)!r} id {i}, but the model has "
+                f"{self.model_vocab_size} tokens (config.json vocab_size): the folder's tokenizer files are not "
+                "this model's; copy the model's own"
+            )
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -158,11 +158,13 @@ def imported_copy(src: Path, cache: Path) -> Path:
     Keyed by the config, the tokenizer and generation files copied beside the weights, and the size,
     modification time and first megabyte of each weight file.
     """
+    from qinfer.loader import weight_files
+
     src = Path(src)
     h = hashlib.sha256((src / "config.json").read_bytes())
     for name in SIDE_FILES:
         h.update(name.encode() + ((src / name).read_bytes() if (src / name).is_file() else b"\0absent"))
-    for f in sorted(src.glob("*.safetensors")):
+    for f in weight_files(src):
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
         with open(f, "rb") as fh:

@@ -128,8 +128,8 @@ def scheme_from_gptq_config(config: dict) -> QuantScheme:
 def _check_shape(N: int, K: int, name: str) -> None:
     if K % 32 or N % 32:
         raise QinferError(
-            f"{name}: GPTQ needs in_features and out_features that are multiples of 32, got [N={N}, K={K}]; "
-            "export this linear in the qinfer or compressed-tensors format instead"
+            f"{name}: GPTQ needs in_features and out_features that are multiples of 32 (its readers size their "
+            f"buffers in 32-column blocks), got [N={N}, K={K}]; export this model with --format compressed-tensors"
         )
 
 

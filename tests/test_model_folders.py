@@ -1,0 +1,100 @@
+"""A user's Hugging Face model folder: which weight files and config.json settings are read, and which are
+refused in one line instead of being run wrongly."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from qinfer.arch import ModelConfig
+from qinfer.errors import QinferError
+from qinfer.loader import INDEX_FILE, load_model
+from qinfer.tokenizer import Tokenizer
+from tests.test_cli_errors import assert_one_line_error, run_qinfer
+from tests.tiny_models import COMMON, CONFIGS, TEXT, make_model, write_tokenizer
+
+REFUSED = [
+    ("llama", {"attention_bias": True}, "attention_bias: true, biases on the attention linears"),
+    ("qwen3", {"attention_bias": True}, "attention_bias: true"),
+    ("llama", {"mlp_bias": True}, "mlp_bias: true, biases on the MLP linears"),
+    ("gemma3", {"final_logit_softcapping": 30.0}, "final_logit_softcapping: 30.0"),
+    ("gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping: 50.0"),
+    ("gemma3", {"use_bidirectional_attention": True}, "bidirectional attention"),
+    ("llama", {"hidden_act": "relu2"}, "hidden_act 'relu2' is not supported"),
+    ("gemma3", {"hidden_activation": "quick_gelu"}, "hidden_activation 'quick_gelu' is not supported"),
+    ("gemma3", {"layer_types": ["chunked_attention"] * 3}, "layer_types 'chunked_attention'"),
+    ("gemma3", {"architectures": ["Gemma3ForConditionalGeneration"]}, "multimodal model"),
+]
+
+
+@pytest.mark.parametrize("kind, overrides, message", REFUSED, ids=[f"{k}-{next(iter(o))}" for k, o, _ in REFUSED])
+def test_settings_the_decoder_does_not_implement_are_refused(kind, overrides, message):
+    raw = {**CONFIGS[kind]().to_dict(), **overrides}
+    with pytest.raises(QinferError, match="config.json") as e:
+        ModelConfig.from_dict(raw)
+    assert message in str(e.value)
+
+
+def _shard(folder, extra: dict | None = None):
+    """Split folder's model.safetensors into two shards with an index, plus ``extra`` files the index omits."""
+    tensors = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, folder / file)
+    weight_map = {k: file for file, keys in shards.items() for k in keys}
+    (folder / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    for file, stale in (extra or {}).items():
+        save_file({k: t * 2 for k, t in stale.items()}, folder / file)
+    return tensors
+
+
+def test_the_index_decides_which_shards_are_read(tmp_path):
+    """A file the index does not list (a stale shard, Mistral's consolidated.safetensors) is not read."""
+    ref = make_model("llama", tmp_path / "ref")
+    folder = tmp_path / "ref"
+    tensors = load_file(folder / "model.safetensors")
+    layer0 = {k: t for k, t in tensors.items() if k.startswith("model.layers.0.")}
+    _shard(folder, {"model-00099-of-00099.safetensors": layer0, "consolidated.safetensors": layer0})
+    ids = torch.randint(0, 97, (1, 11))
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(folder, dtype=torch.float32)(ids), ref(ids).logits, atol=2e-4, rtol=2e-4)
+    (folder / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(QinferError, match="model-00002-of-00002.safetensors .listed in model.safetensors.index.json. is missing"):
+        load_model(folder)
+
+
+def test_model_safetensors_is_read_without_an_index(tmp_path):
+    ref = make_model("llama", tmp_path)
+    stale = {k: t for k, t in load_file(tmp_path / "model.safetensors").items() if k.startswith("model.layers.1.")}
+    save_file({k: t * 2 for k, t in stale.items()}, tmp_path / "adapter_model.safetensors")
+    ids = torch.randint(0, 97, (1, 11))
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(tmp_path, dtype=torch.float32)(ids), ref(ids).logits, atol=2e-4, rtol=2e-4)
+
+
+def test_an_untied_model_without_its_lm_head_is_refused(tmp_path):
+    make_model("llama", tmp_path)  # tie_word_embeddings: false
+    tensors = load_file(tmp_path / "model.safetensors")
+    save_file({k: t for k, t in tensors.items() if k != "lm_head.weight"}, tmp_path / "model.safetensors")
+    with pytest.raises(QinferError, match="missing lm_head.weight"):
+        load_model(tmp_path)
+
+
+def test_a_tokenizer_with_ids_past_the_models_vocabulary_is_one_line(tmp_path):
+    """Another model's tokenizer: the first id without an embedding row is named, not an IndexError."""
+    config = transformers.LlamaConfig(**{**COMMON, "vocab_size": 40})
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    write_tokenizer(tmp_path)
+    tok = Tokenizer.from_folder(tmp_path)
+    low = [c for c in TEXT if (tok.token_to_id(c) or 99) < 40]
+    assert low and tok.encode(low[0])  # ids below 40 pass
+    with pytest.raises(QinferError):
+        tok.encode(TEXT)
+    assert_one_line_error(
+        run_qinfer("generate", str(tmp_path), "It is a truth universally acknowledged", "--max-tokens", "2"),
+        "(config.json vocab_size)", "are not this model's",
+    )
