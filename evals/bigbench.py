@@ -23,13 +23,13 @@ import difflib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 from pathlib import Path
 
-from qinfer.cache import cache_dir, sha256_file, write_atomic
+from qinfer.cache import cache_dir, sha256_file, temp_path, write_atomic
 from qinfer.errors import QinferError
 
 SDIST = "bigbench-1.0.0.tar.gz"
@@ -133,8 +133,9 @@ def _sdist() -> Path:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     print(f"qinfer: downloading BIG-bench ({REQUIREMENT} sdist, 358 MB) from PyPI with pip", file=sys.stderr)
-    with tempfile.TemporaryDirectory(prefix=".bigbench-download-", dir=path.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:", REQUIREMENT, "-d", tmp]
+    tmp = temp_path(path.parent, ".bigbench-download-", folder=True)
+    try:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:", REQUIREMENT, "-d", str(tmp)]
         fix = f"check network access to PyPI, or copy {SDIST} (from `pip download {REQUIREMENT}`) to {path.parent}"
         try:
             progress = sys.stderr.fileno()  # pip's progress bar goes to the user's terminal
@@ -148,10 +149,12 @@ def _sdist() -> Path:
             lines = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip()]
             reason = next((ln for ln in reversed(lines) if ln.startswith("ERROR")), lines[-1] if lines else "")
             raise QinferError(f"downloading {REQUIREMENT} with pip failed ({reason or 'no output'}); {fix}")
-        got = Path(tmp) / SDIST
+        got = tmp / SDIST
         if not got.exists():
             raise QinferError(f"pip download {REQUIREMENT} wrote no {SDIST}; {fix}")
         if sha256_file(got) != SDIST_SHA256:
             raise QinferError(f"the {SDIST} pip downloaded does not match bigbench 1.0.0's sha256; {fix}")
         os.replace(got, path)  # same folder, same file system: atomic
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return path

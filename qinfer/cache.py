@@ -1,8 +1,11 @@
 """Where pulled models and data live: ``$QINFER_CACHE`` or ``~/.cache/qinfer``; and the writing around it:
 atomic files and folders, output checks, the free memory, fingerprints of the code a cached result came from."""
 
+import errno
+import glob
 import hashlib
 import importlib
+import json
 import os
 import shutil
 import tempfile
@@ -10,6 +13,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from qinfer.errors import QinferError
+
+
+# The cache folders qinfer alone writes (pulled built-ins, GGUF and foreign-format conversions): never an -o.
+CACHE_OWNED = ("models", "converted", "gguf")
 
 
 def cache_root() -> Path:
@@ -41,10 +48,19 @@ def check_output(out: Path, force: bool, source: Path | None = None) -> None:
     out = Path(out)
     if source is not None and out.resolve() == Path(source).resolve():
         raise QinferError(f"-o {out} is the model being read: choose another -o")
+    if source is not None and force and out.resolve() in Path(source).resolve().parents:
+        raise QinferError(f"-o {out} holds the model being read ({source}): --force would delete it; choose another -o")
+    kept = [cache_root().resolve() / name for name in CACHE_OWNED]
+    if any(out.resolve() == k or k in out.resolve().parents for k in kept):
+        raise QinferError(f"-o {out} is inside qinfer's cache of pulled and converted models ({kept[0].parent}), "
+                          "which qinfer manages itself: choose another -o")
     if out.exists() or out.is_symlink():
         if not force:
             raise QinferError(f"{out} already exists: choose another -o or pass --force to replace it")
-        if not out.is_dir() or out.is_symlink():
+        if out.is_symlink():
+            raise QinferError(f"{out} is a symbolic link: --force replaces only a model folder, not a link to one; "
+                              "choose another -o")
+        if not out.is_dir():
             raise QinferError(f"{out} is not a folder: --force replaces only a model folder; choose another -o")
         if not (out / "config.json").exists() and any(out.iterdir()):
             raise QinferError(f"{out} is a folder without a model in it (no config.json): --force replaces only a "
@@ -85,16 +101,15 @@ def atomic_dir(target: Path, force: bool = False):
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    tmp = temp_path(target.parent, f".{target.name}.tmp-", folder=True)
     umask = os.umask(0)
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; the finished folder gets ordinary permissions
     try:
         yield tmp
-        if target.exists():
-            if not force:
-                raise FileExistsError(target)
-            old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        if target.exists() and force:
+            old = temp_path(target.parent, f".{target.name}.old-", folder=True)
+            old.rmdir()
             target.rename(old)
             tmp.rename(target)
             if old.is_dir() and not old.is_symlink():
@@ -102,19 +117,90 @@ def atomic_dir(target: Path, force: bool = False):
             else:
                 old.unlink(missing_ok=True)
         else:
-            tmp.rename(target)
+            if target.exists() or target.is_symlink():
+                raise _appeared(target)
+            try:
+                tmp.rename(target)  # an empty folder made meanwhile is replaced; a non-empty one raises
+            except OSError as e:
+                if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise _appeared(target) from None
+                raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _appeared(target: Path) -> QinferError:
+    return QinferError(f"{target} appeared while this run was writing it (another run with the same output?); "
+                       "this run's result was discarded: choose another -o, or pass --force to replace it")
+
+
+def temp_path(parent: Path, prefix: str, folder: bool) -> Path:
+    """A new temp folder (or empty file) in ``parent`` named ``<prefix><pid>-<random>``. Leftovers with the same
+    prefix whose process is gone (killed with SIGKILL, a power cut) are removed first, so they never pile up."""
+    for stale in Path(parent).glob(f"{glob.escape(prefix)}*"):
+        pid = stale.name[len(prefix):].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            if stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
+    name = f"{prefix}{os.getpid()}-"
+    if folder:
+        return Path(tempfile.mkdtemp(prefix=name, dir=parent))
+    fd, path = tempfile.mkstemp(prefix=name, dir=parent)
+    os.close(fd)
+    return Path(path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+MANIFEST = ".manifest.json"  # in a folder qinfer made in the cache: {file name: bytes} of everything it wrote
+
+
+def write_manifest(folder: Path) -> None:
+    """Record the name and size of every file in ``folder`` (a conversion qinfer made in the cache)."""
+    folder = Path(folder)
+    sizes = {f.name: f.stat().st_size for f in sorted(folder.iterdir()) if f.is_file() and f.name != MANIFEST}
+    write_atomic(folder / MANIFEST, json.dumps(sizes, indent=1))
+
+
+def damage(folder: Path) -> str:
+    """What no longer matches ``folder``'s manifest (a file missing or of another size), or '' if all does. A
+    folder without a manifest (made by an older qinfer) is taken as it is."""
+    folder = Path(folder)
+    try:
+        sizes = json.loads((folder / MANIFEST).read_text())
+    except FileNotFoundError:
+        return "" if folder.is_dir() else f"{folder} is missing"
+    except (OSError, ValueError):
+        return f"its {MANIFEST} is unreadable"
+    if not isinstance(sizes, dict):
+        return f"its {MANIFEST} is unreadable"
+    for name, size in sizes.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, not the {size} written"
+    return ""
 
 
 def write_atomic(path: Path, data: bytes | str) -> None:
     """Write ``data`` to a temp file beside ``path`` and rename it: readers see the old file or the new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    tmp = temp_path(path.parent, f".{path.name}.tmp-", folder=False)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
         umask = os.umask(0)
         os.umask(umask)

@@ -61,11 +61,14 @@ def pull(name, force):
 @cli.command(name="list")
 def list_models():
     """Show the built-in models and which are cached."""
-    from qinfer.cache import cache_dir
+    from qinfer.cache import cache_dir, damage
     from qinfer.registry import BUILTINS, is_pulled, model_dir
 
     for spec in BUILTINS.values():
-        state = f"cached at {model_dir(spec.name)}" if is_pulled(spec.name) else "not pulled"
+        folder = model_dir(spec.name)
+        state = f"cached at {folder}" if is_pulled(spec.name) else "not pulled"
+        if (folder / "config.json").exists() and damage(folder):
+            state = f"damaged ({damage(folder)}): `qinfer pull {spec.name}` converts it again"
         click.echo(f"{spec.name:24s} {state}\n{'':24s} {spec.description}")
     from qinfer.format import QUANT_CONFIG_FILE
 

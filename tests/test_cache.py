@@ -1,12 +1,19 @@
 """Atomic output folders: a finished folder or none, and --force never replaces what is not a model; the
 source fingerprints cached results are keyed on."""
 
+import os
+import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
+import click
 import pytest
+from click.testing import CliRunner
 
-from qinfer.cache import atomic_dir, check_output, source_fingerprint
-from qinfer.errors import QinferError
+from qinfer.cache import atomic_dir, check_output, damage, source_fingerprint, temp_path, write_manifest
+from qinfer.errors import Command, QinferError
 
 
 def test_atomic_dir_replaces_only_when_complete(tmp_path):
@@ -81,3 +88,80 @@ def test_source_fingerprint_follows_every_file_it_covers(tmp_path, monkeypatch, 
         (tmp_path / path).write_text(text)
         seen.append(source_fingerprint(("fp_mod",), "fp_pkg"))
     assert len(set(seen)) == 5
+
+
+def test_check_output_never_lets_force_delete_the_source_or_the_cache(tmp_path, monkeypatch):
+    outer = tmp_path / "outer"
+    (outer / "inner").mkdir(parents=True)
+    (outer / "config.json").write_text("{}")
+    with pytest.raises(QinferError, match="holds the model being read"):
+        check_output(outer, force=True, source=outer / "inner")
+    check_output(outer / "inner" / "q", force=False, source=outer / "inner")  # inside the source: fine
+    monkeypatch.setenv("QINFER_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache" / "models" / "gemma3-270m").mkdir(parents=True)
+    for out in ("models/gemma3-270m", "converted/x", "gguf"):
+        with pytest.raises(QinferError, match="qinfer's cache of pulled and converted models"):
+            check_output(tmp_path / "cache" / out, force=True)
+    check_output(tmp_path / "cache" / "quantized" / "mine", force=False)  # the main job's outputs live here
+    (tmp_path / "link").symlink_to(outer)
+    with pytest.raises(QinferError, match="is a symbolic link"):
+        check_output(tmp_path / "link", force=True)
+
+
+def test_an_output_made_meanwhile_by_another_run_is_one_line_and_kept(tmp_path):
+    target = tmp_path / "out"
+    with pytest.raises(QinferError, match="appeared while this run was writing it"):
+        with atomic_dir(target) as tmp:
+            (tmp / "config.json").write_text("mine")
+            target.mkdir()  # the other run finished first
+            (target / "config.json").write_text("theirs")
+    assert (target / "config.json").read_text() == "theirs"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_temp_leftovers_of_dead_processes_are_swept(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    (tmp_path / f".out.tmp-{pid}-abc").mkdir()  # a run killed with SIGKILL
+    (tmp_path / f".out.tmp-{pid}-def").write_text("half")
+    (tmp_path / f".out.tmp-{os.getpid()}-ghi").mkdir()  # a live run's
+    (tmp_path / ".other.tmp-1-x").mkdir()  # another target's
+    made = temp_path(tmp_path, ".out.tmp-", folder=True)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == sorted([".other.tmp-1-x", f".out.tmp-{os.getpid()}-ghi", made.name])
+    assert made.name.startswith(f".out.tmp-{os.getpid()}-") and made.is_dir()
+
+
+def test_a_manifest_names_a_missing_or_resized_file(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 100)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert damage(tmp_path) == ""  # no manifest: taken as it is
+    write_manifest(tmp_path)
+    assert damage(tmp_path) == ""
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
+    assert damage(tmp_path) == "model.safetensors has 10 bytes, not the 100 written"
+    (tmp_path / "model.safetensors").write_bytes(b"y" * 100)  # same size: taken as intact (sizes only)
+    (tmp_path / "tokenizer.json").unlink()
+    assert damage(tmp_path) == "tokenizer.json is missing"
+
+
+@click.command(cls=Command)
+@click.argument("target")
+@click.argument("how")
+def _writer(target, how):
+    with atomic_dir(Path(target)) as tmp:
+        (tmp / "config.json").write_text("{}")
+        if how == "term":
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)
+        raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("how, code, message", [("term", 143, "Error: terminated (SIGTERM)"),
+                                                ("int", 130, "Error: interrupted")])
+def test_sigterm_and_ctrl_c_unwind_and_leave_nothing_half_written(tmp_path, how, code, message):
+    previous = signal.getsignal(signal.SIGTERM)
+    result = CliRunner().invoke(_writer, [str(tmp_path / "out"), how])
+    assert result.exit_code == code and message in result.output, result.output
+    assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) is previous  # the handler is the command's only

@@ -9,8 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from qinfer import registry
 from qinfer.errors import QinferError
 from qinfer.gguf_convert import convert_gguf, unpermute_qk
+from qinfer.sources import resolve_model
 from tests.conftest import builtin_gguf
 from tests.gguf_fixtures import (
     bpe_vocab_metadata,
@@ -278,3 +280,22 @@ def test_real_smollm2_135m_chat_knows_paris(tmp_path):
     prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     assert prompt.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
     assert "Paris" in tok.decode(_greedy(out, tok.encode(prompt), 12))
+
+
+def test_a_damaged_conversion_in_the_cache_is_made_again(llama_case, monkeypatch):
+    """A cached conversion (a .gguf given as MODEL, or a built-in) with a file missing or cut short is
+    converted again on next use instead of failing with advice that cannot be followed."""
+    _, path = llama_case
+    folder = resolve_model(str(path))
+    weights = folder / "model.safetensors"
+    good = weights.read_bytes()
+    weights.write_bytes(good[:1000])
+    assert resolve_model(str(path)) == folder and weights.read_bytes() == good
+
+    monkeypatch.setattr(registry, "fetch_gguf", lambda spec, force=False: path)
+    name = "smollm2-135m-instruct"
+    pulled = registry.pull(name)
+    assert registry.is_pulled(name)
+    (pulled / "tokenizer.json").unlink()
+    assert not registry.is_pulled(name)
+    assert registry.pull(name) == pulled and (pulled / "tokenizer.json").is_file() and registry.is_pulled(name)

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from qinfer.cache import atomic_dir, check_output
+from qinfer.cache import atomic_dir, check_output, damage, write_manifest
 from qinfer.errors import QinferError
 from qinfer.format import QUANT_CONFIG_FILE, QuantScheme, packed_weight
 from qinfer.interop import compressed_tensors as ct
@@ -170,8 +170,9 @@ def imported_copy(src: Path, cache: Path) -> Path:
         with open(f, "rb") as fh:
             h.update(fh.read(1 << 20))
     target = cache / "converted" / f"{src.resolve().name}-{h.hexdigest()[:16]}"
-    if not (target / QUANT_CONFIG_FILE).exists():
+    if not (target / QUANT_CONFIG_FILE).exists() or damage(target):
         import_folder(src, target, force=True)
+        write_manifest(target)
     return target
 
 

@@ -165,6 +165,15 @@ def test_an_imported_copy_follows_its_tokenizer_files(quantized, tmp_path):
     assert "chat_template" not in json.loads((again / "tokenizer_config.json").read_text())
 
 
+def test_a_damaged_imported_copy_is_made_again(quantized, tmp_path):
+    export_folder(quantized / "int4-sym", tmp_path / "gptq", "gptq")
+    copy = resolve_model(str(tmp_path / "gptq"))
+    expected = logits(copy)
+    (copy / "model.safetensors").write_bytes((copy / "model.safetensors").read_bytes()[:1000])
+    assert resolve_model(str(tmp_path / "gptq")) == copy
+    torch.testing.assert_close(logits(copy), expected, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors"])
 def test_export_leaves_the_stored_bos_position_out(src, tmp_path, fmt):
     quantize_model(src, tmp_path / "q", SCHEMES["int4-sym"], CalibConfig(samples=2, seq_len=16))
