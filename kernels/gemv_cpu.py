@@ -43,13 +43,12 @@ import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 from torch.autograd import profiler
 
-from qinfer.cache import cache_dir
+from qinfer.cache import cache_dir, sha256_file, temp_path, write_atomic
 from qinfer.format import Fp8Weight, QuantizedWeight
 from qinfer.kernels.prepared import per_weight
 
@@ -77,17 +76,10 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
         key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
         path = cache_dir() / "kernels" / f"gemv_cpu-{key}.so"
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".gemv_cpu-", suffix=".so", dir=path.parent)
-            os.close(fd)
-            try:
-                run = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
-                if run.returncode:
-                    return None, f"{cc} failed: {(run.stderr.strip().splitlines() or ['?'])[-1]}"
-                os.replace(tmp, path)
-            finally:
-                Path(tmp).unlink(missing_ok=True)
+        if not _intact(path):  # not built yet, or damaged since (loading a truncated library can crash)
+            failed = _build(cc, path)
+            if failed:
+                return None, failed
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"building the CPU GEMV kernels failed: {e}"
@@ -102,6 +94,27 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         kernel.argtypes, kernel.restype = [_P, _P, ctypes.c_int], ctypes.c_int
     lib.qinfer_int4_vnni.argtypes, lib.qinfer_int4_vnni.restype = [ctypes.c_int], ctypes.c_int
     return lib, ""
+
+
+def _intact(path: Path) -> bool:
+    """Whether ``path`` is the library :func:`_build` wrote: its sha256 is the one recorded beside it."""
+    digest = path.with_suffix(".sha256")
+    return path.is_file() and digest.is_file() and digest.read_text().strip() == sha256_file(path)
+
+
+def _build(cc: str, path: Path) -> str:
+    """Compile the kernels to ``path`` (atomically); '' or why it failed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(path.parent, ".gemv_cpu-", folder=False)
+    try:
+        run = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True, timeout=300)
+        if run.returncode:
+            return f"{cc} failed: {(run.stderr.strip().splitlines() or ['?'])[-1]}"
+        os.replace(tmp, path)
+        write_atomic(path.with_suffix(".sha256"), sha256_file(path))
+        return ""
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 @torch.compiler.assume_constant_result  # a traced graph keeps the path it was traced with

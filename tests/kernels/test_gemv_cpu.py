@@ -2,6 +2,9 @@
 
 import contextlib
 import gc
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -286,3 +289,17 @@ def test_without_the_kernels_one_row_takes_pytorchs(monkeypatch, tmp_path):
         assert not list((tmp_path / "kernels").iterdir())  # the failed build left nothing behind
     finally:
         gemv_cpu._library.cache_clear()
+
+
+def test_a_damaged_cached_library_is_built_again(tmp_path):
+    """Loading a cut-short .so can crash the process (SIGBUS): its recorded sha256 is checked first."""
+    probe = [sys.executable, "-c", "from qinfer.kernels import gemv_cpu; print(gemv_cpu.available())"]
+    env = {**os.environ, "QINFER_CACHE": str(tmp_path)}
+    assert subprocess.run(probe, env=env, capture_output=True, text=True).stdout.strip() == "True"
+    (built,) = (tmp_path / "kernels").glob("*.so")
+    size = built.stat().st_size
+    with open(built, "r+b") as f:
+        f.truncate(1000)
+    proc = subprocess.run(probe, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stderr
+    assert built.stat().st_size == size
