@@ -17,31 +17,15 @@ and RTN 4-bit g128 with fp16 scales 4.125. Weight counts come from the stored sh
 import dataclasses
 import hashlib
 import json
-import struct
 from pathlib import Path
 
 from qinfer.arch import ModelConfig
 from qinfer.errors import QinferError
 from qinfer.format import QUANT_CONFIG_FILE, QuantScheme
-from qinfer.loader import weight_files
+from qinfer.loader import safetensors_header, weight_files
 
 _WEIGHT_KEYS = ("weight", "qweight", "scale", "zero", "perm")  # a linear's stored weight; its bias is not a weight
 _HASHED_FILES = ("config.json", QUANT_CONFIG_FILE)
-
-
-def safetensors_header(path: Path) -> dict:
-    """The JSON header of one .safetensors file (``__metadata__`` removed)."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise QinferError(f"{path} is truncated (no safetensors header): re-download or re-convert it")
-        (n,) = struct.unpack("<Q", head)
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise QinferError(f"{path} has a corrupt safetensors header: re-download or re-convert it") from None
-    header.pop("__metadata__", None)
-    return header
 
 
 def content_key(folder: Path) -> str:
@@ -55,7 +39,7 @@ def content_key(folder: Path) -> str:
         stat = path.stat()
         h.update(f"{path.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
     for path in weight_files(folder):
-        h.update(json.dumps(safetensors_header(path), sort_keys=True).encode())
+        h.update(json.dumps(safetensors_header(path)[0], sort_keys=True).encode())
     return h.hexdigest()
 
 
@@ -69,7 +53,7 @@ def effective_bits(folder: Path) -> float:
     folder = Path(folder)
     header: dict[str, dict] = {}
     for path in weight_files(folder):
-        header.update(safetensors_header(path))
+        header.update(safetensors_header(path)[0])
     config = ModelConfig.from_folder(folder)
     scheme = QuantScheme.load(folder) if (folder / QUANT_CONFIG_FILE).exists() else None
     prefixes = [f"model.layers.{i}.{name}" for i in range(config.num_layers) for name in config.arch.linear_names]

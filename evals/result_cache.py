@@ -9,16 +9,21 @@ with more tasks, or with ``--speed`` after ``--no-speed``, reuse everything it s
 Files are written atomically; an unreadable one counts as a miss and is overwritten.
 """
 
+import dataclasses
 import functools
 import hashlib
 import json
+import typing
 from pathlib import Path
 
 import torch
 
 from qinfer.cache import cache_dir, source_fingerprint, write_atomic
+from qinfer.errors import QinferError
 from qinfer.kernels import gemv_cpu
 from qinfer.loader import weight_pages
+
+T = typing.TypeVar("T")
 
 # Bump when a measurement changes meaning, so old cached numbers are not mixed with new ones.
 CACHE_VERSION = 2
@@ -58,12 +63,41 @@ def _path(part: str, key: str) -> Path:
     return cache_dir() / "eval" / part / f"{key}.json"
 
 
-def load(part: str, key: str) -> dict | None:
+def load(part: str, key: str, cls: type[T]) -> T | None:
+    """The cached ``cls`` (a dataclass of numbers and strings) under ``key``, or None: a file that is missing,
+    unreadable, or not such a record (a field missing, unknown or of the wrong type) counts as a miss."""
     try:
         value = json.loads(_path(part, key).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return value if isinstance(value, dict) else None
+    if not isinstance(value, dict):
+        return None
+    hints = typing.get_type_hints(cls)
+    fields = dataclasses.fields(cls)
+    missing = dataclasses.MISSING
+    required = {f.name for f in fields if f.default is missing and f.default_factory is missing}
+    if not required <= set(value) <= {f.name for f in fields}:
+        return None
+    if not all(_fits(v, hints[name]) for name, v in value.items()):
+        return None
+    try:
+        return cls(**value)
+    except (QinferError, TypeError, ValueError):
+        return None
+
+
+def _fits(value, hint) -> bool:
+    """Whether a JSON value is of the type ``hint`` (int, float, str, X | None, dict[str, X])."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is dict:
+        return isinstance(value, dict) and all(isinstance(k, str) and _fits(v, args[1]) for k, v in value.items())
+    if args:  # a union: X | None
+        return any(_fits(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if isinstance(value, bool):
+        return hint is bool
+    return isinstance(value, (int, float) if hint is float else hint)
 
 
 def store(part: str, key: str, value: dict) -> None:

@@ -201,8 +201,9 @@ def _check_context(config: EvalConfig, models: list[_Model]) -> None:
 def _text_part(config, models: list[_Model], baseline: _Model, text: str, tokens, fields: dict) -> dict[str, TextMetrics]:
     """Text metrics of every model: cached ones read, the rest measured in one pass over the text."""
     keys = {m.label: result_cache.cache_key("text", model=m.key, **fields) for m in models}
-    found = {label: result_cache.load("text", key) if config.cache else None for label, key in keys.items()}
-    out = {label: TextMetrics(**value) for label, value in found.items() if value is not None}
+    found = {label: result_cache.load("text", key, TextMetrics) if config.cache else None
+             for label, key in keys.items()}
+    out = {label: metrics for label, metrics in found.items() if metrics is not None}
     todo = [m for m in models if m.label not in out]
     if not todo:
         return out
@@ -240,14 +241,14 @@ def _model_parts(config, models: list[_Model], examples: dict, roofline: Rooflin
     tasks = {m.label: {} for m in models}
     for label, keys in task_keys.items():
         for task, key in keys.items():
-            value = result_cache.load("task", key) if config.cache else None
+            value = result_cache.load("task", key, MCResult) if config.cache else None
             if value is not None:
-                tasks[label][task] = MCResult(**value)
+                tasks[label][task] = value
     speeds = {}
     for label, key in speed_keys.items():
-        value = result_cache.load("speed", key) if config.cache else None
+        value = result_cache.load("speed", key, SpeedResult) if config.cache else None
         if value is not None:
-            speeds[label] = SpeedResult(**value)
+            speeds[label] = value
     untimed = [label for label in speed_keys if label not in speeds]
     todo = [m for m in models if len(tasks[m.label]) < len(examples) or m.label in untimed]
     for batch in _memory_batches(todo):

@@ -18,7 +18,15 @@ class ChatSession:
                  compiled: bool = False):
         if not tokenizer.chat_template:
             raise QinferError("this model has no chat template (a base model?): use `qinfer generate` instead")
+        context = model.config.max_position_embeddings
+        if params.max_tokens >= context:  # no turn could run
+            raise QinferError(f"--max-tokens {params.max_tokens} leaves no room for a prompt in the model's context "
+                              f"of {context} tokens: lower --max-tokens")
         if system:  # a template that takes no system message would fail every turn: refuse it now
+            try:
+                tokenizer.encode(system, add_bos=False)
+            except QinferError as e:
+                raise QinferError(f"--system: {e}") from None
             probe = [{"role": "system", "content": system}, {"role": "user", "content": "Hello."}]
             try:
                 tokenizer.apply_chat_template(probe, add_generation_prompt=True)

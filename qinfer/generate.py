@@ -62,10 +62,9 @@ class GenerationStats:
 
     def summary(self) -> str:
         compiled = f", compiling the decode step {self.compile_seconds:.0f} s" if self.compile_steps else ""
-        return (
-            f"prefill {self.prompt_tokens} tok at {self.prefill_tps:.1f} tok/s, "
-            f"decode {self.generated_tokens} tok at {self.decode_tps:.1f} tok/s{compiled}"
-        )
+        rate = f"at {self.decode_tps:.1f} tok/s" if self.decode_tps else "(no decode step after prefill's to time)"
+        prefill = f"prefill {self.prompt_tokens} tok at {self.prefill_tps:.1f} tok/s"
+        return f"{prefill}, decode {self.generated_tokens} tok {rate}{compiled}"
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ of 2 MiB pages (Linux's transparent huge pages), see :func:`into_huge_pages`.
 
 import dataclasses
 import json
+import math
 import mmap
 import os
 import struct
@@ -44,10 +45,12 @@ _DTYPES = {
 }
 
 
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """Memory-map one .safetensors file; checks the header and that the file holds every byte it declares."""
+def safetensors_header(path: Path) -> tuple[dict, int]:
+    """(the checked JSON header of one .safetensors file without ``__metadata__``, the header's length): every
+    tensor has a known dtype, a shape and data offsets that match it and lie inside the file."""
     path = Path(path)
     size = path.stat().st_size
+    corrupt = QinferError(f"{path} has a corrupt safetensors header: re-download or re-convert it")
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
@@ -58,20 +61,41 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         try:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise QinferError(f"{path} has a corrupt safetensors header: re-download or re-convert it") from None
-        header.pop("__metadata__", None)
-        ends = [info["data_offsets"][1] for info in header.values()]
-        if ends and 8 + n + max(ends) > size:
-            raise QinferError(
-                f"{path} is truncated ({size} bytes, header declares {8 + n + max(ends)}): re-download or re-convert it"
-            )
+            raise corrupt from None
+    if not isinstance(header, dict):
+        raise corrupt
+    header.pop("__metadata__", None)
+    for info in header.values():
+        try:
+            shape, (start, end) = info["shape"], info["data_offsets"]
+            numel = math.prod(shape) if all(type(d) is int and d >= 0 for d in shape) else -1
+            if type(start) is not int or type(end) is not int or not 0 <= start <= end or numel < 0:
+                raise corrupt
+            if end - start != numel * _DTYPES[info["dtype"]].itemsize:
+                raise corrupt
+        except (KeyError, TypeError, ValueError):
+            if isinstance(info, dict) and isinstance(info.get("dtype"), str) and info["dtype"] not in _DTYPES:
+                raise QinferError(f"{path}: a tensor has unsupported dtype {info['dtype']}") from None
+            raise corrupt from None
+    ends = [info["data_offsets"][1] for info in header.values()]
+    if ends and 8 + n + max(ends) > size:
+        raise QinferError(
+            f"{path} is truncated ({size} bytes, header declares {8 + n + max(ends)}): re-download or re-convert it"
+        )
+    return header, n
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Memory-map one .safetensors file; checks the header and that the file holds every byte it declares."""
+    path = Path(path)
+    header, n = safetensors_header(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else b""
     if size:
         _MAPPINGS.append((weakref.ref(buf), torch.frombuffer(buf, dtype=torch.uint8, count=1).data_ptr(), size))
     tensors = {}
     for name, info in header.items():
-        if info["dtype"] not in _DTYPES:
-            raise QinferError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
         dtype = _DTYPES[info["dtype"]]
         start, end = info["data_offsets"]
         count = (end - start) // dtype.itemsize

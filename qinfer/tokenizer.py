@@ -116,6 +116,16 @@ class _SentencePieceBackend:
         return self._sp.id_to_piece(token_id) if 0 <= token_id < self.vocab_size else None
 
 
+def _check_utf8(text: str) -> None:
+    """Refuse text holding bytes that were not UTF-8 (Python keeps them from argv and stdin as lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(e.object[e.start])
+        what = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"U+{c:04X}"
+        raise QinferError(f"the text is not valid UTF-8 ({what} at character {e.start}): give UTF-8 text") from None
+
+
 def _parsed(file: Path, parse):
     """``parse(str(file))``, or one line naming a tokenizer file its library cannot read."""
     try:
@@ -204,6 +214,7 @@ class Tokenizer:
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         """Token ids of ``text``; with ``add_bos`` it starts with one BOS if the model uses BOS (see module doc)."""
+        _check_utf8(text)
         ids = self._backend.encode(text, add_special=add_bos and self.add_bos_token is not False)
         bos = self.bos_id
         if add_bos and bos is not None:

@@ -46,6 +46,40 @@ def test_truncated_safetensors(tmp_path):
     assert_one_line_error(run_qinfer("generate", str(tmp_path), "hi"), "truncated")
 
 
+@pytest.mark.parametrize("edit", ["no data_offsets", "offsets past the shape", "a string shape"])
+def test_a_safetensors_header_that_does_not_describe_its_tensors_is_one_line(tmp_path, edit):
+    make_model("llama", tmp_path)
+    weights = tmp_path / "model.safetensors"
+    data = weights.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    info = header["model.norm.weight"]
+    if edit == "no data_offsets":
+        info["offsets"] = info.pop("data_offsets")
+    elif edit == "offsets past the shape":
+        info["data_offsets"][1] += 4
+    else:
+        info["shape"] = ["64"]
+    text = json.dumps(header).encode()
+    text += b" " * (n - len(text))  # the same length, so every tensor stays where it was
+    weights.write_bytes(data[:8] + text + data[8 + n :])
+    assert_one_line_error(run_qinfer("generate", str(tmp_path), "hi"), "model.safetensors has a corrupt safetensors header")
+
+
+def test_text_that_is_not_utf8_is_one_line(tmp_path):
+    make_model("llama", tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "qinfer", "generate", str(tmp_path), b"Hello \xff world"],
+                          capture_output=True, text=True, timeout=300)
+    assert_one_line_error(proc, "not valid UTF-8 (byte 0xff at character 6)")
+    chat = subprocess.run([sys.executable, "-m", "qinfer", "chat", str(tmp_path), "--max-tokens", "3"],
+                          input=b"Hi \xfe\nhello\n", capture_output=True, timeout=300)
+    replies = chat.stdout.decode().strip().splitlines()
+    assert chat.returncode == 0 and len(replies) == 2 and "byte 0xfe" in replies[0] and "UTF-8" not in replies[1]
+    proc = subprocess.run([sys.executable, "-m", "qinfer", "chat", str(tmp_path), "--system", b"be \xff"],
+                          input="hi\n", capture_output=True, text=True, timeout=300)
+    assert_one_line_error(proc, "--system: the text is not valid UTF-8")
+
+
 def test_unsupported_architecture(tmp_path):
     make_model("llama", tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())

@@ -164,6 +164,21 @@ def test_a_request_longer_than_the_context_is_refused_before_any_output(tmp_path
     assert "exceeds" not in replies[0] + replies[2]
 
 
+def test_one_token_has_no_decode_rate_to_report():
+    """The only token came out of prefill: no decode step was timed, so no "0.0 tok/s" either."""
+    one = GenerationStats(prompt_tokens=3, generated_tokens=1, prefill_seconds=0.5, decode_seconds=0.0).summary()
+    assert one == "prefill 3 tok at 6.0 tok/s, decode 1 tok (no decode step after prefill's to time)"
+    three = GenerationStats(prompt_tokens=3, generated_tokens=3, prefill_seconds=0.5, decode_seconds=0.5).summary()
+    assert three.endswith("decode 3 tok at 4.0 tok/s")
+
+
+def test_chat_refuses_max_tokens_that_leave_no_room_for_a_prompt(tmp_path):
+    make_model("llama", tmp_path)  # a context of 256 positions
+    proc = subprocess.run([sys.executable, "-m", "qinfer", "chat", str(tmp_path), "--max-tokens", "256"],
+                          input="hello\n", capture_output=True, text=True, timeout=300)
+    assert_one_line_error(proc, "--max-tokens 256 leaves no room for a prompt in the model's context of 256 tokens")
+
+
 def test_chat_drops_a_turn_its_template_refuses_and_refuses_a_system_message_it_cannot_take(tmp_path):
     make_model("llama", tmp_path)
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())

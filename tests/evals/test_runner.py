@@ -6,6 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from qinfer.cache import cache_dir
 from qinfer.errors import QinferError
 from qinfer.evals import result_cache, runner
 from qinfer.evals.report import SCHEMA_VERSION, format_table
@@ -126,6 +127,27 @@ def test_a_runtime_code_change_is_a_cache_miss(env, count_loads, monkeypatch):
     monkeypatch.setattr(result_cache, "speed_fingerprint", lambda: "another way of timing")
     run_eval(config)
     assert timed == [1]  # a change to how speed is timed measures the speed again
+
+
+def test_cached_results_of_the_wrong_shape_are_measured_again(env, count_loads):
+    """A cached part that parses but is not the record (fields missing, of the wrong type, unknown) is a miss."""
+    install_tasks()
+    install_roofline()
+    config = EvalConfig(models=(env["model"],), text=env["text"], **{**SMALL, **SPEED, "tasks": ("truths",)})
+    first = run_eval(config)
+    files = sorted((cache_dir() / "eval").rglob("*.json"))
+    assert {f.parent.name for f in files} == {"text", "task", "speed"}
+    for bad in ("{}", None, "extra"):
+        for f in files:
+            value = json.loads(f.read_text())
+            if bad is None:  # every field a string
+                value = {k: "abc" for k in value}
+            elif bad == "extra":
+                value["unknown"] = 1
+            f.write_text(bad if bad == "{}" else json.dumps(value))
+        count_loads.clear()
+        again = run_eval(config)
+        assert count_loads and again[0].text == first[0].text and again[0].tasks == first[0].tasks
 
 
 def test_results_json_follows_the_documented_schema(env):
