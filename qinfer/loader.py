@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from qinfer.arch import ModelConfig
+from qinfer.cache import cache_root
 from qinfer.errors import QinferError
 from qinfer.format import QUANT_CONFIG_FILE, QuantScheme, packed_weight
 from qinfer.model import BosState, QLinear, RMSNorm, Transformer, fuse_linears
@@ -45,19 +46,30 @@ _DTYPES = {
 }
 
 
+def _redo(path: Path) -> str:
+    """How to get a damaged weight file back: a built-in's is pulled again, a cached conversion made again."""
+    root, folder = cache_root().absolute(), Path(path).absolute().parent
+    if folder.parent == root / "models":
+        return f"`qinfer pull {folder.name} --force` converts it again"
+    if folder.parent == root / "converted":
+        return f"delete {folder} and qinfer converts it again when next given the same model"
+    return "re-download or re-convert it"
+
+
 def safetensors_header(path: Path) -> tuple[dict, int]:
     """(the checked JSON header of one .safetensors file without ``__metadata__``, the header's length): every
     tensor has a known dtype, a shape and data offsets that match it and lie inside the file."""
     path = Path(path)
     size = path.stat().st_size
-    corrupt = QinferError(f"{path} has a corrupt safetensors header: re-download or re-convert it")
+    fix = _redo(path)
+    corrupt = QinferError(f"{path} has a corrupt safetensors header: {fix}")
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise QinferError(f"{path} is truncated (no safetensors header): re-download or re-convert it")
+            raise QinferError(f"{path} is truncated (no safetensors header): {fix}")
         (n,) = struct.unpack("<Q", head)
         if n > size - 8:
-            raise QinferError(f"{path} is truncated or not a safetensors file: re-download or re-convert it")
+            raise QinferError(f"{path} is truncated or not a safetensors file: {fix}")
         try:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -80,7 +92,7 @@ def safetensors_header(path: Path) -> tuple[dict, int]:
     ends = [info["data_offsets"][1] for info in header.values()]
     if ends and 8 + n + max(ends) > size:
         raise QinferError(
-            f"{path} is truncated ({size} bytes, header declares {8 + n + max(ends)}): re-download or re-convert it"
+            f"{path} is truncated ({size} bytes, header declares {8 + n + max(ends)}): {fix}"
         )
     return header, n
 

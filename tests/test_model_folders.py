@@ -98,3 +98,16 @@ def test_a_tokenizer_with_ids_past_the_models_vocabulary_is_one_line(tmp_path):
         run_qinfer("generate", str(tmp_path), "It is a truth universally acknowledged", "--max-tokens", "2"),
         "(config.json vocab_size)", "are not this model's",
     )
+
+
+@pytest.mark.parametrize("place, fix", [("models/smollm2-135m-instruct", "`qinfer pull smollm2-135m-instruct --force`"),
+                                        ("converted/m-0123", "delete "), ("elsewhere/m", "re-download or re-convert")])
+def test_a_truncated_weight_file_names_the_fix_for_where_it_is(tmp_path, monkeypatch, place, fix):
+    monkeypatch.setenv("QINFER_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "cache" / place
+    make_model("llama", folder)
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(QinferError, match="is truncated") as e:
+        load_model(folder)
+    assert fix in str(e.value)
