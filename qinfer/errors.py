@@ -67,6 +67,7 @@ def _sigterm_unwinds():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+
     def terminate(signum, frame):
         raise Terminated(128 + signum)
 
