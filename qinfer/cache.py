@@ -136,8 +136,20 @@ def _appeared(target: Path) -> QinferError:
 
 
 def temp_path(parent: Path, prefix: str, folder: bool) -> Path:
-    """A new temp folder (or empty file) in ``parent`` named ``<prefix><pid>-<random>``. Leftovers with the same
-    prefix whose process is gone (killed with SIGKILL, a power cut) are removed first, so they never pile up."""
+    """A new temp folder (or empty file) in ``parent`` named ``<prefix><pid>-<random>``, after
+    :func:`sweep_temp` of the same prefix."""
+    sweep_temp(parent, prefix)
+    name = f"{prefix}{os.getpid()}-"
+    if folder:
+        return Path(tempfile.mkdtemp(prefix=name, dir=parent))
+    fd, path = tempfile.mkstemp(prefix=name, dir=parent)
+    os.close(fd)
+    return Path(path)
+
+
+def sweep_temp(parent: Path, prefix: str) -> None:
+    """Remove the :func:`temp_path` leftovers in ``parent`` with ``prefix`` whose process is gone (killed with
+    SIGKILL, a power cut), so they never pile up."""
     for stale in Path(parent).glob(f"{glob.escape(prefix)}*"):
         pid = stale.name[len(prefix):].split("-", 1)[0]
         if pid.isdigit() and not _alive(int(pid)):
@@ -145,12 +157,6 @@ def temp_path(parent: Path, prefix: str, folder: bool) -> Path:
                 shutil.rmtree(stale, ignore_errors=True)
             else:
                 stale.unlink(missing_ok=True)
-    name = f"{prefix}{os.getpid()}-"
-    if folder:
-        return Path(tempfile.mkdtemp(prefix=name, dir=parent))
-    fd, path = tempfile.mkstemp(prefix=name, dir=parent)
-    os.close(fd)
-    return Path(path)
 
 
 def _alive(pid: int) -> bool:

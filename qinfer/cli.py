@@ -187,6 +187,7 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
              mse_clip, true_sequential, fp_target, fp_target_damp, keep_bos, force):
     """Quantize MODEL into the qinfer format (safetensors + quant_config.json) at OUT."""
     from qinfer.block_tune import TuneConfig
+    from qinfer.cache import check_output
     from qinfer.format import QuantScheme
     from qinfer.quantize import CalibConfig, quantize_model, uses_calibration
     from qinfer.sources import resolve_model
@@ -224,6 +225,8 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
     from qinfer.interop.folders import foreign_quant_method
 
     path = Path(model).expanduser()
+    if path.exists():  # the path given, not only the copy in the cache a GGUF or GPTQ folder is converted into
+        check_output(Path(out), force, source=path)
     if (path / "config.json").is_file() and foreign_quant_method(path) is not None:  # before converting it
         raise QinferError(f"{model} is already quantized ({foreign_quant_method(path)}): quantize the original "
                           "model instead")
@@ -242,9 +245,12 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
 @click.option("--force", is_flag=True, help="Replace OUT if it is a model folder (one with config.json) or empty.")
 def export(model, out, fmt, force):
     """Write the qinfer-quantized MODEL as a GPTQ or compressed-tensors checkpoint at OUT."""
+    from qinfer.cache import check_output
     from qinfer.interop.folders import export_folder
     from qinfer.sources import resolve_model
 
+    if Path(model).expanduser().exists():  # the path given, not only its converted copy in the cache
+        check_output(Path(out), force, source=Path(model).expanduser())
     report = export_folder(resolve_model(model), out, fmt, force=force)
     click.echo(f"wrote {report.out} ({fmt}, {report.linears} quantized linears)")
     from qinfer.loader import is_bos_tensor

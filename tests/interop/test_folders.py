@@ -216,3 +216,14 @@ def test_unsupported_foreign_quantization_is_one_line(src, tmp_path):
     config["quantization_config"] = {"quant_method": "awq", "bits": 4}
     (folder / "config.json").write_text(json.dumps(config))
     assert_one_line_error(run_qinfer("generate", str(folder), "hi"), "quant_method 'awq' is not supported")
+
+
+def test_force_never_deletes_a_foreign_folder_being_read(quantized, tmp_path):
+    """The check is on the path given, not only on the qinfer-format copy in the cache that is read."""
+    export_folder(quantized / "int4-sym", tmp_path / "outer" / "gptq", "gptq")
+    (tmp_path / "outer" / "config.json").write_text("{}")  # looks like a model folder --force may replace
+    for out in ("outer", "outer/gptq"):
+        proc = run_qinfer("export", str(tmp_path / "outer" / "gptq"), "-o", str(tmp_path / out), "--force",
+                          "--format", "compressed-tensors")
+        assert_one_line_error(proc, "the model being read")
+    assert (tmp_path / "outer" / "gptq" / "model.safetensors").is_file()
