@@ -22,14 +22,18 @@ class ChatSession:
         if params.max_tokens >= context:  # no turn could run
             raise QinferError(f"--max-tokens {params.max_tokens} leaves no room for a prompt in the model's context "
                               f"of {context} tokens: lower --max-tokens")
-        if system:  # a template that takes no system message would fail every turn: refuse it now
+        hello = [{"role": "user", "content": "Hello."}]
+        try:  # a template or tokenizer that fails on a plain first turn would fail every turn: refuse it now
+            _encoded(tokenizer, hello)
+        except QinferError as e:
+            raise QinferError(f"this model cannot take a first chat turn: {e}") from None
+        if system:  # likewise a template that takes no system message
             try:
                 tokenizer.encode(system, add_bos=False)
             except QinferError as e:
                 raise QinferError(f"--system: {e}") from None
-            probe = [{"role": "system", "content": system}, {"role": "user", "content": "Hello."}]
             try:
-                tokenizer.apply_chat_template(probe, add_generation_prompt=True)
+                _encoded(tokenizer, [{"role": "system", "content": system}, *hello])
             except QinferError as e:
                 raise QinferError(f"--system: {e}; this model's template may take no system message: drop --system") \
                     from None
@@ -43,10 +47,10 @@ class ChatSession:
 
     def reply(self, text: str, stats: GenerationStats | None = None) -> Iterator[str]:
         """Stream the assistant's answer to ``text`` as text pieces; the answer joins the history."""
+        self.tokenizer.encode(text, add_bos=False)  # text the tokenizer refuses is named as typed, not as templated
         self.messages.append({"role": "user", "content": text})
         try:
-            prompt = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)
-            ids = self.tokenizer.encode(prompt, add_bos=False)  # templates write their own BOS where they want one
+            ids = _encoded(self.tokenizer, self.messages)
             tokens = generate(self.model, ids, self.params, stop_ids=self.tokenizer.eos_ids, stats=stats,
                               compiled=self.compiled)
         except QinferError:  # the template refused the turn, or the conversation no longer fits: not kept
@@ -63,6 +67,12 @@ class ChatSession:
             yield answer[-1]
         finally:  # also on Ctrl-C: keep what was said so far
             self.messages.append({"role": "assistant", "content": "".join(answer)})
+
+
+def _encoded(tokenizer: Tokenizer, messages: list[dict]) -> list[int]:
+    """The prompt ids of ``messages`` and the assistant's turn to answer."""
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return tokenizer.encode(prompt, add_bos=False)  # templates write their own BOS where they want one
 
 
 def repl(session: ChatSession, stdin=None, stdout=None) -> None:

@@ -74,7 +74,8 @@ def test_text_that_is_not_utf8_is_one_line(tmp_path):
     chat = subprocess.run([sys.executable, "-m", "qinfer", "chat", str(tmp_path), "--max-tokens", "3"],
                           input=b"Hi \xfe\nhello\n", capture_output=True, timeout=300)
     replies = chat.stdout.decode().strip().splitlines()
-    assert chat.returncode == 0 and len(replies) == 2 and "byte 0xfe" in replies[0] and "UTF-8" not in replies[1]
+    assert chat.returncode == 0 and len(replies) == 2 and "UTF-8" not in replies[1]
+    assert "byte 0xfe at character 3" in replies[0]  # where in the line typed
     proc = subprocess.run([sys.executable, "-m", "qinfer", "chat", str(tmp_path), "--system", b"be \xff"],
                           input="hi\n", capture_output=True, text=True, timeout=300)
     assert_one_line_error(proc, "--system: the text is not valid UTF-8")

@@ -2,6 +2,8 @@
 refused in one line instead of being run wrongly."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -98,6 +100,9 @@ def test_a_tokenizer_with_ids_past_the_models_vocabulary_is_one_line(tmp_path):
         run_qinfer("generate", str(tmp_path), "It is a truth universally acknowledged", "--max-tokens", "2"),
         "(config.json vocab_size)", "are not this model's",
     )
+    chat = subprocess.run([sys.executable, "-m", "qinfer", "chat", str(tmp_path)], input="hello\n",
+                          capture_output=True, text=True, timeout=300)  # refused at start, not at every turn
+    assert_one_line_error(chat, "this model cannot take a first chat turn", "are not this model's")
 
 
 @pytest.mark.parametrize("place, fix", [("models/smollm2-135m-instruct", "`qinfer pull smollm2-135m-instruct --force`"),
