@@ -4,6 +4,7 @@ Drawn like :mod:`qinfer.evals.roofline_plot`: a bare ``Figure`` on the Agg canva
 point labels placed by its ``_place`` so that they overlap neither each other nor the markers.
 """
 
+import math
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -46,6 +47,11 @@ def plot_pareto(results, text_description: str, path: Path) -> Path:
         xs = [r.size_bytes / _MIB for r in results]
         xlabel, better = "size on disk (MiB; speed not measured)", "smaller"
     ys = [r.text.ppl for r in results]
+    # A model whose perplexity (or speed) is NaN or infinite (NaN weights, say) has no place on the axes: named below.
+    finite = [math.isfinite(x) and math.isfinite(y) for x, y in zip(xs, ys)]
+    left_out = [label for label, ok in zip(short_labels(results), finite) if not ok]
+    results = [r for r, ok in zip(results, finite) if ok]
+    xs, ys = [x for x, ok in zip(xs, finite) if ok], [y for y, ok in zip(ys, finite) if ok]
     fig = Figure(figsize=(8, 5.5), dpi=120)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
@@ -54,6 +60,13 @@ def plot_pareto(results, text_description: str, path: Path) -> Path:
     ax.set_title(f"accuracy vs {'speed' if with_speed else 'size'}: perplexity on {text_description}\n"
                  "(labels: KL(baseline ‖ model), nats per token)", fontsize=10)
     ax.grid(True, alpha=0.3)
+    if left_out:
+        ax.text(0.01, 0.01, f"not plotted (perplexity not finite): {', '.join(left_out)}", transform=ax.transAxes,
+                fontsize=8, color="tab:red")
+    if not results:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, format="png")
+        return path
     sign = 1 if with_speed else -1
     front = [(sign * x, y) for x, y in pareto_front([(sign * x, y) for x, y in zip(xs, ys)])]
     if len(front) > 1:

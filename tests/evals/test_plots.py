@@ -1,6 +1,6 @@
 from types import SimpleNamespace
 
-from qinfer.evals.plots import pareto_front, short_labels
+from qinfer.evals.plots import pareto_front, plot_pareto, short_labels
 
 
 def test_pareto_front_keeps_the_points_nothing_beats_on_both_axes():
@@ -14,3 +14,15 @@ def test_short_labels_drop_the_baseline_name_from_its_derivatives():
     rows = [SimpleNamespace(label=label, is_baseline=label == "gemma3-270m")
             for label in ("gemma3-270m", "gemma3-270m-rtn-w4g128", "gemma3-270mx", "other")]
     assert short_labels(rows) == ["gemma3-270m", "rtn-w4g128", "gemma3-270mx", "other"]
+
+
+def test_a_model_without_a_finite_perplexity_is_left_out_of_the_plot(tmp_path):
+    """NaN weights give a NaN perplexity: the plot leaves that model out and says so (axis limits cannot be NaN)."""
+    def row(label, ppl, size):
+        return SimpleNamespace(label=label, is_baseline=label == "base", speed=None, size_bytes=size,
+                               text=SimpleNamespace(ppl=ppl, kl=0.0))
+
+    for rows in ([row("base", float("nan"), 2 << 20)],
+                 [row("base", 30.0, 2 << 20), row("broken", float("nan"), 1 << 20), row("q", float("inf"), 1 << 19)]):
+        path = plot_pareto(rows, "a text", tmp_path / f"{len(rows)}.png")
+        assert path.read_bytes()[:4] == b"\x89PNG"
