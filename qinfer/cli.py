@@ -75,7 +75,8 @@ def list_models():
     converted = sorted((cache_dir() / "converted").glob("*/config.json"))
     for c in converted:  # a GGUF dequantized to bf16, or a GPTQ / compressed-tensors folder in the qinfer format
         kind = "(imported)" if (c.parent / QUANT_CONFIG_FILE).exists() else "(converted gguf)"
-        click.echo(f"{kind:24s} {c.parent}")
+        broken = damage(c.parent)
+        click.echo(f"{kind:24s} {c.parent}" + (f" damaged ({broken}): made again on next use" if broken else ""))
 
 
 @cli.command()

@@ -9,13 +9,14 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from qinfer import registry
+from qinfer.cli import cli
 from qinfer.errors import QinferError
 from qinfer.gguf_convert import convert_gguf, unpermute_qk
 from qinfer.sources import resolve_model
-from tests.test_cli_errors import assert_one_line_error, run_qinfer
 from tests.conftest import builtin_gguf
 from tests.gguf_fixtures import (
     bpe_vocab_metadata,
@@ -26,6 +27,7 @@ from tests.gguf_fixtures import (
     tiny_llama,
     write_gguf,
 )
+from tests.test_cli_errors import assert_one_line_error, run_qinfer
 
 
 def _convert(tmp_path: Path, gguf_path: Path, dtype=torch.float32) -> Path:
@@ -293,6 +295,8 @@ def test_a_damaged_conversion_in_the_cache_is_made_again(llama_case, monkeypatch
     weights = folder / "model.safetensors"
     good = weights.read_bytes()
     weights.write_bytes(good[:1000])
+    listed = CliRunner().invoke(cli, ["list"]).output
+    assert f"{folder} damaged (model.safetensors has 1000 bytes, not the {len(good)} written)" in listed
     assert resolve_model(str(path)) == folder and weights.read_bytes() == good
 
     monkeypatch.setattr(registry, "fetch_gguf", lambda spec, force=False: path)
