@@ -109,11 +109,18 @@ FP8_SHIFT = 2.0**8  # an E4M3 code's value = the fp16 value of its moved bits (e
 _SIGN_AND_MAGNITUDE = (0x80 << 8 | 0x7F << 7) - (1 << 16)  # fp16 bits 15 and 13..7, as an int16
 
 
+# The `qinfer quantize` option that sets each field, named in its error beside the field (quant_config.json's key).
+_FLAGS = {"method": "--method", "format": "--format", "kv_cache": "--kv-cache", "group_size": "--group-size",
+          "bits": "--bits", "lm_head_bits": "--lm-head-bits", "act_order": "--act-order", "mse_clip": "--mse-clip",
+          "quantize_lm_head": "--quantize-lm-head", "symmetric": "--sym/--asym"}
+
+
 def _choice(field: str, value, allowed: tuple, fix: str = "") -> None:
     # `type(...) is` rather than isinstance/==: True == 1 and "4" != 4 would otherwise slip through JSON.
     if not any(type(value) is type(a) and value == a for a in allowed):
         expected = repr(allowed[0]) if len(allowed) == 1 else f"one of {', '.join(map(repr, allowed))}"
-        raise QinferError(f"QuantScheme.{field} must be {expected}; got {value!r}{fix}")
+        flag = f" ({_FLAGS[field]})" if field in _FLAGS else ""
+        raise QinferError(f"QuantScheme.{field}{flag} must be {expected}; got {value!r}{fix}")
 
 
 @dataclass(frozen=True)
