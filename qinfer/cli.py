@@ -66,9 +66,10 @@ def list_models():
 
     for spec in BUILTINS.values():
         folder = model_dir(spec.name)
+        broken = damage(folder) if (folder / "config.json").exists() else ""
         state = f"cached at {folder}" if is_pulled(spec.name) else "not pulled"
-        if (folder / "config.json").exists() and damage(folder):
-            state = f"damaged ({damage(folder)}): `qinfer pull {spec.name}` converts it again"
+        if broken:
+            state = f"damaged ({broken}): `qinfer pull {spec.name}` converts it again"
         click.echo(f"{spec.name:24s} {state}\n{'':24s} {spec.description}")
     from qinfer.format import QUANT_CONFIG_FILE
 
