@@ -30,6 +30,21 @@ def sample_windows(
 ) -> torch.Tensor:
     """Return ``[n_samples, seq_len]`` int64 token ids: windows drawn uniformly from the documents' stream.
 
+    See :func:`sample_windows_from_stream`, which also says how long the stream was.
+    """
+    return sample_windows_from_stream(documents, tokenize, n_samples, seq_len, seed, separator)[0]
+
+
+def sample_windows_from_stream(
+    documents: Sequence[str],
+    tokenize: Callable[[str], Sequence[int]],
+    n_samples: int,
+    seq_len: int,
+    seed: int = 0,
+    separator: Sequence[int] = (),
+) -> tuple[torch.Tensor, int]:
+    """``[n_samples, seq_len]`` int64 token ids drawn uniformly from the documents' stream, and the stream's length.
+
     Documents are visited in an order shuffled by ``seed`` and tokenized until the stream holds
     ``OVERSAMPLE * n_samples * seq_len`` ids (or the documents run out), so different seeds also draw
     from different parts of a large corpus. The result depends only on the documents, ``tokenize`` and
@@ -59,4 +74,17 @@ def sample_windows(
     stream = torch.tensor(ids, dtype=torch.long)
     starts = torch.randint(0, len(ids) - seq_len + 1, (n_samples,), generator=generator)
     # windows: [n_samples, seq_len], row i = stream[starts[i] : starts[i] + seq_len]
-    return stream[starts[:, None] + torch.arange(seq_len)]
+    return stream[starts[:, None] + torch.arange(seq_len)], len(ids)
+
+
+def repeat_note(n_samples: int, seq_len: int, stream_tokens: int) -> str | None:
+    """A note when the windows ask for more tokens than the whole text holds (each token then lands in several
+    windows, so the statistics are those of a shorter text, repeated), else None."""
+    times = n_samples * seq_len / stream_tokens
+    if times <= 1:
+        return None
+    times_text = f"{times:.1f}" if times < 10 else f"{times:.0f}"
+    return (f"the calibration text holds {stream_tokens:,} tokens but {n_samples} windows of {seq_len} take "
+            f"{n_samples * seq_len:,}: each token is read {times_text} times on average, so the statistics are "
+            "those of the shorter text (a longer --calib text gives more varied ones; fewer --samples the same ones "
+            "sooner)")

@@ -34,6 +34,7 @@ import functools
 import json
 import resource
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -55,7 +56,7 @@ from qinfer.calib.capture import (
     reuse_freed_memory,
     run_block,
 )
-from qinfer.calib.sampling import sample_windows
+from qinfer.calib.sampling import repeat_note, sample_windows_from_stream
 from qinfer.calib.sources import load_calibration_documents
 from qinfer.errors import QinferError
 from qinfer.format import Fp8Weight, QuantScheme
@@ -135,6 +136,7 @@ class QuantizeReport:
     compute_dtype: str = "bfloat16"  # what the blocks ran in during calibration
     embedding_bits: int | None = None  # a tied embedding read from the quantized lm_head: its bits
     kept_bos: bool = False  # what the unquantized model computes at the BOS position is stored
+    calibration_text_tokens: int | None = None  # tokens of calibration text the windows were drawn from (None: none)
 
     @property
     def effective_bits(self) -> float:
@@ -168,11 +170,19 @@ class QuantizeReport:
 
 def calibration_batch(folder: Path, calib: CalibConfig) -> torch.Tensor:
     """[samples, seq_len] token ids: BOS (when the model has one) + seq_len - 1 tokens of calibration text."""
+    return _calibration_windows(folder, calib)[0]
+
+
+def _calibration_windows(folder: Path, calib: CalibConfig) -> tuple[torch.Tensor, int, str | None]:
+    """:func:`calibration_batch`, how many tokens the text they were drawn from holds (as far as it was read), and a
+    note if the windows read that text several times over."""
     tok = Tokenizer.from_folder(folder)
     docs = load_calibration_documents(calib.source)
     bos = [] if tok.bos_id is None else [tok.bos_id]
-    body = sample_windows(docs, lambda t: tok.encode(t, add_bos=False), calib.samples, calib.seq_len - len(bos), calib.seed)
-    return torch.cat([torch.tensor([bos] * calib.samples, dtype=torch.long).reshape(calib.samples, -1), body], dim=1)
+    body, stream_tokens = sample_windows_from_stream(
+        docs, lambda t: tok.encode(t, add_bos=False), calib.samples, calib.seq_len - len(bos), calib.seed)
+    bos_column = torch.tensor([bos] * calib.samples, dtype=torch.long).reshape(calib.samples, -1)
+    return torch.cat([bos_column, body], dim=1), stream_tokens, repeat_note(*body.shape, stream_tokens)
 
 
 def uses_calibration(scheme: QuantScheme, tune: TuneConfig) -> bool:
@@ -215,7 +225,9 @@ def quantize_model(
     needs_calib = uses_calibration(scheme, tune)
     if needs_calib:
         check_calibration_size(model, calib, tune)
-    ids = calibration_batch(folder, calib) if needs_calib else None
+    ids, stream_tokens, note = _calibration_windows(folder, calib) if needs_calib else (None, None, None)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     dtype = compute_dtype(model.device)  # the blocks run in this while they are calibrated
     bos = _own_bos(model, ids) if calib.keep_bos else None
     model.set_bos(bos)  # calibration sees what inference will: the stored BOS position
@@ -224,7 +236,8 @@ def quantize_model(
     X_ref = X.clone() if tune.active or calib.fp_target else None
     quantized = {}  # "model.layers.{i}.{linear}" -> packed weight
     tensors: dict[str, torch.Tensor] = {}
-    report = QuantizeReport(out, _folder_bytes(folder), 0, 0, 0, 0.0, 0, compute_dtype=str(dtype).removeprefix("torch."))
+    report = QuantizeReport(out, _folder_bytes(folder), 0, 0, 0, 0.0, 0, compute_dtype=str(dtype).removeprefix("torch."),
+                            calibration_text_tokens=stream_tokens)
     arch = model.config.arch
     groups = tuple(g.linears for g in arch.linear_groups)
     label = scheme.method + (" + tuning" if tune.active else "")
@@ -426,6 +439,7 @@ def _report_json(report: QuantizeReport, scheme: QuantScheme, calib: CalibConfig
     return {
         "scheme": json.loads(scheme.to_json()),
         "calibration": recorded_calibration(scheme, calib, tune),
+        "calibration_text_tokens": report.calibration_text_tokens,
         "bytes_before": report.bytes_before,
         "bytes_after": report.bytes_after,
         "effective_bits": report.effective_bits,

@@ -539,6 +539,24 @@ def test_cli_says_when_rtn_reads_no_calibration_text(tiny, tmp_path):
     assert "note:" not in kv.stderr
 
 
+def test_cli_notes_calibration_windows_that_repeat_the_text(tiny, tmp_path, calib_file):
+    # windows taking more tokens than the text holds are drawn anyway, overlapping: a note says how often each
+    # token is read, and the report records the text's length; a text long enough gets no note
+    short = tmp_path / "short.txt"
+    short.write_text(TEXT)
+    proc = run_qinfer("quantize", str(tiny), "-o", str(tmp_path / "q"), "--group-size", "32", "--calib", str(short),
+                      "--samples", "64", "--seq-len", "32")
+    assert proc.returncode == 0, proc.stderr
+    tokens = json.loads((tmp_path / "q" / "quantize_report.json").read_text())["calibration_text_tokens"]
+    assert 0 < tokens < 64 * 31
+    notes = [line for line in proc.stderr.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and f"holds {tokens:,} tokens" in notes[0] and "read" in notes[0], proc.stderr
+    enough = run_qinfer("quantize", str(tiny), "-o", str(tmp_path / "q2"), "--group-size", "32",
+                        "--calib", str(calib_file), "--samples", "4", "--seq-len", "32")
+    assert enough.returncode == 0 and "note:" not in enough.stderr, enough.stderr
+    assert json.loads((tmp_path / "q2" / "quantize_report.json").read_text())["calibration_text_tokens"] >= 4 * 31
+
+
 def test_interrupt_leaves_no_output(tmp_path, calib_file):
     make_model("llama", tmp_path / "src")
     out = tmp_path / "out"

@@ -87,3 +87,18 @@ def test_separator_goes_between_documents_only():
     windows = sample_windows(["ab", "cd"], char_ids, n_samples=200, seq_len=5, separator=[0])
     # Stream is a b 0 c d or c d 0 a b: exactly one separator, in the middle.
     assert {tuple(row) for row in windows.tolist()} <= {(97, 98, 0, 99, 100), (99, 100, 0, 97, 98)}
+
+
+def test_reports_the_stream_it_drew_from():
+    # DOCS: 10 documents of 40 characters; the budget (4 * 2 * 30) stops tokenizing after 6 of them
+    windows, stream = sampling.sample_windows_from_stream(DOCS, char_ids, n_samples=2, seq_len=30, seed=5)
+    assert stream == 240 and torch.equal(windows, sample_windows(DOCS, char_ids, n_samples=2, seq_len=30, seed=5))
+    _, whole = sampling.sample_windows_from_stream(DOCS, char_ids, n_samples=50, seq_len=30)
+    assert whole == 400  # the documents ran out before the budget
+
+
+def test_repeat_note_says_how_often_each_token_is_read():
+    assert sampling.repeat_note(n_samples=10, seq_len=40, stream_tokens=400) is None  # exactly the text's length
+    note = sampling.repeat_note(n_samples=4000, seq_len=32, stream_tokens=2931)
+    assert "holds 2,931 tokens" in note and "take 128,000" in note and "read 44 times" in note
+    assert "read 1.5 times" in sampling.repeat_note(n_samples=3, seq_len=200, stream_tokens=400)
