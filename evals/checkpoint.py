@@ -1,11 +1,13 @@
 """What a model folder holds, read without loading it: a content key, its size on disk, bits per weight.
 
 ``content_key`` identifies a folder's model for the eval cache. Hashing 500 MB of weights would cost
-seconds per model on every run, so it hashes what changes whenever the weights do: the bytes of
+about a second per model on every run, so it hashes what changes whenever the weights do: the bytes of
 ``config.json`` and ``quant_config.json``, each safetensors file's header (tensor names, dtypes, shapes,
-offsets), and every file's name, size and modification time. Re-quantizing a folder rewrites its files
-(new mtimes), so it gets a new key; a copied folder gets a new key too, which costs one recomputation and
-is never wrong.
+offsets), and every file's name, size, modification time and status-change time (ctime, which the kernel
+sets on every write and no tool can set back: a file rewritten and then given its old mtime, by ``touch -r``
+or a copy that keeps times, still changes the key). Re-quantizing a folder rewrites its files, so it gets a
+new key; a copied folder gets a new key too, which costs one recomputation and is never wrong. The files
+``qinfer eval`` itself writes (``--out`` may be the model's folder) are left out.
 
 ``effective_bits`` is the stored bits per weight over the linears qinfer quantizes, the decoder blocks'
 linears named by the architecture table (plus the lm_head when it is stored quantized), counted from the
@@ -21,6 +23,7 @@ from pathlib import Path
 
 from qinfer.arch import ModelConfig
 from qinfer.errors import QinferError
+from qinfer.evals.report import REPORT_FILES
 from qinfer.format import QUANT_CONFIG_FILE, QuantScheme
 from qinfer.loader import safetensors_header, weight_files
 
@@ -35,9 +38,9 @@ def content_key(folder: Path) -> str:
     for name in _HASHED_FILES:
         path = folder / name
         h.update(name.encode() + b"\0" + (path.read_bytes() if path.exists() else b"<absent>") + b"\0")
-    for path in sorted(p for p in folder.iterdir() if p.is_file()):
+    for path in sorted(p for p in folder.iterdir() if p.is_file() and p.name not in REPORT_FILES):
         stat = path.stat()
-        h.update(f"{path.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+        h.update(f"{path.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0{stat.st_ctime_ns}\0".encode())
     for path in weight_files(folder):
         h.update(json.dumps(safetensors_header(path)[0], sort_keys=True).encode())
     return h.hexdigest()

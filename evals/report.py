@@ -61,6 +61,7 @@ from qinfer.loader import weight_pages
 
 SCHEMA_VERSION = 1
 RESULTS_JSON, RESULTS_MD, PARETO_PNG, ROOFLINE_PNG = "results.json", "results.md", "pareto.png", "roofline.png"
+REPORT_FILES = (RESULTS_JSON, RESULTS_MD, PARETO_PNG, ROOFLINE_PNG)
 _MIB = 1 << 20
 
 

@@ -1,4 +1,5 @@
 import importlib
+import os
 import shutil
 from collections import Counter
 
@@ -9,6 +10,7 @@ from safetensors import safe_open
 from qinfer.evals.checkpoint import content_key, effective_bits, size_on_disk
 from qinfer.evals.costs import decode_bytes, decode_flops, prefill_flops, prefill_flops_by_dtype, weight_bytes
 from qinfer.evals.forward import make_cache
+from qinfer.evals.report import REPORT_FILES
 from qinfer.format import QuantScheme
 from qinfer.kernels import int4_cpu
 from qinfer.loader import is_bos_tensor, load_model
@@ -116,6 +118,21 @@ def test_content_key_is_stable_and_follows_the_weights(folders, tmp_path):
     before = content_key(copy)
     weights = copy / "model.safetensors"
     weights.write_bytes(weights.read_bytes())  # rewritten: same bytes, new mtime
+    assert content_key(copy) != before
+    # rewritten in place and given back its old mtime (touch -r, or a copy that keeps times): the ctime still moves
+    stat, before = weights.stat(), content_key(copy)
+    blob = bytearray(weights.read_bytes())
+    blob[-1] ^= 1
+    weights.write_bytes(bytes(blob))
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert weights.stat().st_size == stat.st_size and weights.stat().st_mtime_ns == stat.st_mtime_ns
+    assert content_key(copy) != before
+    # what qinfer eval writes into the folder (--out may be it) is not the model
+    before = content_key(copy)
+    for name in REPORT_FILES:
+        (copy / name).write_text("x")
+    assert content_key(copy) == before
+    (copy / "notes.txt").write_text("x")
     assert content_key(copy) != before
 
 
