@@ -46,10 +46,10 @@ def _report(model, quantized, text, max_tokens, window, stride):
     if tokens.numel() < window:
         raise QinferError(f"the text has {tokens.numel()} tokens, fewer than one --window of {window}")
     ref, quant = load_model(folder), load_model(quantized)
-    base = _remembered(window_logits(ref, "bf16", tok.bos_id))  # one reference pass serves all 1 + blocks scores
+    base = _remembered(window_logits(ref, "bf16", tok.leading_bos))  # one reference pass serves all 1 + blocks scores
 
     def score(label: str) -> None:
-        m = text_metrics(base, {label: window_logits(quant, "bf16", tok.bos_id)}, tokens, window, stride,
+        m = text_metrics(base, {label: window_logits(quant, "bf16", tok.leading_bos)}, tokens, window, stride,
                          progress=False)[label]
         tqdm.write(f"{label}: perplexity {m.ppl:.3f}, KL {m.kl:.4g}, top-1 agreement {m.top1_agreement:.1%}")
 

@@ -40,11 +40,13 @@ def _hidden(model: Transformer, ids: torch.Tensor, kv_dtype: str) -> torch.Tenso
 
 
 def window_logits(model: Transformer, kv_dtype: str, bos_id: int | None) -> LogitsFn:
-    """Logits of one window of running text, with BOS put in front of it when the model has one.
+    """Logits of one window of running text, with ``bos_id`` put in front of it unless None.
 
-    A window cut from the middle of a text has no BOS, and models trained to always see one at position 0
+    Pass the tokenizer's ``leading_bos``: the BOS it starts text with, as llama.cpp's perplexity does. A
+    window cut from the middle of a text has none, and models trained to always see one at position 0
     (Gemma) treat whatever token sits there as a sink: Gemma 3 270M's perplexity on Persuasion doubles
     without it. The BOS is context only (position 0; the window's tokens follow at 1..T), never scored.
+    Models whose tokenizer adds no BOS (SmolLM2, Qwen) never saw one before text, so none is put there.
     """
 
     @torch.no_grad()

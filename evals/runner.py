@@ -185,7 +185,7 @@ def _check_context(config: EvalConfig, models: list[_Model]) -> None:
     """Refuse a --window (with the BOS put in front of it) or a speed run's prompt and steps past a model's context."""
     for m in models:
         c = ModelConfig.from_folder(m.folder)
-        lead = c.bos_token_id is not None
+        lead = Tokenizer.from_folder(m.folder).leading_bos is not None
         if config.window + lead > c.max_position_embeddings:
             raise QinferError(
                 f"--window {config.window}{' and the BOS before it' if lead else ''} is longer than {m.label}'s "
@@ -200,7 +200,10 @@ def _check_context(config: EvalConfig, models: list[_Model]) -> None:
 
 def _text_part(config, models: list[_Model], baseline: _Model, text: str, tokens, fields: dict) -> dict[str, TextMetrics]:
     """Text metrics of every model: cached ones read, the rest measured in one pass over the text."""
-    keys = {m.label: result_cache.cache_key("text", model=m.key, **fields) for m in models}
+    # the BOS each tokenizer starts text with (None: none), put before every window
+    leads = {m.folder: Tokenizer.from_folder(m.folder).leading_bos for m in [baseline, *models]}
+    keys = {m.label: result_cache.cache_key("text", model=m.key, bos=[leads[baseline.folder], leads[m.folder]],
+                                            **fields) for m in models}
     found = {label: result_cache.load("text", key, TextMetrics) if config.cache else None
              for label, key in keys.items()}
     out = {label: metrics for label, metrics in found.items() if metrics is not None}
@@ -209,8 +212,7 @@ def _text_part(config, models: list[_Model], baseline: _Model, text: str, tokens
         return out
     _log(config, f"perplexity and KL against {baseline.label} for {', '.join(m.label for m in todo)}")
     base_model = _load(baseline.folder)
-    base_tok = Tokenizer.from_folder(baseline.folder)
-    base_fn = window_logits(base_model, BASELINE_KV, base_tok.bos_id)
+    base_fn = window_logits(base_model, BASELINE_KV, leads[baseline.folder])
     fns = {}
     for m in todo:
         if m.folder == baseline.folder and config.kv_cache == BASELINE_KV:
@@ -220,7 +222,7 @@ def _text_part(config, models: list[_Model], baseline: _Model, text: str, tokens
         if not torch.equal(text_tokens(tok, text, config.max_tokens), tokens):
             raise QinferError(f"{m.label} tokenizes the text differently from the baseline {baseline.label}: "
                               "KL and agreement need one shared vocabulary")
-        fns[m.label] = window_logits(_load(m.folder), config.kv_cache, tok.bos_id)
+        fns[m.label] = window_logits(_load(m.folder), config.kv_cache, leads[m.folder])
     measured = text_metrics(base_fn, fns, tokens, config.window, config.stride, progress=config.progress)
     for label, metrics in measured.items():
         result_cache.store("text", keys[label], dataclasses.asdict(metrics))

@@ -56,8 +56,8 @@ def _report(model, quantized, text, max_tokens, segment, window, stride):
     tokens = text_tokens(tok, load_text(text)[0], max_tokens)
     if tokens.numel() < 2 * segment:
         raise QinferError(f"the text has {tokens.numel()} tokens, fewer than two --segment of {segment}")
-    base = window_logits(load_model(folder), "bf16", tok.bos_id)
-    fns = {q: window_logits(load_model(f), "bf16", tok.bos_id) for q, f in zip(quantized, folders)}
+    base = window_logits(load_model(folder), "bf16", tok.leading_bos)
+    fns = {q: window_logits(load_model(f), "bf16", tok.leading_bos) for q, f in zip(quantized, folders)}
     series = token_series(base, fns, tokens, window, stride)
     for label, s in series.items():
         _print_model(label, s, segment, window, stride)

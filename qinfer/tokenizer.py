@@ -209,6 +209,15 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._backend.vocab_size
 
+    @property
+    def leading_bos(self) -> int | None:
+        """The BOS id ``encode(text)`` starts text with, or None when this tokenizer puts none in front of text
+        (SmolLM2 and Qwen set ``add_bos_token`` false or leave it to a post-processor that adds none, though
+        their configs name a BOS id)."""
+        if self.bos_id is None:
+            return None
+        return self.bos_id if self.encode("a")[:1] == [self.bos_id] else None
+
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 

@@ -341,3 +341,18 @@ def test_a_compile_during_the_timed_runs_is_an_error_not_a_timing(env, monkeypat
     monkeypatch.setattr(speed, "_run", recompiling)
     with pytest.raises(QinferError, match="compiled again during the timed runs"):
         run_eval(EvalConfig(models=(env["model"],), text=env["text"], **{**SMALL, **SPEED, "compiled": True}))
+
+
+def test_windows_start_with_the_bos_the_tokenizer_starts_text_with(env, monkeypatch):
+    # as llama.cpp's perplexity: a tokenizer with add_bos_token false (SmolLM2, Qwen) puts none before text, so
+    # none goes before a window, though config.json names a BOS id
+    plain = shutil.copytree(env["model"], env["root"] / "plain")
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    (plain / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": False}))
+    leads = []
+    real = runner.window_logits
+    monkeypatch.setattr(runner, "window_logits", lambda model, kv, bos: leads.append(bos) or real(model, kv, bos))
+    (with_bos,) = run_eval(EvalConfig(models=(env["model"],), text=env["text"], **SMALL))
+    (without,) = run_eval(EvalConfig(models=(str(plain),), text=env["text"], **SMALL))
+    assert leads[0] is not None and leads[1:] == [None]
+    assert without.text.ppl != with_bos.text.ppl and without.text.tokens == with_bos.text.tokens
