@@ -1,6 +1,7 @@
 """The outputs of ``qinfer eval``: a terminal table, ``results.json``, ``results.md`` and two plots.
 
-``results.json`` (``SCHEMA_VERSION`` 1), all numbers plain JSON numbers::
+``results.json`` (``SCHEMA_VERSION`` 1), strict JSON: numbers plain JSON numbers, ``null`` where one is NaN or
+infinite (a model that produced NaN; the table shows ``nan``)::
 
     {
       "schema_version": 1,
@@ -48,6 +49,7 @@ speed was not measured); ``roofline.png`` places each model's decode and prefill
 """
 
 import json
+import math
 from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -187,6 +189,18 @@ def results_markdown(data: dict, results) -> str:
     return "\n".join(parts) + "\n"
 
 
+def _strict(value):
+    """``value`` with every NaN or infinite float replaced by None (JSON has no NaN: parsers other than Python's
+    refuse it)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
+
+
 def write_outputs(config, results, roofline: Roofline | None, text_description: str) -> list[Path]:
     """Write results.json, results.md, pareto.png and (with speed) roofline.png into ``config.out``."""
     from qinfer.evals.plots import plot_pareto, plot_models_roofline
@@ -194,7 +208,7 @@ def write_outputs(config, results, roofline: Roofline | None, text_description: 
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     data = results_json(config, results, roofline, text_description)
-    (out / RESULTS_JSON).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    (out / RESULTS_JSON).write_text(json.dumps(_strict(data), indent=2, allow_nan=False) + "\n", encoding="utf-8")
     (out / RESULTS_MD).write_text(results_markdown(data, results), encoding="utf-8")
     written = [out / RESULTS_JSON, out / RESULTS_MD, plot_pareto(results, text_description, out / PARETO_PNG)]
     if roofline is not None:

@@ -62,7 +62,8 @@ class MCResult:
     """``accuracy``: the choice with the highest total log-likelihood is right. ``accuracy_norm``: the one
     with the highest log-likelihood per character of the continuation (leading space included), which does
     not favour short answers and does not depend on the tokenizer, so it compares across model families;
-    it is lm-eval-harness's ``acc_norm`` up to that one space. ``n`` examples were scored."""
+    it is lm-eval-harness's ``acc_norm`` up to that one space. ``n`` examples were scored. Both accuracies are
+    NaN for a model that produced NaN."""
 
     accuracy: float
     accuracy_norm: float
@@ -73,8 +74,8 @@ class MCResult:
             raise QinferError(f"MCResult.n must be a positive int; got {self.n!r}")
         for field in ("accuracy", "accuracy_norm"):
             value = getattr(self, field)
-            if not 0.0 <= value <= 1.0:
-                raise QinferError(f"MCResult.{field} must be in [0, 1]; got {value!r}")
+            if not (0.0 <= value <= 1.0 or math.isnan(value)):  # NaN: a model that produced NaN
+                raise QinferError(f"MCResult.{field} must be in [0, 1] or NaN; got {value!r}")
 
 
 def load_task(name: str, limit: int | None = None) -> list[MCExample]:
@@ -113,7 +114,8 @@ def score_mc(
     A tie for the best score earns ``1 / (number tied)`` when the answer is among the tied choices, the
     expected accuracy of breaking the tie at random: a model that cannot tell choices apart (constant
     logits, a quantization gone wrong) then scores chance, where "first index wins" would score however
-    often the answer sits first. A NaN log-likelihood is an error, not a silently wrong answer.
+    often the answer sits first. A NaN log-likelihood (a broken model) makes both accuracies NaN, as it
+    makes the model's perplexity: reported as such, not a silently wrong number, and scoring stops there.
     """
     if not examples:
         raise QinferError("score_mc got no examples; load a task with load_task() first")
@@ -123,8 +125,10 @@ def score_mc(
         if len(scores) != len(ex.choices):
             raise QinferError(f"loglik returned {len(scores)} scores for {len(ex.choices)} choices (example {i})")
         lls = [float(ll) for ll, _ in scores]
-        if any(math.isnan(ll) for ll in lls) or any(int(n) < 1 for _, n in scores):
-            raise QinferError(f"example {i}: loglik returned {scores}; the model produced NaN or scored no tokens")
+        if any(int(n) < 1 for _, n in scores):
+            raise QinferError(f"example {i}: loglik returned {scores}; a choice scored no tokens")
+        if any(math.isnan(ll) for ll in lls):
+            return MCResult(accuracy=math.nan, accuracy_norm=math.nan, n=len(examples))
         hits += _credit(lls, ex.answer)
         hits_norm += _credit([ll / len(choice) for ll, choice in zip(lls, ex.choices)], ex.answer)
     n = len(examples)

@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import math
 import shutil
 
 import pytest
@@ -356,3 +357,24 @@ def test_windows_start_with_the_bos_the_tokenizer_starts_text_with(env, monkeypa
     (without,) = run_eval(EvalConfig(models=(str(plain),), text=env["text"], **SMALL))
     assert leads[0] is not None and leads[1:] == [None]
     assert without.text.ppl != with_bos.text.ppl and without.text.tokens == with_bos.text.tokens
+
+
+def test_a_model_producing_nan_is_reported_as_nan_and_results_json_stays_strict(env):
+    install_tasks(("truths",))
+    broken = shutil.copytree(env["model"], env["root"] / "broken")
+    tensors = load_file(str(broken / "model.safetensors"))
+    tensors["model.layers.0.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    out = env["root"] / "out"
+    base, r = run_eval(EvalConfig(models=(env["model"], str(broken)), text=env["text"],
+                                  **{**SMALL, "tasks": ("truths",), "out": out}))
+    assert math.isnan(r.text.ppl) and math.isnan(r.tasks["truths"].accuracy)
+    assert not math.isnan(base.tasks["truths"].accuracy)  # the other model's results are all there
+    data = json.loads((out / "results.json").read_text(), parse_constant=lambda name: pytest.fail(name))
+    broken_json = data["models"][1]
+    assert broken_json["text"]["ppl"] is None and broken_json["tasks"]["truths"]["accuracy"] is None
+    (row,) = [line for line in format_table([base, r]).splitlines() if line.startswith("broken")]
+    assert "nan" in row
+    again = run_eval(EvalConfig(models=(str(broken),), baseline=env["model"], text=env["text"],
+                                **{**SMALL, "tasks": ("truths",)}))[0]  # from the cache: still NaN, not an error
+    assert math.isnan(again.text.ppl) and math.isnan(again.tasks["truths"].accuracy)

@@ -1,6 +1,7 @@
 import hashlib
 import io
 import json
+import math
 import subprocess
 import tarfile
 from collections import Counter
@@ -218,9 +219,12 @@ def test_ties_earn_chance_credit():
     assert result.accuracy_norm == pytest.approx(result.accuracy)  # " a" .. " d" have equal lengths
 
 
-def test_score_mc_rejects_nan_and_wrong_counts():
-    with pytest.raises(QinferError, match="NaN"):
-        score_mc([_example(0, " a", " b")], lambda c, conts: [(float("nan"), 1), (-1.0, 1)])
+def test_score_mc_reports_nan_and_rejects_wrong_counts():
+    # a model producing NaN gets NaN accuracy (as its perplexity is NaN), not an error that stops the whole eval
+    nan = score_mc([_example(0, " a", " b")] * 3, lambda c, conts: [(float("nan"), 1), (-1.0, 1)])
+    assert math.isnan(nan.accuracy) and math.isnan(nan.accuracy_norm) and nan.n == 3
+    with pytest.raises(QinferError, match="scored no tokens"):
+        score_mc([_example(0, " a", " b")], lambda c, conts: [(-1.0, 0), (-1.0, 1)])
     with pytest.raises(QinferError, match="1 scores for 2 choices"):
         score_mc([_example(0, " a", " b")], lambda c, conts: [(-1.0, 1)])
     with pytest.raises(QinferError, match="no examples"):
