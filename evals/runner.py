@@ -123,21 +123,12 @@ def run_eval(config: EvalConfig) -> list[ModelResult]:
     """Measure every model of ``config``, write the outputs to ``config.out``, return one result per model."""
     if config.out is not None:
         check_writable(config.out, option="--out")  # before the measuring, not after it
-    models = _resolve(config.models)
-    baseline = _resolve([config.baseline_spec])[0]
     examples = {task: load_task(task, config.limit) for task in config.tasks}  # unknown task: fails here, early
-    text, text_desc = load_text(config.text)
-    tokens = text_tokens(Tokenizer.from_folder(baseline.folder), text, config.max_tokens)
-    if tokens.numel() < config.window:
-        raise QinferError(
-            f"the text ({text_desc}) has {tokens.numel()} tokens, fewer than one window of {config.window}; "
-            "use a longer text or a smaller --window"
-        )
+    models, baseline, tokens, text_desc = comparison(config)
     text_fields = dict(baseline=baseline.key, baseline_kv=BASELINE_KV, kv=config.kv_cache, window=config.window,
                        stride=config.stride, tokens=hashlib.sha256(tokens.numpy().tobytes()).hexdigest(),
                        se=[SE_BLOCKS, SE_MIN_BLOCK])
-    _check_context(config, [*models, baseline])  # before the perplexity pass, not after it
-    texts = _text_part(config, models, baseline, text, tokens, text_fields)
+    texts = _text_part(config, models, baseline, tokens, text_fields)
     roofline = measure_roofline(eval_device()) if config.speed else None
     all_tasks, speeds = _model_parts(config, models, examples, roofline)
     results = []
@@ -151,8 +142,31 @@ def run_eval(config: EvalConfig) -> list[ModelResult]:
     if config.out is not None:
         from qinfer.evals.report import write_outputs  # matplotlib: only when writing
 
-        write_outputs(config, results, roofline, f"{text_desc}, first {tokens.numel()} tokens")
+        write_outputs(config, results, roofline, text_desc)
     return results
+
+
+def comparison(config: EvalConfig) -> tuple[list[_Model], _Model, torch.Tensor, str]:
+    """(models, baseline, the text's tokens, what text they are) of ``config``, every model checked comparable with
+    the baseline on that text, before any model is loaded: its windows fit its context, its vocabulary is the
+    baseline's and it tokenizes the text as the baseline does."""
+    models = _resolve(config.models)
+    baseline = _resolve([config.baseline_spec])[0]
+    text, text_desc = load_text(config.text)
+    tokens = text_tokens(Tokenizer.from_folder(baseline.folder), text, config.max_tokens)
+    if tokens.numel() < config.window:
+        raise QinferError(
+            f"the text ({text_desc}) has {tokens.numel()} tokens, fewer than one window of {config.window}; "
+            "use a longer text or a smaller --window"
+        )
+    _check_context(config, [*models, baseline])
+    _check_vocab(models, baseline)
+    for m in models:
+        if m.folder != baseline.folder and not torch.equal(text_tokens(Tokenizer.from_folder(m.folder), text,
+                                                                        config.max_tokens), tokens):
+            raise QinferError(f"{m.label} tokenizes the text differently from the baseline {baseline.label}: "
+                              "KL and agreement need one shared vocabulary")
+    return models, baseline, tokens, f"{text_desc}, first {tokens.numel()} tokens"
 
 
 def eval_device() -> str:
@@ -198,7 +212,19 @@ def _check_context(config: EvalConfig, models: list[_Model]) -> None:
             )
 
 
-def _text_part(config, models: list[_Model], baseline: _Model, text: str, tokens, fields: dict) -> dict[str, TextMetrics]:
+def _check_vocab(models: list[_Model], baseline: _Model) -> None:
+    """Refuse a model whose logits cover another vocabulary size than the baseline's (one tokenizer, an embedding
+    padded to another size): KL and agreement compare the two distributions token by token, as llama.cpp's do."""
+    size = ModelConfig.from_folder(baseline.folder).vocab_size
+    for m in models:
+        other = ModelConfig.from_folder(m.folder).vocab_size
+        if other != size:
+            raise QinferError(f"{m.label} has {other} tokens (config.json vocab_size), the baseline {baseline.label} "
+                              f"{size}: KL and agreement need the same vocabulary; pick a baseline of {m.label}'s "
+                              "own family and size")
+
+
+def _text_part(config, models: list[_Model], baseline: _Model, tokens, fields: dict) -> dict[str, TextMetrics]:
     """Text metrics of every model: cached ones read, the rest measured in one pass over the text."""
     # the BOS each tokenizer starts text with (None: none), put before every window
     leads = {m.folder: Tokenizer.from_folder(m.folder).leading_bos for m in [baseline, *models]}
@@ -218,10 +244,6 @@ def _text_part(config, models: list[_Model], baseline: _Model, text: str, tokens
         if m.folder == baseline.folder and config.kv_cache == BASELINE_KV:
             fns[m.label] = base_fn  # the very same forward: its logits are computed once
             continue
-        tok = Tokenizer.from_folder(m.folder)
-        if not torch.equal(text_tokens(tok, text, config.max_tokens), tokens):
-            raise QinferError(f"{m.label} tokenizes the text differently from the baseline {baseline.label}: "
-                              "KL and agreement need one shared vocabulary")
         fns[m.label] = window_logits(_load(m.folder), config.kv_cache, leads[m.folder])
     measured = text_metrics(base_fn, fns, tokens, config.window, config.stride, progress=config.progress)
     for label, metrics in measured.items():

@@ -24,11 +24,11 @@ import click
 import torch
 
 from qinfer.errors import Command, QinferError
-from qinfer.evals.accuracy import HELDOUT, load_text, text_tokens
+from qinfer.evals.accuracy import HELDOUT
 from qinfer.evals.divergence import TokenSeries, se_block, token_series
 from qinfer.evals.forward import window_logits
+from qinfer.evals.runner import EvalConfig, comparison
 from qinfer.loader import load_model
-from qinfer.sources import resolve_model
 from qinfer.tokenizer import Tokenizer
 
 BLOCKS = (1, 32, 128, 512, 2048)  # besides qinfer eval's own
@@ -48,16 +48,17 @@ def main(model, quantized, text, max_tokens, segment, window, stride):
 
 @torch.no_grad()
 def _report(model, quantized, text, max_tokens, segment, window, stride):
-    folder = resolve_model(model)
-    folders = [resolve_model(q) for q in quantized]  # every path checked before any work
+    # the checks qinfer eval makes (window, stride, context, vocabulary, tokenization), before any model is loaded
+    config = EvalConfig(models=quantized, baseline=model, text=text, max_tokens=max_tokens, window=window,
+                        stride=stride, tasks=(), speed=False, out=None)
     if segment < window:
         raise QinferError(f"--segment ({segment}) must be at least one --window ({window})")
-    tok = Tokenizer.from_folder(folder)
-    tokens = text_tokens(tok, load_text(text)[0], max_tokens)
+    models, baseline, tokens, _ = comparison(config)
     if tokens.numel() < 2 * segment:
         raise QinferError(f"the text has {tokens.numel()} tokens, fewer than two --segment of {segment}")
-    base = window_logits(load_model(folder), "bf16", tok.leading_bos)
-    fns = {q: window_logits(load_model(f), "bf16", tok.leading_bos) for q, f in zip(quantized, folders)}
+    base = window_logits(load_model(baseline.folder), "bf16", Tokenizer.from_folder(baseline.folder).leading_bos)
+    fns = {m.label: window_logits(load_model(m.folder), "bf16", Tokenizer.from_folder(m.folder).leading_bos)
+           for m in models}
     series = token_series(base, fns, tokens, window, stride)
     for label, s in series.items():
         _print_model(label, s, segment, window, stride)

@@ -10,7 +10,7 @@ from qinfer.errors import Group, QinferError
 DTYPES = ("bf16", "fp32")
 
 
-@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=Group)
 @click.version_option(package_name="qinfer-llm")
 def cli():
     """qinfer: quantize a model, run it, and measure what the quantization cost."""

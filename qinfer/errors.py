@@ -3,7 +3,7 @@
 Commands built on ``Group`` or ``Command`` (``qinfer`` itself and the ``python -m qinfer.evals.*`` tools) print
 ``Error: <message>`` on one line and exit with status 1 for a ``QinferError``, for the allocator's refusal, for a
 full disk and for a file that may not be written; anything else is a bug and keeps its traceback. Messages
-name the problem and the fix.
+name the problem and the fix. Every such command takes ``-h``.
 """
 
 import errno
@@ -21,7 +21,12 @@ class QinferError(Exception):
 
 
 class _OneLineErrors:
-    """Turns user-facing failures raised while a click command runs into one ``Error: ...`` line."""
+    """Turns user-facing failures raised while a click command runs into one ``Error: ...`` line; ``-h`` is
+    ``--help``."""
+
+    def __init__(self, *args, context_settings=None, **kwargs):
+        settings = {"help_option_names": ["-h", "--help"], **(context_settings or {})}
+        super().__init__(*args, context_settings=settings, **kwargs)
 
     def invoke(self, ctx):
         with _sigterm_unwinds():

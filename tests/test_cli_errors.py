@@ -145,7 +145,7 @@ def test_evals_tools_give_the_same_one_line_errors(tool, monkeypatch):
     def refuse(*args, **kwargs):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 2147483648 bytes")
 
-    monkeypatch.setattr(module, "resolve_model", refuse)
+    monkeypatch.setattr(module, "comparison" if tool == "text_spread" else "resolve_model", refuse)
     args = ["a"] if tool in ("decode_profile", "gemv_bench", "prefill_bench") else ["a", "b"]
     result = CliRunner().invoke(module.main, args)
     assert result.exit_code == 1, result.output

@@ -378,3 +378,18 @@ def test_a_model_producing_nan_is_reported_as_nan_and_results_json_stays_strict(
     again = run_eval(EvalConfig(models=(str(broken),), baseline=env["model"], text=env["text"],
                                 **{**SMALL, "tasks": ("truths",)}))[0]  # from the cache: still NaN, not an error
     assert math.isnan(again.text.ppl) and math.isnan(again.tasks["truths"].accuracy)
+
+
+def test_a_model_with_another_vocabulary_size_is_refused_before_any_work(env, count_loads):
+    # one tokenizer, the embedding padded to another size (as Qwen2.5's sizes differ): KL needs equal vocabularies
+    padded = shutil.copytree(env["model"], env["root"] / "padded")
+    tensors = load_file(str(padded / "model.safetensors"))
+    embed = tensors["model.embed_tokens.weight"]
+    tensors["model.embed_tokens.weight"] = torch.cat([embed, torch.zeros(64, embed.shape[1], dtype=embed.dtype)])
+    save_file(tensors, str(padded / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((padded / "config.json").read_text())
+    (padded / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 64}))
+    with pytest.raises(QinferError, match=f"padded has {config['vocab_size'] + 64} tokens .* the baseline m "
+                                          f"{config['vocab_size']}: KL and agreement need the same vocabulary"):
+        run_eval(EvalConfig(models=(env["model"], str(padded)), text=env["text"], **SMALL))
+    assert count_loads == []

@@ -1,3 +1,4 @@
+import json
 import math
 import re
 import shutil
@@ -35,7 +36,7 @@ def _perturbed(tiny, tmp_path):  # noqa: F811
 def _metrics(tiny, other, calib_file, max_tokens, block=None):  # noqa: F811
     tok = Tokenizer.from_folder(tiny)
     tokens = text_tokens(tok, load_text(str(calib_file))[0], max_tokens)
-    fns = [window_logits(load_model(f), "bf16", tok.bos_id) for f in (tiny, other)]
+    fns = [window_logits(load_model(f), "bf16", tok.leading_bos) for f in (tiny, other)]
     return text_metrics(fns[0], {"m": fns[1]}, tokens, progress=False, block=block, **WINDOW)["m"]
 
 
@@ -46,7 +47,7 @@ def test_text_spread_scores_the_whole_text_and_its_segments_as_eval_would(tiny, 
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     (whole,) = WHOLE.findall(result.stdout)
-    assert whole[0] == str(other) and int(whole[1]) == 299
+    assert whole[0] == other.name and int(whole[1]) == 299  # labelled as qinfer eval labels it
     m = _metrics(tiny, other, calib_file, 300, block=32)
     assert float(whole[2]) == pytest.approx(100 * (m.ppl_ratio - 1), abs=0.006)
     assert float(whole[3]) == pytest.approx(m.kl, abs=6e-5) and m.kl > 1e-3
@@ -64,10 +65,21 @@ def test_text_spread_scores_the_whole_text_and_its_segments_as_eval_would(tiny, 
 
 
 @pytest.mark.parametrize("extra, message", [(["--segment", "16"], "at least one --window"),
-                                             (["--max-tokens", "100"], "fewer than two --segment")])
+                                             (["--max-tokens", "100"], "fewer than two --segment"),
+                                             # qinfer eval's own checks, before any model is loaded
+                                             (["--window", "1", "--stride", "1"], "must be at least one --window"),
+                                             (["--stride", "64"], "--stride must be in 1..--window (32)"),
+                                             (["--window", "5000", "--segment", "6000", "--max-tokens", "20000"],
+                                              "context of 256 tokens"),
+                                             (["MODEL", "SMOLLM"], "tokens (config.json vocab_size)")])
 def test_text_spread_bad_input_is_one_line(tiny, tmp_path, calib_file, extra, message):  # noqa: F811
-    args = [str(tiny), str(tiny), "--text", str(calib_file), "--segment", "64", "--window", "32", "--stride", "16",
-            *extra]
+    models = [str(tiny), str(tiny)]
+    if extra[0] == "MODEL":  # a vocabulary of another size (refused before the weights are read)
+        other = shutil.copytree(tiny, tmp_path / "other")
+        config = json.loads((other / "config.json").read_text())
+        (other / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 64}))
+        models, extra = [str(tiny), str(other)], []
+    args = [*models, "--text", str(calib_file), "--segment", "64", "--window", "32", "--stride", "16", *extra]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert len(result.output.strip().splitlines()) == 1 and message in result.output
