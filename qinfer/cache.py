@@ -26,7 +26,12 @@ def cache_root() -> Path:
 
 def cache_dir() -> Path:
     path = cache_root()
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):  # the path, or a folder on the way to it, is a file
+        where = "QINFER_CACHE" if os.environ.get("QINFER_CACHE") else "the cache folder"
+        raise QinferError(f"{where} {path} is not a folder (a file is in the way): point QINFER_CACHE at a "
+                          "folder, or move the file") from None
     return path
 
 

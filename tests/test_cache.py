@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from qinfer.cache import atomic_dir, check_output, damage, source_fingerprint, temp_path, write_manifest
 from qinfer.errors import Command, QinferError
+from tests.test_cli_errors import assert_one_line_error, run_qinfer
 
 
 def test_atomic_dir_replaces_only_when_complete(tmp_path):
@@ -165,3 +166,10 @@ def test_sigterm_and_ctrl_c_unwind_and_leave_nothing_half_written(tmp_path, how,
     assert result.exit_code == code and message in result.output, result.output
     assert list(tmp_path.iterdir()) == []
     assert signal.getsignal(signal.SIGTERM) is previous  # the handler is the command's only
+
+
+@pytest.mark.parametrize("where", ["file", "file/below"])
+def test_a_cache_path_with_a_file_in_the_way_is_one_line(tmp_path, where):
+    (tmp_path / "file").write_text("not a folder")
+    proc = run_qinfer("roofline", env={**os.environ, "QINFER_CACHE": str(tmp_path / where)})
+    assert_one_line_error(proc, f"QINFER_CACHE {tmp_path / where} is not a folder", "point QINFER_CACHE at a folder")
