@@ -29,6 +29,8 @@ def load_text(spec: str) -> tuple[str, str]:
     if spec == HELDOUT:
         return heldout_text(), f"{HELDOUT_BOOK.capitalize()} (held-out Austen novel)"
     path = Path(spec).expanduser()
+    if path.is_dir():
+        raise QinferError(f"--text {spec} is a folder: pass 'heldout' or a UTF-8 text file")
     if not path.is_file():
         raise QinferError(f"--text {spec}: no such file; pass 'heldout' or a UTF-8 text file")
     try:

@@ -32,6 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from qinfer.errors import Command, QinferError
 from qinfer.evals.forward import make_cache
+from qinfer.evals.roofline import threads_text
 from qinfer.evals.speed import checked_prompt
 from qinfer.generate import compiled_decode_step, decode_step, greedy, prefill
 from qinfer.kv_cache import KVCache
@@ -73,7 +74,7 @@ def _report(model_name: str, prompt_tokens: int, steps: int, top: int, min_share
         profiled = time.perf_counter() - t0
     ms = 1000 / steps  # a total in seconds -> milliseconds per step
     print(f"{model_name}: {statistics.median(times) * 1000:.1f} ms a decode step (median of {steps}; "
-          f"{profiled * ms:.1f} under the profiler), {prompt_tokens}-token prompt, {torch.get_num_threads()} threads")
+          f"{profiled * ms:.1f} under the profiler), {prompt_tokens}-token prompt, {threads_text(torch.get_num_threads())}")
     events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
     print(f"{sum(e.count for e in events) / steps:.0f} op calls a step (the ops inside an op counted too)")
     print(f"{'ms/step':>8} {'calls/step':>11}  op")

@@ -24,6 +24,7 @@ import torch
 from qinfer.errors import Command, QinferError
 from qinfer.evals.forward import make_cache
 from qinfer.evals.gemv_bench import _kind, _timed
+from qinfer.evals.roofline import threads_text
 from qinfer.evals.speed import checked_prompt
 from qinfer.format import Fp8Weight, QuantizedWeight
 from qinfer.generate import prefill
@@ -91,7 +92,7 @@ def _report(model_name: str, prompt_tokens: int, lengths: list[int], rounds: int
             weights.setdefault((_kind(module.weight), tuple(module.weight.shape)), [module.weight, 0])[1] += 1
     if not weights:
         raise QinferError(f"{model_name} has no packed weights: nothing is dequantized in its prefill")
-    print(f"{model_name}: {torch.get_num_threads()} threads; medians over {rounds} alternating rounds")
+    print(f"{model_name}: {threads_text(torch.get_num_threads())}; medians over {rounds} alternating rounds")
     print(f"{'weight':>12} {'N x K':>13} {'count':>5} {'torch ms':>9} {'C ms':>8} {'ratio':>6}  same bits")
     for (kind, (N, K)), (w, count) in weights.items():
         if _c_dequantize(w, model.dtype) is None:

@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 
 from qinfer.evals.divergence import SE_BLOCKS, SE_MIN_BLOCK
-from qinfer.evals.roofline import Roofline
+from qinfer.evals.roofline import Roofline, threads_text
 from qinfer.kernels import gemv_cpu
 from qinfer.loader import weight_pages
 
@@ -161,11 +161,13 @@ def results_markdown(data: dict, results) -> str:
         f"KL is KL(baseline ‖ model) in nats per token against **{s['baseline']}** (bf16 KV cache); "
         "vs base is the perplexity's change against it; ± is one standard error over the text "
         f"(batch means over blocks of max({SE_MIN_BLOCK}, scored tokens / {SE_BLOCKS}) consecutive tokens; on a short "
-        "text a floor, as passages differ over longer spans; it covers the choice of text, not of calibration samples); "
-        f"models run with a {s['kv_cache']} KV cache. Tasks: {', '.join(s['tasks']) or 'none'}, "
-        f"{s['limit']} examples each, zero-shot; acc is the mean over tasks. "
+        "text a floor, as passages differ over longer spans; it covers the choice of text, not of calibration samples; "
+        f"none below {2 * SE_MIN_BLOCK} scored tokens); "
+        f"models run with a {s['kv_cache']} KV cache. "
+        + (f"Tasks: {', '.join(s['tasks'])}, at most {s['limit']} examples each (n below), zero-shot; acc is the mean "
+           "over tasks. " if s["tasks"] else "Tasks: none. ")
         + (f"Speed at batch 1: {s['prompt_tokens']}-token prompt, {s['decode_steps']} decode steps, median of "
-           f"{s['repeats']} runs, {s['threads']} threads"
+           f"{s['repeats']} runs, {threads_text(s['threads'])}"
            + (f"; decode rows through {s['decode_kernels']}, weights in {s.get('weight_pages', '4 KiB pages')}."
               if s["device"] == "cpu" else ".")
            + (" The compiled columns time the same decode steps through torch.compile (as `qinfer generate "
@@ -184,7 +186,7 @@ def results_markdown(data: dict, results) -> str:
     if data["roofline"] is not None:
         rf = data["roofline"]
         peaks = ", ".join(f"{k} {v:.3g} TFLOP/s" for k, v in rf["peak_tflops"].items())
-        parts += ["", f"Roofline: {rf.get('machine') or rf['cpu_name']}, {rf['threads']} threads, read bandwidth "
+        parts += ["", f"Roofline: {rf.get('machine') or rf['cpu_name']}, {threads_text(rf['threads'])}, read bandwidth "
                   f"{rf['bandwidth_gbs']:.1f} GB/s, matmul peaks {peaks}."]
     return "\n".join(parts) + "\n"
 
@@ -213,4 +215,6 @@ def write_outputs(config, results, roofline: Roofline | None, text_description: 
     written = [out / RESULTS_JSON, out / RESULTS_MD, plot_pareto(results, text_description, out / PARETO_PNG)]
     if roofline is not None:
         written.append(plot_models_roofline(results, roofline, out / ROOFLINE_PNG))
+    else:  # an earlier run's plot beside these results would show speeds they do not have
+        (out / ROOFLINE_PNG).unlink(missing_ok=True)
     return written

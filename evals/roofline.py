@@ -207,10 +207,15 @@ def attainable_tflops(arithmetic_intensity: float, roofline: Roofline, dtype: st
     return min(_peak(roofline, dtype), arithmetic_intensity * roofline.bandwidth_gbs * 1e9 / 1e12)
 
 
+def threads_text(n: int) -> str:
+    """"1 thread", "2 threads"."""
+    return f"{n} thread{'s' * (n != 1)}"
+
+
 def format_roofline(roofline: Roofline) -> str:
     """A small table of ``roofline`` for people."""
     head = (
-        f"roofline of {roofline.machine or roofline.cpu_name} ({roofline.device}, {roofline.threads} threads, "
+        f"roofline of {roofline.machine or roofline.cpu_name} ({roofline.device}, {threads_text(roofline.threads)}, "
         f"torch {roofline.torch_version}), measured {roofline.timestamp}"
     )
     rows = [f"  {'read bandwidth':<16}{roofline.bandwidth_gbs:10.1f} GB/s      "

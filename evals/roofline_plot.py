@@ -17,7 +17,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.transforms import Bbox
 
-from qinfer.evals.roofline import Roofline, RooflinePoint, attainable_tflops
+from qinfer.evals.roofline import Roofline, RooflinePoint, attainable_tflops, threads_text
 
 _DTYPE_STYLE = {"bf16": ("tab:blue", "-"), "fp32": ("tab:orange", "--")}
 _KIND_STYLE = {"decode": ("o", "tab:green"), "compiled decode": ("D", "tab:olive"), "prefill": ("s", "tab:purple")}
@@ -47,7 +47,7 @@ def draw_roofline(roofline: Roofline, points: Sequence[RooflinePoint], path: Pat
     ax.set_xlabel("arithmetic intensity (FLOP/byte)")
     ax.set_ylabel("performance (TFLOP/s)")
     ax.set_title(
-        f"{roofline.cpu_name} ({roofline.device}, {roofline.threads} threads, torch {roofline.torch_version})\n"
+        f"{roofline.cpu_name} ({roofline.device}, {threads_text(roofline.threads)}, torch {roofline.torch_version})\n"
         f"measured {roofline.timestamp}",
         fontsize=10,
     )

@@ -73,10 +73,17 @@ class EvalConfig:
             raise QinferError("qinfer eval needs at least one MODEL")
         if self.kv_cache not in KV_DTYPES:
             raise QinferError(f"--kv-cache must be one of {', '.join(KV_DTYPES)}; got {self.kv_cache!r}")
+        if self.window < 2:
+            raise QinferError(f"--window must be at least 2 tokens; got {self.window}")
         if not 0 < self.stride <= self.window:
             raise QinferError(f"--stride must be in 1..--window ({self.window}); got {self.stride}")
-        if self.window < 2 or self.max_tokens < self.window:
-            raise QinferError(f"--max-tokens ({self.max_tokens}) must be at least one --window ({self.window}) >= 2")
+        if self.max_tokens < self.window:
+            raise QinferError(f"--max-tokens ({self.max_tokens}) must be at least one --window ({self.window})")
+        if len(set(self.tasks)) < len(self.tasks):
+            object.__setattr__(self, "tasks", tuple(dict.fromkeys(self.tasks)))  # a task named twice is run once
+        if self.compiled and not self.speed:
+            raise QinferError("--compile times the compiled decode step beside the eager one: drop --no-speed, "
+                              "or --compile")
         for name in ("limit", "prompt_tokens", "decode_steps", "repeats"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 1:
                 raise QinferError(f"--{name.replace('_', '-')} must be a positive integer; got {getattr(self, name)!r}")

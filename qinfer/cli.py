@@ -282,7 +282,7 @@ def export(model, out, fmt, force):
 @click.option("--compile", "compiled", is_flag=True, default=False,
               help="Also time the decode step through torch.compile, as generate --compile runs it (compiled "
                    "tok/s and MBU columns; about a minute to compile each model).")
-@click.option("--out", default="qinfer-results", show_default=True, type=click.Path(file_okay=False))
+@click.option("--out", default="qinfer-results", show_default=True, help="Folder for the results and plots.")
 @click.option("--no-cache", is_flag=True, help="Measure again instead of reusing cached results.")
 def eval_models(models, baseline, text, max_tokens, window, stride, tasks, limit, speed, kv_cache, prompt_tokens,
                 decode_steps, repeats, compiled, out, no_cache):
@@ -291,6 +291,10 @@ def eval_models(models, baseline, text, max_tokens, window, stride, tasks, limit
     from qinfer.evals.runner import EvalConfig, run_eval
 
     task_list = () if tasks.strip().lower() == "none" else tuple(t.strip() for t in tasks.split(",") if t.strip())
+    if not task_list and tasks.strip().lower() != "none":
+        raise QinferError(f"--tasks {tasks!r} names no task: give a comma-separated list, or none")
+    if not out:
+        raise QinferError("--out is empty: name a folder (--out . for this one)")
     config = EvalConfig(models=models, baseline=baseline, text=text, max_tokens=max_tokens, window=window,
                         stride=stride, tasks=task_list, limit=limit, speed=speed, kv_cache=kv_cache,
                         prompt_tokens=prompt_tokens, decode_steps=decode_steps, repeats=repeats, compiled=compiled,

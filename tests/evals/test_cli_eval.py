@@ -41,6 +41,8 @@ def test_eval_writes_the_table_and_all_four_outputs(env):
 
 def test_eval_without_speed_writes_no_roofline_plot(env):
     out = env["root"] / "out"
+    out.mkdir()
+    (out / "roofline.png").write_bytes(b"an earlier run's")  # would show speeds these results do not have
     proc = run_qinfer("eval", env["model"], "--tasks", "none", "--no-speed", "--text", env["text"], *SMALL,
                       "--out", str(out), env=env["env"])
     assert proc.returncode == 0, proc.stderr
@@ -55,6 +57,28 @@ def test_eval_compile_without_a_compiler_is_one_clear_error(env):
                       env={**env["env"], "CXX": "/bin/false", "TORCHINDUCTOR_CACHE_DIR": str(env["root"] / "inductor")})
     assert_one_line_error(proc, "--compile: torch.compile failed")
     assert "measure without --compile" in proc.stderr and not (env["root"] / "out").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tasks", ""], "--tasks '' names no task: give a comma-separated list, or none"),
+    (["--tasks", ","], "names no task"),
+    (["--out", ""], "--out is empty"),
+    (["--out", "FILE"], "is a file, not a folder; choose an --out"),
+    (["--text", "FOLDER"], "is a folder: pass 'heldout' or a UTF-8 text file"),
+    (["--compile", "--no-speed"], "drop --no-speed, or --compile"),
+    (["--window", "0"], "--window must be at least 2"),
+])
+def test_eval_bad_options_are_one_line(env, args, message):
+    (env["root"] / "file").write_text("x")
+    args = [str(env["root"] / "file") if a == "FILE" else str(env["root"]) if a == "FOLDER" else a for a in args]
+    options = {"--tasks": "none", "--text": env["text"], "--out": str(env["root"] / "out")}
+    for name, value in options.items():
+        if name not in args:
+            args += [name, value]
+    proc = run_qinfer("eval", env["model"], *SMALL, "--no-speed", *args,
+                      env=env["env"])
+    assert_one_line_error(proc, message)
+    assert proc.returncode == 1 and not (env["root"] / "out").exists()
 
 
 def test_unknown_task(env):

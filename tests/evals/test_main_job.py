@@ -36,8 +36,10 @@ def test_main_job_quantizes_once_skips_what_fails_and_evaluates_the_rest(job, ca
     config, quantized, evals = job
     main_job.run_main_job(config)
     assert quantized == ["rtn", "awq"]
-    err = capsys.readouterr().err
-    assert "awq-w4g32: skipped" in err and "AWQ is not wired" in err
+    captured = capsys.readouterr()
+    err = captured.err
+    assert "awq-w4g32: skipped: AWQ is not wired" in err
+    assert "not in the table (quantizing failed, see above): awq-w4g32" in captured.out  # said again at the end
     assert "calibration 2 x 16 tokens" in err  # the cut-down settings are stated
     rtn_dir = main_job.quantized_dir(config.model, "rtn-w4g32")
     assert evals[0].models == (config.model, str(rtn_dir)) and evals[0].out == config.out
@@ -78,3 +80,11 @@ def test_a_folder_quantized_by_other_code_is_not_reused(job):
     report.write_text(json.dumps({**saved, "code": "an older quantizer"}))
     main_job.run_main_job(config)
     assert quantized == ["rtn", "awq", "rtn", "awq"]  # re-quantized after a quantizer change
+
+
+def test_an_unwritable_out_is_refused_before_any_quantizing(job, tmp_path):
+    config, quantized, evals = job
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(QinferError, match="is a file, not a folder; choose an --out"):
+        main_job.run_main_job(main_job.MainJobConfig(out=tmp_path / "file" / "results", model=config.model))
+    assert quantized == [] and evals == []

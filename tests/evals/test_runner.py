@@ -235,10 +235,16 @@ def test_windows_and_speed_runs_past_the_context_are_refused_before_any_work(env
     (dict(stride=100), "--stride"),
     (dict(max_tokens=10), "--max-tokens"),
     (dict(repeats=0), "repeats"),
+    (dict(window=0, stride=0), "--window must be at least 2 tokens; got 0"),
+    (dict(compiled=True), "drop --no-speed, or --compile"),
 ])
 def test_config_is_validated(change, message):
     with pytest.raises(QinferError, match=message):
         EvalConfig(**{"models": ("m",), **SMALL, **change})
+
+
+def test_a_task_named_twice_is_run_once():
+    assert EvalConfig(**{"models": ("m",), **SMALL, "tasks": ("b", "a", "b")}).tasks == ("b", "a")
 
 
 def test_an_imported_model_is_labelled_by_the_folder_given(env):

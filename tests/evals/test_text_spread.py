@@ -67,7 +67,7 @@ def test_text_spread_scores_the_whole_text_and_its_segments_as_eval_would(tiny, 
 @pytest.mark.parametrize("extra, message", [(["--segment", "16"], "at least one --window"),
                                              (["--max-tokens", "100"], "fewer than two --segment"),
                                              # qinfer eval's own checks, before any model is loaded
-                                             (["--window", "1", "--stride", "1"], "must be at least one --window"),
+                                             (["--window", "1", "--stride", "1"], "--window must be at least 2 tokens"),
                                              (["--stride", "64"], "--stride must be in 1..--window (32)"),
                                              (["--window", "5000", "--segment", "6000", "--max-tokens", "20000"],
                                               "context of 256 tokens"),
