@@ -28,10 +28,10 @@ def cache_dir() -> Path:
     path = cache_root()
     try:
         path.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):  # the path, or a folder on the way to it, is a file
+    except FileExistsError:  # the path itself is a file (a file on the way to it: errors.py's unwritable path)
         where = "QINFER_CACHE" if os.environ.get("QINFER_CACHE") else "the cache folder"
-        raise QinferError(f"{where} {path} is not a folder (a file is in the way): point QINFER_CACHE at a "
-                          "folder, or move the file") from None
+        raise QinferError(f"cannot write {where} {path}: it is a file, not a folder; set QINFER_CACHE to a folder "
+                          "you can write to") from None
     return path
 
 
