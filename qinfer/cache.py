@@ -70,7 +70,23 @@ def check_output(out: Path, force: bool, source: Path | None = None) -> None:
         if not (out / "config.json").exists() and any(out.iterdir()):
             raise QinferError(f"{out} is a folder without a model in it (no config.json): --force replaces only a "
                               "model folder; choose another -o")
+        others = sorted(p.name + "/" * p.is_dir() for p in out.iterdir() if not _model_file(p))
+        if others:
+            listed = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+            raise QinferError(f"{out} holds more than a model ({listed}): --force would delete that too; move it out "
+                              "or choose another -o")
     check_writable(out.parent, what=str(out))
+
+
+# What a model folder consists of (qinfer's outputs, Hugging Face model folders, an eval's --out there): the only
+# entries --force deletes with the folder.
+_MODEL_SUFFIXES = (".safetensors", ".json", ".jinja")
+_MODEL_NAMES = ("tokenizer.model", "merges.txt", "vocab.txt", "README.md", "LICENSE", ".gitattributes", "results.md",
+                "pareto.png", "roofline.png")
+
+
+def _model_file(path: Path) -> bool:
+    return path.is_file() and not path.is_symlink() and (path.suffix in _MODEL_SUFFIXES or path.name in _MODEL_NAMES)
 
 
 def check_writable(folder: Path, what: str | None = None, option: str = "-o") -> None:

@@ -68,6 +68,14 @@ def test_check_output(tmp_path):
         check_output(afile / "out", force=False)  # a file where a folder would have to be
     assert (other / "notes.txt").read_text() == "keep me" and afile.read_text() == "keep me"
     assert not [p for p in tmp_path.rglob(".*probe*")]
+    # a model folder holding anything else (notes, a subfolder, a project with a config.json of its own): refused
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer.model", "chat_template.jinja", "results.md"):
+        (model / name).write_text("")
+    check_output(model, force=True)
+    (model / "notes.txt").write_text("keep me")
+    (model / ".git").mkdir()
+    with pytest.raises(QinferError, match=r"holds more than a model \(\.git/, notes\.txt\): --force would delete"):
+        check_output(model, force=True)
 
 
 def test_source_fingerprint_follows_every_file_it_covers(tmp_path, monkeypatch, request):
