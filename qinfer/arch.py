@@ -246,22 +246,27 @@ def _layer_types(raw: dict, model_type: str, n_layers: int) -> tuple[list[str], 
 
 
 def _rope_configs(raw: dict, model_type: str) -> tuple[RopeConfig, RopeConfig]:
-    """(full-attention layers' RoPE, sliding layers' RoPE), from old-style or transformers-5-style keys."""
+    """(full-attention layers' RoPE, sliding layers' RoPE), from old-style or transformers-5-style keys, as
+    transformers merges them: a non-null legacy ``rope_scaling`` wins over ``rope_parameters`` (updating the
+    full-attention layers' entry where they are per layer type, as Gemma 3's config does)."""
     params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or {}
     if "full_attention" in params or "sliding_attention" in params:  # per-layer-type dict (Gemma 3, tf 5)
-        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+        full, local = {**(params.get("full_attention") or {}), **scaling}, params.get("sliding_attention") or {}
     else:
-        full = dict(params or raw.get("rope_scaling") or {})
+        full = dict(scaling or params)
         local = {}
     default_global = 1_000_000.0 if model_type == "gemma3_text" else 10_000.0
     theta = float(full.get("rope_theta") or raw.get("rope_theta") or default_global)
     local_theta = float(local.get("rope_theta") or raw.get("rope_local_base_freq") or 10_000.0)
     if model_type != "gemma3_text":
         local_theta, local = theta, full
-    return _rope(full, theta), _rope(local, local_theta)
+    # the context the scaled RoPE was trained at, where the scaling entry leaves it out: transformers' default
+    trained = int(raw.get("original_max_position_embeddings") or raw.get("max_position_embeddings") or 8192)
+    return _rope(full, theta, trained), _rope(local, local_theta, trained)
 
 
-def _rope(scaling: dict, theta: float) -> RopeConfig:
+def _rope(scaling: dict, theta: float, trained: int) -> RopeConfig:
     kind = scaling.get("rope_type") or scaling.get("type") or "default"
     if kind == "default":
         return RopeConfig(theta=theta)
@@ -271,5 +276,5 @@ def _rope(scaling: dict, theta: float) -> RopeConfig:
         factor=float(scaling.get("factor", 1.0)),
         low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
         high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-        original_max_position=int(scaling.get("original_max_position_embeddings", 8192)),
+        original_max_position=int(scaling.get("original_max_position_embeddings") or trained),
     )

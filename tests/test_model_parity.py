@@ -74,6 +74,12 @@ VARIANTS = {
     "qwen3-max-window-layers": ("qwen3", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 2}, ["layer_types"]),
     "llama-gelu": ("llama", {"hidden_act": "gelu"}, []),
     "gemma3-silu": ("gemma3", {"hidden_activation": "silu"}, []),
+    # a legacy rope_scaling added beside transformers 5's rope_parameters (as older guides say to) wins over it
+    "llama-rope-scaling-beside-parameters": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 8.0}}, []),
+    "gemma3-rope-scaling-beside-parameters": ("gemma3", {"rope_scaling": {"rope_type": "linear", "factor": 8.0}}, []),
+    # llama3 scaling without original_max_position_embeddings: trained at max_position_embeddings
+    "llama-llama3-rope-trained-context": ("llama", {"rope_parameters": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "rope_theta": 10000.0}}, []),
 }
 
 
