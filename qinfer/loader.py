@@ -373,8 +373,16 @@ def _take_packed(folder: Path, model: Transformer, tensors: dict, device: str) -
         for key in w.tensors(prefix):
             tensors.pop(key)
         packed[f"{prefix}.weight"] = w.to(device)
+    n_kv = model.config.num_kv_heads
     for i in range(model.config.num_layers):
         k, v = (tensors.pop(f"model.layers.{i}.self_attn.{n}_scale", None) for n in "kv")
-        if k is not None and v is not None:
-            model.kv_scales[i] = (k.to(device), v.to(device))
+        if k is None or v is None:
+            continue
+        if scheme.kv_cache == "none":
+            raise QinferError(f"{folder}: layer {i} has KV-cache scales but {QUANT_CONFIG_FILE} says kv_cache none, so "
+                              "which cache dtype they scale is unknown: quantize again with --kv-cache int8|fp8")
+        if tuple(k.shape) != (n_kv,) or tuple(v.shape) != (n_kv,):
+            raise QinferError(f"{folder}: layer {i}'s KV-cache scales have shapes {tuple(k.shape)} and "
+                              f"{tuple(v.shape)}, not one per KV head ({n_kv},): quantize again with --kv-cache")
+        model.kv_scales[i] = (k.float().to(device), v.float().to(device))
     return packed

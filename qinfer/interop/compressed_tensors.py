@@ -109,6 +109,20 @@ def compressed_tensors_config(scheme: QuantScheme) -> dict:
     }
 
 
+def kv_cache_dtype(config: dict) -> str:
+    """The KV-cache dtype a compressed-tensors ``kv_cache_scheme`` stores static scales for: "fp8" (8-bit float,
+    llm-compressor's FP8 KV cache), "int8", or "none" (no scheme, or a dynamic one: no scales stored)."""
+    kv = config.get("kv_cache_scheme")
+    if kv is None or (isinstance(kv, dict) and kv.get("dynamic")):
+        return "none"
+    if not isinstance(kv, dict) or kv.get("num_bits") != 8 or kv.get("type") not in ("float", "int"):
+        raise _config_error(f"kv_cache_scheme {kv!r} is not supported; qinfer reads 8-bit float or int KV-cache "
+                            "scales")
+    if kv.get("symmetric") is False:
+        raise _config_error("kv_cache_scheme is asymmetric; qinfer's KV cache has scales only (no zero points)")
+    return "fp8" if kv["type"] == "float" else "int8"
+
+
 def _config_error(message: str) -> QinferError:
     return QinferError(f"quantization_config (compressed-tensors): {message}")
 

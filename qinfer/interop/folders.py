@@ -11,13 +11,16 @@ Both directions write atomically (temp folder + rename).
 
 Not carried across: qinfer's per-KV-head cache scales (``self_attn.k_scale`` / ``v_scale``) have no
 equivalent in the GPTQ layout and a different shape from compressed-tensors' per-tensor ``kv_cache_scheme``,
-so export leaves them out and says so. Nor is a stored BOS position (``self_attn.bos_k`` / ``bos_v``,
+so export leaves them out and says so. The other way, a compressed-tensors checkpoint's static 8-bit
+``kv_cache_scheme`` scales (llm-compressor's FP8 KV cache) are imported, each repeated for every KV head, and
+``kv_cache`` records their dtype. Nor is a stored BOS position (``self_attn.bos_k`` / ``bos_v``,
 ``model.bos_hidden``: qinfer.format), which no other reader applies: there the exported model computes the BOS
 position with its quantized weights.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -27,6 +30,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from qinfer.arch import ModelConfig
 from qinfer.cache import atomic_dir, check_output, damage, write_manifest
 from qinfer.errors import QinferError
 from qinfer.format import QUANT_CONFIG_FILE, QuantScheme, packed_weight
@@ -147,9 +151,29 @@ def import_folder(src: Path, out: Path, force: bool = False) -> ConvertReport:
         report.linears += 1
     if report.linears == 0:
         raise QinferError(f"{src}: config.json declares {method} quantization but no quantized weights were found")
+    kv = ct.kv_cache_dtype(qconfig) if method == ct.QUANT_METHOD else "none"
+    _kv_scales_per_head(src, tensors, kv, ModelConfig.from_folder(src).num_kv_heads)
     result.update(tensors)
-    _write(src, out, result, config, force, scheme)
+    _write(src, out, result, config, force, dataclasses.replace(scheme, kv_cache=kv))
     return report
+
+
+def _kv_scales_per_head(src: Path, tensors: dict[str, torch.Tensor], kv: str, n_kv: int) -> None:
+    """Turn a compressed-tensors checkpoint's KV-cache scales (per tensor: one value, 0-d or [1]; or one per KV
+    head) into qinfer's, one fp32 value per KV head, in place. Both are amax over the largest code of ``kv``."""
+    names = [k for k in tensors if k.endswith(("self_attn.k_scale", "self_attn.v_scale"))]
+    if names and kv == "none":
+        raise QinferError(f"{src}: {names[0]} and other KV-cache scales, but quantization_config has no static "
+                          "kv_cache_scheme saying which cache dtype they scale: add one, or remove the scales")
+    if kv != "none" and not names:
+        raise QinferError(f"{src}: quantization_config's kv_cache_scheme is static but there are no k_scale/v_scale "
+                          "tensors: the checkpoint is incomplete")
+    for name in names:
+        t = tensors[name].float().reshape(-1)
+        if t.numel() not in (1, n_kv):
+            raise QinferError(f"{src}: {name} has {t.numel()} values; qinfer reads one per tensor or one per KV "
+                              f"head ({n_kv})")
+        tensors[name] = t.expand(n_kv).clone()
 
 
 def imported_copy(src: Path, cache: Path) -> Path:

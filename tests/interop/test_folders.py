@@ -227,3 +227,45 @@ def test_force_never_deletes_a_foreign_folder_being_read(quantized, tmp_path):
                           "--format", "compressed-tensors")
         assert_one_line_error(proc, "the model being read")
     assert (tmp_path / "outer" / "gptq" / "model.safetensors").is_file()
+
+
+def test_compressed_tensors_kv_cache_scales_are_imported_per_head(quantized, tmp_path):
+    # llm-compressor's static FP8 KV cache: one k_scale / v_scale per layer (0-d or [1]), amax / 448, with a
+    # kv_cache_scheme naming the dtype; imported as qinfer's per-head scales, the dtype recorded
+    export_folder(quantized / "fp8", tmp_path / "ct", "compressed-tensors")
+    config = json.loads((tmp_path / "ct" / "config.json").read_text())
+    tensors = load_file(tmp_path / "ct" / "model.safetensors")
+    layers, n_kv = config["num_hidden_layers"], config["num_key_value_heads"]
+    for i in range(layers):
+        for n, value in (("k", 0.5 + i), ("v", 0.25 + i)):
+            tensors[f"model.layers.{i}.self_attn.{n}_scale"] = torch.tensor(value) if i % 2 else torch.tensor([value])
+    save_file(tensors, tmp_path / "ct" / "model.safetensors")
+    without_scheme = shutil.copytree(tmp_path / "ct", tmp_path / "no-scheme")
+    config["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "symmetric": True,
+                                                        "strategy": "tensor", "dynamic": False}
+    (tmp_path / "ct" / "config.json").write_text(json.dumps(config))
+    import_folder(tmp_path / "ct", tmp_path / "back")
+    assert QuantScheme.load(tmp_path / "back").kv_cache == "fp8"
+    model = load_model(tmp_path / "back", dtype=torch.float32)
+    assert model.kv_scales_dtype == "fp8" and len(model.kv_scales) == layers
+    for i, (k, v) in model.kv_scales.items():
+        assert torch.equal(k, torch.full((n_kv,), 0.5 + i)) and torch.equal(v, torch.full((n_kv,), 0.25 + i))
+    with pytest.raises(QinferError, match="no static kv_cache_scheme saying which cache dtype they scale"):
+        import_folder(without_scheme, tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+
+
+def test_kv_cache_scales_the_format_cannot_place_are_refused_on_load(quantized, tmp_path):
+    folder = shutil.copytree(quantized / "int4-sym", tmp_path / "q")
+    tensors = load_file(folder / "model.safetensors")
+    n_kv = json.loads((folder / "config.json").read_text())["num_key_value_heads"]
+    tensors["model.layers.0.self_attn.k_scale"], tensors["model.layers.0.self_attn.v_scale"] = torch.ones(2, n_kv)
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(QinferError, match="says kv_cache none"):  # scales for an unknown cache dtype
+        load_model(folder)
+    scheme = json.loads((folder / QUANT_CONFIG_FILE).read_text())
+    (folder / QUANT_CONFIG_FILE).write_text(json.dumps({**scheme, "kv_cache": "int8"}))
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(1.0)
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(QinferError, match=r"shapes \(\) and .*not one per KV head"):
+        load_model(folder)
