@@ -437,8 +437,9 @@ int qinfer_int4_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype)
     int64_t N = wt->N, K = wt->K, G = wt->group;
     int64_t ng = K / G, hb = G / 2;
     /* a group's int32 lanes reach at most (G / 64) * 2 * 4 * 15 * 64 * 256 (+ the low bytes' far smaller sums):
-     * below 2^31 for G up to 2^16 */
-    int vnni = hb % 32 == 0 && G <= 65536 && qinfer_int4_vnni(-1);
+     * below 2^31 for G up to 2^16. An fp32 row takes the float loop: x in 15-bit fixed point is finer than
+     * bf16 but not fp32 (relative errors near 1e-4 where the float loop's are near 1e-6) */
+    int vnni = dtype != 0 && hb % 32 == 0 && G <= 65536 && qinfer_int4_vnni(-1);
     float *xe = malloc(sizeof(float) * (K + 2 * ng + 1) + 2 * K), *xo = xe + K / 2, *xs = xe + K, *step = xs + ng;
     if (!xe) return 1;
     int8_t *xh = (int8_t *)(step + ng), *xl = xh + K;  /* even entries, then odd ones, as xe and xo */

@@ -8,14 +8,17 @@ measures); its int4 weight-only kernel (``int4_cpu``) takes ~115 us for a 2048 x
 and 8-bit codes went through one int8 matmul per group (``int8_cpu``) and FP8 codes through an fp16 copy of
 the weight (``fp8_cpu``). ``gemv_cpu.c`` does each product in one pass over the stored bytes with
 AVX2/FMA/F16C: bf16 bits move into fp32 in registers; 4-bit codes are unpacked in registers, their nibbles
-meeting the row's even and odd entries (on a CPU with AVX-VNNI, groups of 64 or more: as bytes in integer dot
-products, VPDPBUSD, against x in 15-bit fixed point per group, exact integer sums scaled once a group, within
-max|x in the group| / 32766 of each x where bf16 keeps 2^-9 of x itself); 2- and 3-bit codes, 8 to a 16- or
+meeting the row's even and odd entries (on a CPU with AVX-VNNI, groups of 64 or more, bf16 or fp16 rows: as bytes
+in integer dot products, VPDPBUSD, against x in 15-bit fixed point per group, exact integer sums scaled once a
+group, within max|x in the group| / 32766 of each x where bf16 keeps 2^-9 of x itself; an fp32 row keeps the
+float loop); 2- and 3-bit codes, 8 to a 16- or
 24-bit word, by a shift per lane; integer codes are summed against x per group and scaled once (``s * (sum q x - z *
 sum x)``); E4M3 codes move into fp16 bits (sign-extended, shifted, masked: exact, subnormals too) and F16C widens
 them. Rows split across OpenMP threads (PyTorch's own runtime: ``torch.set_num_threads``). Every product and sum is
 fp32 (the VNNI loop's are exact integers until each group's is scaled) and each output is rounded once to the row's
-dtype: the references' results up to the order of their sums (and the VNNI loop's fixed-point x).
+dtype: the references' results up to the order of their sums (and the VNNI loop's fixed-point x), except where
+the zero term cancels most of ``sum q x`` (x far from zero mean over a long group: fp32 rows then differ from the
+reference by up to ~1e-4 of the output where the reference's own error is ~1e-7).
 ``python -m qinfer.evals.gemv_bench MODEL`` times each against PyTorch's path side by side
 (``evals/RESULTS-LOG.md``).
 

@@ -44,9 +44,16 @@ def _convert(weight: QuantizedWeight) -> tuple[list[torch.Tensor], torch.Tensor,
     N, K = weight.shape
     G = K if weight.group_size == -1 else weight.group_size
     offset = 1 << (weight.bits - 1)
-    codes = (weight.codes().to(torch.int16) - offset).to(torch.int8)  # [N, K]
+    raw = weight.codes()
+    codes = (raw.to(torch.int16) - offset).to(torch.int8)  # [N, K]
     scale = weight.scale.float().T.contiguous()  # [K/G, N]: group g's scales are one contiguous row
     zero_terms = None if weight.zero is None else (scale.T * (weight.zero.float() - offset))  # symmetric: none
+    if zero_terms is not None:
+        # all-zero groups (codes = zero point) left by quantizers older than the middle zero point: exactly 0 here,
+        # not a bf16 product the zero term cancels (their scale was 1, far above the other groups')
+        empty = (raw.view(N, K // G, G) == weight.zero[..., None]).all(-1)  # [N, K/G]
+        codes.view(N, K // G, G)[empty] = 0
+        zero_terms[empty] = 0.0
     blocks = [codes[:, g : g + G].contiguous() for g in range(0, K, G)]
     return blocks, scale, zero_terms, torch.ones(N, dtype=torch.bfloat16)
 
@@ -54,7 +61,7 @@ def _convert(weight: QuantizedWeight) -> tuple[list[torch.Tensor], torch.Tensor,
 def int8_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     # x: [..., K] holding one bf16 row; returns [..., N] in bf16; caller checked supported(x, weight)
     blocks, scale, zero_terms, ones = _blocks(weight)
-    row = x.reshape(1, -1)
+    row = x.reshape(1, -1).contiguous()  # the int8 kernel reads K contiguous values (a strided view is copied)
     G = blocks[0].shape[1]
     y = None
     for g, block in enumerate(blocks):

@@ -11,7 +11,9 @@ Grid of one group (``maxq = 2^b - 1``; the group's values are ``x``):
 The scale is stored in float16 and rounded *up* to the next float16 when the cast would shrink it, and
 codes are always computed against the stored scale. Then the grid still covers the group's range and every
 weight reconstructs to within half a step: ``|w - w_hat| <= scale / 2`` (up to float32 rounding of the
-division). A group whose range is 0 (all zeros) gets ``scale = 1``: any scale reproduces 0 exactly.
+division). A group whose range is 0 (all zeros) gets the zero point ``2^(b-1)`` (its codes are that too) and the
+least float16 scale, ``2^-24``: any scale reproduces 0 exactly, and the least one keeps a kernel's rounding of
+the group's products (which factor the zero point out: ``s * (sum q x - z sum x)``) as small as the group is.
 
 Clip search (``mse=True``; ``qinfer quantize --mse-clip``), the ``mse`` option of the GPTQ authors' code: the
 range above is shrunk by each factor ``1, 0.99, ..., 0.21`` (for asymmetric grids both ends alike) and each
@@ -27,6 +29,7 @@ from qinfer.errors import QinferError
 from qinfer.format import QuantizedWeight, QuantScheme, check_int_shape, pack
 
 FP16_MAX = torch.finfo(torch.float16).max
+LEAST_SCALE = 2.0**-24  # the least positive float16: an all-zero group's scale
 
 
 def _groups(W: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -66,12 +69,13 @@ def rtn_params(
         shrink = _best_shrink(x, lo, hi, maxq, symmetric)
         lo, hi = lo * shrink, hi * shrink
     scale = (hi - lo) / maxq
-    scale = _fp16_scale_up(torch.where(scale == 0, torch.ones_like(scale), scale), name)
+    flat = scale == 0  # an all-zero group
+    scale = _fp16_scale_up(torch.where(flat, torch.full_like(scale, LEAST_SCALE), scale), name)
+    middle = torch.full_like(scale, 1 << (bits - 1), dtype=torch.uint8)
     if symmetric:
-        zero = torch.full_like(scale, 1 << (bits - 1), dtype=torch.uint8)
-    else:
-        zero = torch.round(-lo / scale.float()).clamp(0, maxq).to(torch.uint8)
-    return scale, zero
+        return scale, middle
+    zero = torch.round(-lo / scale.float()).clamp(0, maxq).to(torch.uint8)
+    return scale, torch.where(flat, middle, zero)
 
 
 def _best_shrink(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, maxq: int, symmetric: bool) -> torch.Tensor:

@@ -90,12 +90,16 @@ def test_int_row_matches_the_exact_product(N, K, group_size, symmetric, dtype, b
     assert gemv_cpu.int_supported(x, weight)
     w = weight.dequantize(torch.float32).double()
     group = K if group_size == -1 else group_size
-    vnni = bits == 4 and group % 64 == 0 and gemv_cpu.int4_vnni()  # else the float loop (and below, always)
+    # the VNNI loop for 4-bit bf16/fp16 rows, else the float loop (and below, always); fp32 rows keep fp32's precision
+    vnni = bits == 4 and group % 64 == 0 and dtype != torch.float32 and gemv_cpu.int4_vnni()
+    outs = []
     for path in (contextlib.nullcontext, gemv_cpu.without_vnni):
         with path():
-            got = gemv_cpu.int_gemv(x, weight)
+            outs.append(gemv_cpu.int_gemv(x, weight))
         fixed = _fixed_point_error(x, w, group) if vnni and path is contextlib.nullcontext else 0.0
-        _check(got, x.double() @ w.T, x.double().abs() @ w.abs().T, dtype, fixed)
+        _check(outs[-1], x.double() @ w.T, x.double().abs() @ w.abs().T, dtype, fixed)
+    if dtype == torch.float32:
+        assert torch.equal(outs[0], outs[1])
 
 
 @needs_kernels

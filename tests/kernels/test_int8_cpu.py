@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from qinfer.format import QuantScheme
+from qinfer.format import QuantScheme, pack
 from qinfer.kernels import gemv_cpu, int4_cpu, int8_cpu, linear
 from qinfer.kernels.quant_linear import dequant_linear_ref
 from qinfer.quantizers.rtn import rtn_quantize
@@ -92,3 +92,42 @@ def test_converted_codes_are_cached_per_weight_and_released():
     assert int8_cpu._BLOCKS[key][0] is blocks  # converted once
     del weight
     assert key not in int8_cpu._BLOCKS
+
+
+def _with_empty_rows(bits, symmetric, old_style=False):
+    """A weight whose row 0 is all zeros and row 1 has one all-zero group; ``old_style``: those groups stored as
+    quantizers before the middle zero point stored them (zero point 0, codes 0, scale 1)."""
+    W = torch.randn(48, 256, generator=torch.Generator().manual_seed(2)) * 0.05
+    W[0], W[1, 32:64] = 0.0, 0.0
+    weight = rtn_quantize(W, QuantScheme(method="rtn", bits=bits, group_size=32, symmetric=symmetric))
+    if not old_style:
+        return weight
+    codes, scale, zero = weight.codes(), weight.scale.clone(), weight.zero.clone()
+    for row, groups in ((0, slice(None)), (1, slice(1, 2))):
+        scale[row, groups], zero[row, groups] = 1.0, 0
+    codes[0], codes[1, 32:64] = 0, 0
+    return dataclasses.replace(weight, qweight=pack(codes, bits), scale=scale, zero=zero)
+
+
+@pytest.mark.parametrize("bits", [3, 8])
+@pytest.mark.parametrize("symmetric, old_style", [(True, False), (False, False), (False, True)])
+def test_all_zero_groups_contribute_nothing(bits, symmetric, old_style):
+    # a zero row (a padding token's embedding under --quantize-lm-head) gives 0, not a bf16 rounding of a product
+    # the zero term cancels: with a scale of 1 that rounding was larger than the other rows' outputs
+    weight = _with_empty_rows(bits, symmetric, old_style)
+    assert bool((weight.dequantize(torch.float32)[0] == 0).all())
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(3)).bfloat16() + 1.0  # a mean: sum(x) far from 0
+    got = int8_cpu.int8_linear(x, weight).float()[0]
+    exact = _exact(x, weight)[0]
+    assert got[0] == 0.0
+    assert float((got[1] - exact[1]).abs()) <= 1e-2 * float(exact.abs().max())
+    if gemv_cpu.available() and not old_style:  # the C GEMV reads the stored bytes: the quantizer's choice matters
+        c = gemv_cpu.int_gemv(x, weight).float()[0]
+        assert float(c[0].abs()) <= 1e-4 * float(exact.abs().max())
+
+
+def test_a_strided_row_is_read_as_its_values():
+    weight = _weight(16, 256, 8, 32, False)
+    wide = torch.randn(1, 512, generator=torch.Generator().manual_seed(4)).bfloat16()
+    row = wide[:, ::2]  # every other value: a view whose last dimension is not contiguous
+    assert torch.equal(int8_cpu.int8_linear(row, weight), int8_cpu.int8_linear(row.contiguous(), weight))

@@ -64,7 +64,9 @@ def test_all_zero_groups(symmetric):
     W_hat = qw.dequantize(torch.float32)
     assert bool(torch.isfinite(W_hat).all())
     assert bool((W_hat[1, 32:64] == 0).all()) and bool((W_hat[3] == 0).all())
-    assert bool((qw.scale[3] == 1).all())  # the documented choice for an empty range
+    # the documented choice for an empty range: the least float16 scale, the middle code as zero point and codes
+    assert bool((qw.scale[3] == 2.0**-24).all()) and bool((qw.scale[1, 1] == 2.0**-24))
+    assert bool((qw.codes()[3] == 8).all()) and (qw.zero is None or bool((qw.zero[3] == 8).all()))
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
