@@ -98,12 +98,17 @@ def scheme_from_gptq_config(config: dict) -> QuantScheme:
     if not isinstance(config, dict) or config.get("quant_method") != "gptq":
         got = config.get("quant_method") if isinstance(config, dict) else type(config).__name__
         raise QinferError(f"quantization_config: quant_method is {got!r}, not 'gptq'")
-    fmt = config.get("checkpoint_format", CHECKPOINT_FORMAT)
-    if fmt != CHECKPOINT_FORMAT:
-        raise QinferError(
-            f"quantization_config: checkpoint_format {fmt!r} is not supported; qinfer reads GPTQ format v1 "
-            "('gptq'): convert the checkpoint to v1 with GPTQModel first"
-        )
+    # "format" (GPTQModel, transformers 5) and the older "checkpoint_format": each one given must say v1
+    for key in ("format", "checkpoint_format"):
+        fmt = config.get(key, CHECKPOINT_FORMAT)
+        if fmt != CHECKPOINT_FORMAT:
+            raise QinferError(
+                f"quantization_config: {key} {fmt!r} is not supported; qinfer reads GPTQ format v1 "
+                "('gptq'): convert the checkpoint to v1 with GPTQModel first"
+            )
+    if config.get("dynamic"):
+        raise QinferError("quantization_config: per-module overrides ('dynamic') are not supported; qinfer reads "
+                          "GPTQ checkpoints with one bits and group_size for every linear")
     for key in ("bits", "group_size"):
         if key not in config:
             raise QinferError(f"quantization_config: missing {key!r}")

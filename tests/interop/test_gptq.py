@@ -220,6 +220,11 @@ def test_config():
     [
         ({"quant_method": "awq", "bits": 4, "group_size": 128}, "not 'gptq'"),
         ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "gptq_v2"}, "format v1"),
+        # transformers 5 / GPTQModel's key for the same thing: a v2 checkpoint read as v1 is off by one zero point
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "format": "gptq_v2"}, "format 'gptq_v2'"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "format": "gptq", "checkpoint_format": "marlin"},
+         "checkpoint_format 'marlin'"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "dynamic": {"-:.*down_proj": {}}}, "'dynamic'"),
         ({"quant_method": "gptq", "bits": 4, "group_size": 256}, "group_size"),
         ({"quant_method": "gptq", "bits": 5, "group_size": 128}, "bits"),
         ({"quant_method": "gptq", "group_size": 128}, "missing 'bits'"),
