@@ -166,7 +166,7 @@ class QuantScheme:
                 "'fp8' (round to nearest) or 'gptq' (error feedback), format 'int' with rtn, gptq or awq"
             )
         if self.format == "fp8":
-            fix = " (fp8 E4M3 weights are 8 bits: use --bits 8 with --format fp8, or --format int for 2, 3 or 4 bits)"
+            fix = " (fp8 E4M3 weights are 8 bits: use --bits 8 with --format fp8, or --format int for 2, 3, 4 or 8 bits)"
             _choice("bits", self.bits, (8,), fix)
             _choice("lm_head_bits", self.lm_head_bits, (8,), fix)
             if self.group_size != -1:
