@@ -78,6 +78,8 @@ def list_models():
         kind = "(imported)" if (c.parent / QUANT_CONFIG_FILE).exists() else "(converted gguf)"
         broken = damage(c.parent)
         click.echo(f"{kind:24s} {c.parent}" + (f" damaged ({broken}): made again on next use" if broken else ""))
+    for q in sorted((cache_dir() / "quantized").glob(f"*/{QUANT_CONFIG_FILE}")):  # the main job's models
+        click.echo(f"{'(qinfer demo)':24s} {q.parent}")
 
 
 @cli.command()
