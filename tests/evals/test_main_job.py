@@ -1,8 +1,10 @@
 import json
+import shutil
 
 import pytest
 from click.testing import CliRunner
 
+from qinfer.cache import cache_dir
 from qinfer.cli import cli
 from qinfer.errors import QinferError
 from qinfer.evals import main_job, runner
@@ -46,7 +48,8 @@ def test_main_job_quantizes_once_skips_what_fails_and_evaluates_the_rest(job, ca
     rtn_dir = main_job.quantized_dir(config.model, "rtn-w4g32")
     assert evals[0].models == (config.model, str(rtn_dir)) and evals[0].out == config.out
     assert json.loads((rtn_dir / "quant_config.json").read_text())["method"] == "rtn"
-    assert f"(qinfer demo)            {rtn_dir}" in CliRunner().invoke(cli, ["list"]).output  # listed, deletable
+    in_cache = shutil.copytree(rtn_dir, cache_dir() / "quantized" / "gemma3-270m-rtn-w4g32")  # where the demo's go
+    assert f"(qinfer demo)            {in_cache}" in CliRunner().invoke(cli, ["list"]).output  # listed, deletable
 
     main_job.run_main_job(config)  # the second run reuses the RTN folder, and tries AWQ again
     assert quantized == ["rtn", "awq", "awq"]
