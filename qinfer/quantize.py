@@ -169,7 +169,8 @@ class QuantizeReport:
 
 
 def calibration_batch(folder: Path, calib: CalibConfig) -> torch.Tensor:
-    """[samples, seq_len] token ids: BOS (when the model has one) + seq_len - 1 tokens of calibration text."""
+    """[samples, seq_len] token ids: BOS + seq_len - 1 tokens of calibration text where the tokenizer starts text with
+    a BOS (as inference sees text), else seq_len tokens of it (SmolLM2, Qwen: ``add_bos_token`` false)."""
     return _calibration_windows(folder, calib)[0]
 
 
@@ -178,7 +179,7 @@ def _calibration_windows(folder: Path, calib: CalibConfig) -> tuple[torch.Tensor
     note if the windows read that text several times over."""
     tok = Tokenizer.from_folder(folder)
     docs = load_calibration_documents(calib.source)
-    bos = [] if tok.bos_id is None else [tok.bos_id]
+    bos = [] if tok.leading_bos is None else [tok.leading_bos]
     body, stream_tokens = sample_windows_from_stream(
         docs, lambda t: tok.encode(t, add_bos=False), calib.samples, calib.seq_len - len(bos), calib.seed)
     bos_column = torch.tensor([bos] * calib.samples, dtype=torch.long).reshape(calib.samples, -1)

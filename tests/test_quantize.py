@@ -329,6 +329,21 @@ def test_calibration_reads_no_memory_it_did_not_write(tmp_path, calib_file, monk
     assert all(bool(t.float().isfinite().all()) for t in stored.values() if t.is_floating_point())
 
 
+def test_calibration_starts_windows_as_the_tokenizer_starts_text(tiny, tmp_path, calib_file):
+    # a tokenizer that puts no BOS before text (SmolLM2, Qwen: add_bos_token false) is calibrated on windows without
+    # one, as inference and eval see text (a BOS there cost SmolLM2's 4-bit GPTQ model twice the perplexity change)
+    plain = shutil.copytree(tiny, tmp_path / "plain")
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    (plain / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": False}))
+    calib = CalibConfig(str(calib_file), 8, 32)
+    bos = Tokenizer.from_folder(tiny).bos_id
+    assert bool((calibration_batch(tiny, calib)[:, 0] == bos).all())
+    without = calibration_batch(plain, calib)
+    assert without.shape == (8, 32) and not bool((without[:, 0] == bos).any())
+    report = quantize_model(plain, tmp_path / "q", QuantScheme(method="gptq", bits=4, group_size=32), calib)
+    assert not report.kept_bos
+
+
 def test_same_options_write_the_same_bytes(tiny, tmp_path, calib_file):
     # two processes (safetensors orders several metadata keys per process), the same options and seed: the same
     # files byte for byte, so a checksum verifies a model
