@@ -81,12 +81,14 @@ def check_output(out: Path, force: bool, source: Path | None = None) -> None:
 # What a model folder consists of (qinfer's outputs, Hugging Face model folders, an eval's --out there): the only
 # entries --force deletes with the folder.
 _MODEL_SUFFIXES = (".safetensors", ".json", ".jinja")
-_MODEL_NAMES = ("tokenizer.model", "merges.txt", "vocab.txt", "README.md", "LICENSE", ".gitattributes", "results.md",
-                "pareto.png", "roofline.png")
+_MODEL_NAMES = ("tokenizer.model", "merges.txt", "vocab.txt", "README.md", "USE_POLICY.md", ".gitattributes",
+                "results.md", "pareto.png", "roofline.png")
 
 
 def _model_file(path: Path) -> bool:
-    return path.is_file() and not path.is_symlink() and (path.suffix in _MODEL_SUFFIXES or path.name in _MODEL_NAMES)
+    # a symbolic link to one (a Hugging Face cache's snapshot) is removed, not what it points to
+    return path.is_file() and (path.suffix in _MODEL_SUFFIXES or path.name in _MODEL_NAMES
+                               or path.name.startswith(("LICENSE", "NOTICE")))
 
 
 def check_writable(folder: Path, what: str | None = None, option: str = "-o") -> None:

@@ -295,8 +295,7 @@ def eval_models(models, baseline, text, max_tokens, window, stride, tasks, limit
     task_list = () if tasks.strip().lower() == "none" else tuple(t.strip() for t in tasks.split(",") if t.strip())
     if not task_list and tasks.strip().lower() != "none":
         raise QinferError(f"--tasks {tasks!r} names no task: give a comma-separated list, or none")
-    if not out:
-        raise QinferError("--out is empty: name a folder (--out . for this one)")
+    _check_out_name(out)
     config = EvalConfig(models=models, baseline=baseline, text=text, max_tokens=max_tokens, window=window,
                         stride=stride, tasks=task_list, limit=limit, speed=speed, kv_cache=kv_cache,
                         prompt_tokens=prompt_tokens, decode_steps=decode_steps, repeats=repeats, compiled=compiled,
@@ -318,12 +317,18 @@ def roofline(force):
 
 
 @cli.command()
-@click.option("--out", default="qinfer-results", show_default=True, type=click.Path(file_okay=False))
+@click.option("--out", default="qinfer-results", show_default=True, help="Folder for the results and plots.")
 def demo(out):
     """The main job: pull gemma3-270m, quantize it (RTN, GPTQ, AWQ 4-bit; FP8), eval all, plot."""
     from qinfer.evals.main_job import MainJobConfig, run_main_job
 
+    _check_out_name(out)
     run_main_job(MainJobConfig(out=out))
+
+
+def _check_out_name(out: str) -> None:
+    if not out.strip():
+        raise QinferError("--out is empty: name a folder (--out . for this one)")
 
 
 def main():

@@ -69,8 +69,11 @@ def test_check_output(tmp_path):
     assert (other / "notes.txt").read_text() == "keep me" and afile.read_text() == "keep me"
     assert not [p for p in tmp_path.rglob(".*probe*")]
     # a model folder holding anything else (notes, a subfolder, a project with a config.json of its own): refused
-    for name in ("model.safetensors", "tokenizer.json", "tokenizer.model", "chat_template.jinja", "results.md"):
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer.model", "chat_template.jinja", "results.md",
+                 "LICENSE.txt", "USE_POLICY.md"):
         (model / name).write_text("")
+    (tmp_path / "blob").write_text("{}")
+    (model / "generation_config.json").symlink_to(tmp_path / "blob")  # as a Hugging Face cache's snapshot links
     check_output(model, force=True)
     (model / "notes.txt").write_text("keep me")
     (model / ".git").mkdir()

@@ -63,6 +63,7 @@ def test_eval_compile_without_a_compiler_is_one_clear_error(env):
     (["--tasks", ""], "--tasks '' names no task: give a comma-separated list, or none"),
     (["--tasks", ","], "names no task"),
     (["--out", ""], "--out is empty"),
+    (["--out", " "], "--out is empty"),
     (["--out", "FILE"], "is a file, not a folder; choose an --out"),
     (["--text", "FOLDER"], "is a folder: pass 'heldout' or a UTF-8 text file"),
     (["--compile", "--no-speed"], "drop --no-speed, or --compile"),
@@ -119,3 +120,11 @@ def test_cli_defaults_are_the_eval_config_defaults():
         assert params[name] == getattr(defaults, name), name
     assert tuple(params["tasks"].split(",")) == defaults.tasks
     assert params["out"] == os.fspath(defaults.out)
+
+
+@pytest.mark.parametrize("out, message", [("FILE", "is a file, not a folder; choose an --out"), (" ", "--out is empty")])
+def test_demo_bad_out_is_one_line_before_any_work(env, out, message):
+    (env["root"] / "file").write_text("x")
+    proc = run_qinfer("demo", "--out", str(env["root"] / "file" / "results") if out == "FILE" else out, env=env["env"])
+    assert_one_line_error(proc, message)
+    assert proc.returncode == 1 and not (cache := env["root"] / "cache" / "quantized").exists(), cache
