@@ -291,9 +291,13 @@ def test_existing_output_is_refused_without_force(tiny, tmp_path):
     with pytest.raises(QinferError, match="without a model in it"):  # --force replaces only a model folder
         quantize_model(tiny, out, QuantScheme(method="rtn", group_size=32), CALIB, force=True)
     assert (out / "keep.txt").read_text() == "user data"
-    (out / "config.json").write_text("{}")  # (a folder holding a model)
+    (out / "config.json").write_text("{}")  # a folder holding a model, and something else: not deleted either
+    with pytest.raises(QinferError, match=r"holds more than a model \(keep.txt\)"):
+        quantize_model(tiny, out, QuantScheme(method="rtn", group_size=32), CALIB, force=True)
+    assert (out / "keep.txt").read_text() == "user data"
+    (out / "keep.txt").unlink()  # a folder of model files only: replaced
     quantize_model(tiny, out, QuantScheme(method="rtn", group_size=32), CALIB, force=True)
-    assert (out / "quant_config.json").exists() and not (out / "keep.txt").exists()
+    assert (out / "quant_config.json").exists()
 
 
 def test_nan_weight_names_the_layer(tmp_path):
