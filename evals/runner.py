@@ -124,6 +124,7 @@ class _Model:
     label: str
     folder: Path
     key: str
+    tokenizer: Tokenizer = field(compare=False)  # read once per model
 
 
 def run_eval(config: EvalConfig) -> list[ModelResult]:
@@ -160,7 +161,7 @@ def comparison(config: EvalConfig) -> tuple[list[_Model], _Model, torch.Tensor, 
     models = _resolve(config.models)
     baseline = _resolve([config.baseline_spec])[0]
     text, text_desc = load_text(config.text)
-    tokens = text_tokens(Tokenizer.from_folder(baseline.folder), text, config.max_tokens)
+    tokens = text_tokens(baseline.tokenizer, text, config.max_tokens)
     if tokens.numel() < config.window:
         raise QinferError(
             f"the text ({text_desc}) has {tokens.numel()} tokens, fewer than one window of {config.window}; "
@@ -169,8 +170,7 @@ def comparison(config: EvalConfig) -> tuple[list[_Model], _Model, torch.Tensor, 
     _check_context(config, [*models, baseline])
     _check_vocab(models, baseline)
     for m in models:
-        if m.folder != baseline.folder and not torch.equal(text_tokens(Tokenizer.from_folder(m.folder), text,
-                                                                        config.max_tokens), tokens):
+        if m.folder != baseline.folder and not torch.equal(text_tokens(m.tokenizer, text, config.max_tokens), tokens):
             raise QinferError(f"{m.label} tokenizes the text differently from the baseline {baseline.label}: "
                               "KL and agreement need one shared vocabulary")
     return models, baseline, tokens, f"{text_desc}, first {tokens.numel()} tokens"
@@ -198,7 +198,7 @@ def _resolve(specs) -> list[_Model]:
         seen[label] = seen.get(label, 0) + 1
         if seen[label] > 1:
             label = f"{label}#{seen[label]}"
-        out.append(_Model(spec, label, folder, content_key(folder)))
+        out.append(_Model(spec, label, folder, content_key(folder), Tokenizer.from_folder(folder)))
     return out
 
 
@@ -206,7 +206,7 @@ def _check_context(config: EvalConfig, models: list[_Model]) -> None:
     """Refuse a --window (with the BOS put in front of it) or a speed run's prompt and steps past a model's context."""
     for m in models:
         c = ModelConfig.from_folder(m.folder)
-        lead = Tokenizer.from_folder(m.folder).leading_bos is not None
+        lead = m.tokenizer.leading_bos is not None
         if config.window + lead > c.max_position_embeddings:
             raise QinferError(
                 f"--window {config.window}{' and the BOS before it' if lead else ''} is longer than {m.label}'s "
@@ -234,9 +234,9 @@ def _check_vocab(models: list[_Model], baseline: _Model) -> None:
 def _text_part(config, models: list[_Model], baseline: _Model, tokens, fields: dict) -> dict[str, TextMetrics]:
     """Text metrics of every model: cached ones read, the rest measured in one pass over the text."""
     # the BOS each tokenizer starts text with (None: none), put before every window
-    leads = {m.folder: Tokenizer.from_folder(m.folder).leading_bos for m in [baseline, *models]}
-    keys = {m.label: result_cache.cache_key("text", model=m.key, bos=[leads[baseline.folder], leads[m.folder]],
-                                            **fields) for m in models}
+    keys = {m.label: result_cache.cache_key("text", model=m.key, bos=[baseline.tokenizer.leading_bos,
+                                                                      m.tokenizer.leading_bos], **fields)
+            for m in models}
     found = {label: result_cache.load("text", key, TextMetrics) if config.cache else None
              for label, key in keys.items()}
     out = {label: metrics for label, metrics in found.items() if metrics is not None}
@@ -245,13 +245,13 @@ def _text_part(config, models: list[_Model], baseline: _Model, tokens, fields: d
         return out
     _log(config, f"perplexity and KL against {baseline.label} for {', '.join(m.label for m in todo)}")
     base_model = _load(baseline.folder)
-    base_fn = window_logits(base_model, BASELINE_KV, leads[baseline.folder])
+    base_fn = window_logits(base_model, BASELINE_KV, baseline.tokenizer.leading_bos)
     fns = {}
     for m in todo:
         if m.folder == baseline.folder and config.kv_cache == BASELINE_KV:
             fns[m.label] = base_fn  # the very same forward: its logits are computed once
             continue
-        fns[m.label] = window_logits(_load(m.folder), config.kv_cache, leads[m.folder])
+        fns[m.label] = window_logits(_load(m.folder), config.kv_cache, m.tokenizer.leading_bos)
     measured = text_metrics(base_fn, fns, tokens, config.window, config.stride, progress=config.progress)
     for label, metrics in measured.items():
         result_cache.store("text", keys[label], dataclasses.asdict(metrics))
@@ -286,10 +286,9 @@ def _model_parts(config, models: list[_Model], examples: dict, roofline: Rooflin
         loaded = [_load(m.folder) for m in batch]
         for m, model in zip(batch, loaded):
             missing = [task for task in examples if task not in tasks[m.label]]
-            tok = Tokenizer.from_folder(m.folder) if missing else None
             for task in missing:
-                tasks[m.label][task] = task_accuracy(model, tok, examples[task], config.kv_cache, f"{m.label}: {task}",
-                                                     progress=config.progress)
+                tasks[m.label][task] = task_accuracy(model, m.tokenizer, examples[task], config.kv_cache,
+                                                     f"{m.label}: {task}", progress=config.progress)
                 result_cache.store("task", task_keys[m.label][task], dataclasses.asdict(tasks[m.label][task]))
         timed = [(m, model) for m, model in zip(batch, loaded) if m.label in untimed]
         if len(timed) > 1:

@@ -29,7 +29,6 @@ from qinfer.evals.divergence import TokenSeries, se_block, token_series
 from qinfer.evals.forward import window_logits
 from qinfer.evals.runner import EvalConfig, comparison
 from qinfer.loader import load_model
-from qinfer.tokenizer import Tokenizer
 
 BLOCKS = (1, 32, 128, 512, 2048)  # besides qinfer eval's own
 
@@ -56,9 +55,8 @@ def _report(model, quantized, text, max_tokens, segment, window, stride):
     models, baseline, tokens, _ = comparison(config)
     if tokens.numel() < 2 * segment:
         raise QinferError(f"the text has {tokens.numel()} tokens, fewer than two --segment of {segment}")
-    base = window_logits(load_model(baseline.folder), "bf16", Tokenizer.from_folder(baseline.folder).leading_bos)
-    fns = {m.label: window_logits(load_model(m.folder), "bf16", Tokenizer.from_folder(m.folder).leading_bos)
-           for m in models}
+    base = window_logits(load_model(baseline.folder), "bf16", baseline.tokenizer.leading_bos)
+    fns = {m.label: window_logits(load_model(m.folder), "bf16", m.tokenizer.leading_bos) for m in models}
     series = token_series(base, fns, tokens, window, stride)
     for label, s in series.items():
         _print_model(label, s, segment, window, stride)
