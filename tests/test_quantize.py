@@ -2,10 +2,6 @@
 
 import json
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from dataclasses import replace
 
 import pytest
@@ -22,7 +18,6 @@ from qinfer.calib.capture import calibrate_in_stages, capture_block, embed_sampl
 from qinfer.quantize import CalibConfig, calibration_batch, quantize_model
 from qinfer.quantizers.gptq import fp_target
 from qinfer.tokenizer import Tokenizer
-from tests.test_cli_errors import assert_one_line_error, run_qinfer
 from tests.tiny_models import COMMON, CONFIGS, TEXT, VOCAB, make_model
 
 CALIB = CalibConfig(samples=16, seq_len=64)
@@ -348,46 +343,6 @@ def test_calibration_starts_windows_as_the_tokenizer_starts_text(tiny, tmp_path,
     assert not report.kept_bos
 
 
-def test_same_options_write_the_same_bytes(tiny, tmp_path, calib_file):
-    # two processes (safetensors orders several metadata keys per process), the same options and seed: the same
-    # files byte for byte, so a checksum verifies a model
-    args = ["--group-size", "32", "--calib", str(calib_file), "--samples", "4", "--seq-len", "32", "--seed", "3"]
-    for name in ("a", "b"):
-        proc = run_qinfer("quantize", str(tiny), "-o", str(tmp_path / name), *args)
-        assert proc.returncode == 0, proc.stderr
-    for name in ("model.safetensors", "quant_config.json"):
-        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
-
-
-def test_cli_quantize_then_generate(tiny, tmp_path, calib_file):
-    out = tmp_path / "cli"
-    proc = run_qinfer("quantize", str(tiny), "-o", str(out), "--bits", "4", "--group-size", "32",
-                      "--calib", str(calib_file), "--samples", "8", "--seq-len", "32")
-    assert proc.returncode == 0, proc.stderr
-    assert "bits per quantized weight" in proc.stdout
-    scheme = QuantScheme.load(out)  # the defaults: GPTQ, act-order, asymmetric groups
-    assert (scheme.method, scheme.act_order, scheme.symmetric) == ("gptq", True, False)
-    assert json.loads((out / "quantize_report.json").read_text())["calibration"]["true_sequential"]
-    fp8 = run_qinfer("quantize", str(tiny), "-o", str(tmp_path / "fp8"), "--bits", "8", "--format", "fp8",
-                     "--calib", str(calib_file), "--samples", "8", "--seq-len", "32")
-    assert fp8.returncode == 0, fp8.stderr  # FP8 needs no --sym
-    assert (QuantScheme.load(tmp_path / "fp8").format, QuantScheme.load(tmp_path / "fp8").symmetric) == ("fp8", True)
-    tuned = run_qinfer("quantize", str(tiny), "-o", str(tmp_path / "tuned"), "--method", "rtn", "--group-size", "32",
-                       "--tune-steps", "2", "--tune-batch", "3", "--tune-rounding", "--tune-holdout", "2",
-                       "--calib", str(calib_file), "--samples", "8", "--seq-len", "32")
-    assert tuned.returncode == 0, tuned.stderr
-    assert "held-out check kept step" in tuned.stdout
-    saved = json.loads((tmp_path / "tuned" / "quantize_report.json").read_text())
-    assert (saved["tuning"]["steps"], saved["tuning"]["batch"], saved["tuning"]["rounding"]) == (2, 3, True)
-    assert saved["tuning"]["holdout"] == 2
-    layers = load_model(tiny).config.num_layers
-    assert len(saved["tune_best_steps"]) == layers and set(saved["tune_best_steps"].values()) <= {0, 1, 2}
-    assert all([step for step, _ in checks] == [0, 1, 2] for checks in saved["tune_held_out"].values())
-    gen = run_qinfer("generate", str(out), "a single", "--max-tokens", "5")
-    assert gen.returncode == 0, gen.stderr
-    assert gen.stdout.startswith("a single")
-
-
 def test_true_sequential_takes_hessians_after_earlier_groups(tiny, tmp_path, calib_file, monkeypatch):
     import qinfer.quantize as pipeline
 
@@ -496,112 +451,6 @@ def test_fp_target_aims_at_the_unquantized_model(tiny, tmp_path, calib_file, mon
     assert aimed < plain, (aimed, plain)
     recorded = json.loads((tmp_path / "aimed" / "quantize_report.json").read_text())["calibration"]
     assert recorded["fp_target"] and recorded["fp_target_damp"] == 0.5 and recorded["true_sequential"]  # implied
-
-
-@pytest.mark.parametrize(
-    "args,needle",
-    [
-        (["--bits", "5"], "bits"),
-        (["--group-size", "100"], "group"),
-        (["--format", "fp8"], "bits"),
-        (["--bits", "8", "--format", "fp8", "--method", "awq"], "AWQ produces integer weights"),
-        (["--method", "rtn", "--act-order"], "act_order"),
-        (["--seq-len", "200", "--calib", "SHORT", "--group-size", "32"], "too short"),
-        (["--seq-len", "1000", "--group-size", "32"], "longer than the model's context of 256 tokens"),
-        (["--samples", "100000000", "--seq-len", "64", "--group-size", "32"], "GiB of memory is available: lower --samples or --seq-len"),
-        (["--samples", "100000000", "--seq-len", "64", "--method", "rtn", "--kv-cache", "int8", "--group-size", "32"], "lower --samples"),
-        (["--bits", "8", "--format", "fp8", "--tune-steps", "5"], "FP8 weights have none"),
-        (["--tune-steps", "-1"], "--tune-steps >= 0"),
-        (["--tune-steps", "2", "--tune-batch", "0"], "--tune-batch >= 1"),
-        (["--bits", "8", "--format", "fp8", "--e2e-steps", "5"], "FP8 weights have none"),
-        (["--e2e-steps", "-1"], "--e2e-steps >= 0"),
-        (["--tune-rounding"], "add --tune-steps"),
-        (["--tune-rounding", "--e2e-steps", "2"], "add --tune-steps"),
-        (["--tune-holdout", "4"], "add --tune-steps"),
-        (["--tune-steps", "2", "--tune-holdout", "8", "--samples", "8"], "leaves none of the 8 calibration samples"),
-        (["--bits", "8", "--format", "fp8", "--mse-clip"], "drop --mse-clip"),
-        (["--method", "rtn", "--true-sequential"], "drop it for --method rtn"),
-        (["--method", "rtn", "--fp-target"], "drop it for --method rtn"),
-        (["--fp-target", "--no-true-sequential"], "drop --no-true-sequential"),
-        (["--fp-target", "--fp-target-damp", "0"], "--fp-target-damp must be > 0"),
-        (["--fp-target-damp", "0.1"], "add --fp-target"),
-        (["--bits", "8", "--format", "fp8", "--group-size", "32"], "drop --group-size"),
-        (["--bits", "8", "--format", "fp8", "--quantize-lm-head", "--lm-head-bits", "4"], "drop --lm-head-bits"),
-        (["--lm-head-bits", "4", "--group-size", "32"], "add --quantize-lm-head"),
-        (["--bits", "8", "--format", "fp8", "--asym"], "drop --asym"),
-        (["--method", "awq", "--act-order", "--group-size", "32"], "drop --act-order"),
-    ],
-)
-def test_cli_bad_options(tiny, tmp_path, args, needle):
-    short = tmp_path / "short.txt"
-    short.write_text("Too short.")
-    args = [str(short) if a == "SHORT" else a for a in args]
-    proc = run_qinfer("quantize", str(tiny), "-o", str(tmp_path / "out"), *args)
-    assert_one_line_error(proc, needle)
-    assert not (tmp_path / "out").exists()
-
-
-def test_cli_says_when_rtn_reads_no_calibration_text(tiny, tmp_path):
-    # RTN alone reads no text: calibration options given for it are named as unused, not silently dropped
-    missing = str(tmp_path / "missing.txt")
-    rtn = run_qinfer("quantize", str(tiny), "-o", str(tmp_path / "rtn"), "--method", "rtn", "--group-size", "32",
-                     "--calib", missing, "--samples", "8")
-    assert rtn.returncode == 0, rtn.stderr
-    notes = [line for line in rtn.stderr.splitlines() if line.startswith("note:")]
-    assert len(notes) == 1 and "--calib, --samples not used" in notes[0]
-    assert (tmp_path / "rtn" / "quant_config.json").exists()
-    assert json.loads((tmp_path / "rtn" / "quantize_report.json").read_text())["calibration"] is None  # none read
-    # with KV-cache scales to calibrate, RTN reads the text: the missing file is an error, and no note
-    kv = run_qinfer("quantize", str(tiny), "-o", str(tmp_path / "kv"), "--method", "rtn", "--group-size", "32",
-                    "--kv-cache", "int8", "--seq-len", "64", "--calib", missing)
-    assert_one_line_error(kv, "missing.txt", "does not exist")
-    assert "note:" not in kv.stderr
-
-
-def test_cli_notes_calibration_windows_that_repeat_the_text(tiny, tmp_path, calib_file):
-    # windows taking more tokens than the text holds are drawn anyway, overlapping: a note says how often each
-    # token is read, and the report records the text's length; a text long enough gets no note
-    short = tmp_path / "short.txt"
-    short.write_text(TEXT)
-    proc = run_qinfer("quantize", str(tiny), "-o", str(tmp_path / "q"), "--group-size", "32", "--calib", str(short),
-                      "--samples", "64", "--seq-len", "32")
-    assert proc.returncode == 0, proc.stderr
-    tokens = json.loads((tmp_path / "q" / "quantize_report.json").read_text())["calibration_text_tokens"]
-    assert 0 < tokens < 64 * 31
-    notes = [line for line in proc.stderr.splitlines() if line.startswith("note:")]
-    assert len(notes) == 1 and f"holds {tokens:,} tokens" in notes[0] and "read" in notes[0], proc.stderr
-    enough = run_qinfer("quantize", str(tiny), "-o", str(tmp_path / "q2"), "--group-size", "32",
-                        "--calib", str(calib_file), "--samples", "4", "--seq-len", "32")
-    assert enough.returncode == 0 and "note:" not in enough.stderr, enough.stderr
-    assert json.loads((tmp_path / "q2" / "quantize_report.json").read_text())["calibration_text_tokens"] >= 4 * 31
-
-
-def test_interrupt_leaves_no_output(tmp_path, calib_file):
-    make_model("llama", tmp_path / "src")
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "qinfer", "quantize", str(tmp_path / "src"), "-o", str(out), "--group-size", "32",
-           "--calib", str(calib_file), "--samples", "40000", "--seq-len", "64"]
-    log = tmp_path / "stderr.txt"
-    with log.open("w") as stderr:
-        # SIGINT back to its default in the child: a shell's background job (`pytest &`) inherits it ignored,
-        # and Python only turns SIGINT into KeyboardInterrupt when it starts with the default disposition
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr, text=True,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        deadline = time.monotonic() + 120
-        while "quantizing" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)  # until the block loop has started (40000 samples keep it busy)
-        assert proc.poll() is None, f"finished before it could be interrupted: {log.read_text()[-500:]}"
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            pytest.fail(f"still running 120 s after SIGINT; stderr: {log.read_text()[-500:]}")
-    err = log.read_text()
-    assert proc.returncode != 0
-    assert "Traceback" not in err
-    assert not out.exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 
 
 @pytest.mark.parametrize(
