@@ -1,0 +1,88 @@
+"""The parts import one way (the design's table): kernels and quantizers know nothing of models, the model
+knows nothing of calibration or quantizers, and nothing imports the CLI. Read from the source with `ast`,
+function-local imports included, so a new edge against the grain fails here rather than in review."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = {"qinfer": "qinfer", "kernels": "qinfer.kernels", "quantizers": "qinfer.quantizers",
+           "calib": "qinfer.calib", "evals": "qinfer.evals"}
+
+PARTS = {  # part -> module prefixes (a prefix matches the module and its submodules)
+    "kernels": ["qinfer.kernels"],
+    "quantizers": ["qinfer.quantizers"],
+    "calib": ["qinfer.calib"],
+    "evals": ["qinfer.evals"],
+    "model": ["qinfer.model", "qinfer.arch", "qinfer.kv_cache"],
+    "converters": ["qinfer.format", "qinfer.interop.gptq", "qinfer.interop.compressed_tensors", "qinfer.interop.common"],
+    "pipeline": ["qinfer.quantize", "qinfer.awq_pipeline", "qinfer.block_tune", "qinfer.preflight"],
+    "engine": ["qinfer.generate", "qinfer.chat"],
+    "cli": ["qinfer.cli"],
+}
+NEVER = {  # part -> parts it must never import
+    "kernels": ["model", "calib", "quantizers", "pipeline", "engine", "evals", "cli"],
+    "quantizers": ["model", "kernels", "calib", "pipeline", "engine", "evals", "cli"],
+    "converters": ["model", "calib", "quantizers", "pipeline", "engine", "evals", "cli"],
+    "model": ["calib", "quantizers", "pipeline", "engine", "evals", "cli"],
+    "calib": ["quantizers", "pipeline", "engine", "evals", "cli"],
+    "engine": ["calib", "quantizers", "pipeline", "evals", "cli"],
+    "pipeline": ["engine", "evals", "cli"],
+    "evals": ["cli"],
+}
+
+
+def module_name(path: Path) -> str:
+    folder = path.relative_to(ROOT).parts[0]
+    rest = [p for p in path.relative_to(ROOT / folder).with_suffix("").parts if p != "__init__"]
+    return ".".join([FOLDERS[folder], *rest])
+
+
+def imports(path: Path) -> set[str]:
+    """Every qinfer module `path` imports; `from a import b` counts as both `a` and `a.b`."""
+    module = module_name(path)
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package[: len(package) - (node.level - 1)]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return {name for name in found if name == "qinfer" or name.startswith("qinfer.")}
+
+
+def part_of(module: str) -> str | None:
+    for part, prefixes in PARTS.items():
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return part
+    return None
+
+
+def sources() -> list[Path]:
+    return sorted(p for folder in FOLDERS for p in (ROOT / folder).rglob("*.py"))
+
+
+def test_the_scan_sees_known_edges():
+    # The checker itself: it finds relative, absolute and function-local imports.
+    edges = {module_name(p): imports(p) for p in sources()}
+    assert "qinfer.cli" in edges["qinfer.__main__"]
+    assert "qinfer.format" in edges["qinfer.quantizers.rtn"]
+    assert "qinfer.kernels.linear" in edges["qinfer.calib.capture"]
+    assert part_of("qinfer.interop.gptq") == "converters" and part_of("qinfer.kernels.gemv_cpu") == "kernels"
+
+
+@pytest.mark.parametrize("path", sources(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_follow_the_design(path):
+    module = module_name(path)
+    part = part_of(module)
+    bad = sorted(t for t in imports(path) if part_of(t) in NEVER.get(part, []))
+    if module != "qinfer.__main__":
+        bad += sorted(t for t in imports(path) if part_of(t) == "cli" and part != "cli")
+    assert not bad, f"{module} ({part}) imports {sorted(set(bad))} against the design's direction"
