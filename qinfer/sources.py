@@ -5,7 +5,9 @@ checkpoint or a qinfer-quantized one), a GPTQ (v1) or compressed-tensors folder 
 qinfer format in the cache), or a .gguf file (converted once into the cache, keyed by content).
 """
 
+import functools
 import hashlib
+import sys
 from pathlib import Path
 
 from qinfer.cache import atomic_dir, cache_dir, damage, write_manifest
@@ -17,6 +19,8 @@ from qinfer.registry import BUILTINS, pull
 
 def resolve_model(spec: str) -> Path:
     if spec in BUILTINS:
+        if Path(spec).exists():
+            _shadow_note(spec)
         return pull(spec)
     path = Path(spec).expanduser()
     if path.is_dir():
@@ -37,6 +41,12 @@ def resolve_model(spec: str) -> Path:
     raise QinferError(
         f"unknown model {spec!r}: not a built-in ({', '.join(BUILTINS)}), a model folder, or a .gguf file"
     )
+
+
+@functools.cache  # once per process: eval resolves each MODEL more than once
+def _shadow_note(spec: str) -> None:
+    print(f"note: {spec!r} is the built-in model; the {spec} here is not read (write ./{spec} for it)",
+          file=sys.stderr)
 
 
 def _converted_gguf(path: Path) -> Path:

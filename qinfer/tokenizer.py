@@ -93,7 +93,9 @@ class _SentencePieceBackend:
         return ids
 
     def decode(self, ids, skip_special):
-        ids = [int(i) for i in ids]
+        # Ids past the pieces (a config.json vocab_size padded past the tokenizer's, as Gemma 3 4B's) decode to
+        # nothing, as in the `tokenizers` backend and transformers; sentencepiece would raise on them.
+        ids = [i for i in map(int, ids) if 0 <= i < self.vocab_size]
         if skip_special:
             return self._sp.decode([i for i in ids if i not in self._special_ids])
         # SentencePiece renders control pieces as "", so decode the runs between them and spell them out.
@@ -203,6 +205,13 @@ class Tokenizer:
             eos_token = backend.id_to_token(eos_ids[0])
         vocab = (model_config.get("text_config") or model_config).get("vocab_size")
         model_vocab = int(vocab) if isinstance(vocab, int) else None
+        # Padding rows (Gemma 3 4B: 64, Qwen2.5: 271) and an extra image token are normal; a factor of two is
+        # another model's tokenizer, which would otherwise generate tokens that decode to nothing.
+        if model_vocab and not model_vocab / 2 <= backend.vocab_size <= 2 * model_vocab:
+            raise QinferError(
+                f"{path}'s tokenizer has {backend.vocab_size} tokens but config.json vocab_size is {model_vocab}: "
+                "the tokenizer files are not this model's; copy the model's own"
+            )
         return cls(backend, bos_id, tuple(eos_ids), add_bos_token, bos_token, eos_token, template, model_vocab)
 
     @property

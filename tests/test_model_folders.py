@@ -15,7 +15,7 @@ from qinfer.errors import QinferError
 from qinfer.loader import INDEX_FILE, load_model
 from qinfer.tokenizer import Tokenizer
 from tests.test_cli_errors import assert_one_line_error, run_qinfer
-from tests.tiny_models import COMMON, CONFIGS, TEXT, make_model, write_tokenizer
+from tests.tiny_models import COMMON, CONFIGS, TEXT, VOCAB, make_model, write_tokenizer
 
 REFUSED = [
     ("llama", {"attention_bias": True}, "attention_bias: true, biases on the attention linears"),
@@ -87,13 +87,20 @@ def test_an_untied_model_without_its_lm_head_is_refused(tmp_path):
 
 
 def test_a_tokenizer_with_ids_past_the_models_vocabulary_is_one_line(tmp_path):
-    """Another model's tokenizer: the first id without an embedding row is named, not an IndexError."""
+    """Another model's tokenizer: the first id without an embedding row is named, not an IndexError (one far
+    larger than the model is refused as it loads)."""
     config = transformers.LlamaConfig(**{**COMMON, "vocab_size": 40})
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     write_tokenizer(tmp_path)
+    with pytest.raises(QinferError, match=f"tokenizer has {VOCAB} tokens but config.json vocab_size is 40"):
+        Tokenizer.from_folder(tmp_path)
+    rows = VOCAB - 40  # a tokenizer a little larger than the model: refused at the first id past its rows
+    config = transformers.LlamaConfig(**{**COMMON, "vocab_size": rows})
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    write_tokenizer(tmp_path)
     tok = Tokenizer.from_folder(tmp_path)
-    low = [c for c in TEXT if (tok.token_to_id(c) or 99) < 40]
-    assert low and tok.encode(low[0])  # ids below 40 pass
+    low = [c for c in TEXT if (tok.token_to_id(c) or rows) < rows]
+    assert low and tok.encode(low[0])  # ids below the rows pass
     with pytest.raises(QinferError):
         tok.encode(TEXT)
     assert_one_line_error(
@@ -116,3 +123,18 @@ def test_a_truncated_weight_file_names_the_fix_for_where_it_is(tmp_path, monkeyp
     with pytest.raises(QinferError, match="is truncated") as e:
         load_model(folder)
     assert fix in str(e.value)
+
+
+def test_a_folder_named_like_a_built_in_gets_a_note(tmp_path, monkeypatch, capsys):
+    # the name means the built-in (so it can always be named); the folder of that name here is pointed out
+    import qinfer.sources
+
+    monkeypatch.setattr(qinfer.sources, "pull", lambda name: tmp_path / "cache" / name)
+    monkeypatch.chdir(tmp_path)
+    assert qinfer.sources.resolve_model("gemma3-270m") == tmp_path / "cache" / "gemma3-270m"
+    assert capsys.readouterr().err == ""
+    make_model("llama", tmp_path / "gemma3-270m")
+    for _ in range(2):
+        assert qinfer.sources.resolve_model("gemma3-270m") == tmp_path / "cache" / "gemma3-270m"
+    assert capsys.readouterr().err.count("write ./gemma3-270m for it") == 1
+    assert qinfer.sources.resolve_model("./gemma3-270m").resolve() == tmp_path / "gemma3-270m"

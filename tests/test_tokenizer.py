@@ -97,6 +97,29 @@ def test_sentencepiece_bos(sp_tok):
     assert sp_tok.encode("<bos>Hello", add_bos=False) == [2] + hello
 
 
+@pytest.mark.parametrize("backend", ["sp_tok", "bpe_tok"])
+def test_ids_past_the_tokenizer_decode_to_nothing(request, backend):
+    # a config.json vocab_size padded past the tokenizer (Gemma 3 4B: 262208 rows, 262144 pieces): a sampled
+    # padding id prints nothing, as in transformers, in both backends and in the stream
+    tok = request.getfixturevalue(backend)
+    hello, world = tok.encode("Hello", add_bos=False), tok.encode(" world", add_bos=False)
+    ids = hello + [tok.vocab_size + 7] + world
+    assert tok.decode(ids) == tok.decode(hello + world) == "Hello world"
+    stream = StreamDecoder(tok)
+    assert "".join(stream.feed(i) for i in ids) + stream.flush() == "Hello world"
+
+
+@pytest.mark.parametrize("rows", [lambda n: n // 3, lambda n: 3 * n])
+def test_another_models_tokenizer_is_refused(tmp_path, rows):
+    folder = _folder(tmp_path, sp_vocab_metadata())
+    n = Tokenizer.from_folder(folder).vocab_size
+    (folder / "config.json").write_text(json.dumps({"vocab_size": rows(n)}))
+    with pytest.raises(QinferError, match=f"tokenizer has {n} tokens but config.json vocab_size is {rows(n)}"):
+        Tokenizer.from_folder(folder)
+    (folder / "config.json").write_text(json.dumps({"vocab_size": n + 64}))  # padding rows are normal
+    assert Tokenizer.from_folder(folder).model_vocab_size == n + 64
+
+
 def test_gguf_bos_eos_resolved_by_text(tmp_path):
     tok = Tokenizer.from_folder(_folder(tmp_path, sp_vocab_metadata(bos_id=1, eos_id=1)))
     assert tok.bos_id == 2 and tok.eos_ids == (1, 5)
