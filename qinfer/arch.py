@@ -147,13 +147,19 @@ class ModelConfig:
         except FileNotFoundError:
             raise QinferError(f"{folder} has no config.json: point qinfer at a Hugging Face model folder") from None
         except json.JSONDecodeError as e:
-            raise QinferError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+            raise QinferError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}): fix it or copy the model's "
+                              "config.json again") from None
+        except UnicodeDecodeError:
+            raise QinferError(f"{path} is not UTF-8 text: copy the model's config.json again") from None
         return cls.from_dict(raw)
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
         raw = dict(raw.get("text_config") or {}, **{k: v for k, v in raw.items() if k != "text_config"})
         model_type = MODEL_TYPE_ALIASES.get(raw.get("model_type"), raw.get("model_type"))
+        if "model_type" not in raw:
+            raise QinferError("config.json has no model_type: it is not a Hugging Face model config; copy the "
+                              f"model's own (qinfer runs {', '.join(sorted(ARCHS))})")
         if model_type not in ARCHS:
             raise QinferError(
                 f"unsupported architecture {raw.get('model_type')!r} (config.json model_type); "

@@ -89,6 +89,21 @@ def test_unsupported_architecture(tmp_path):
     assert_one_line_error(run_qinfer("generate", str(tmp_path), "hi"), "unsupported architecture 'mamba'")
 
 
+def test_config_without_model_type(tmp_path):
+    make_model("llama", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["model_type"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert_one_line_error(run_qinfer("generate", str(tmp_path), "hi"), "config.json has no model_type")
+
+
+def test_config_that_is_not_json(tmp_path):
+    make_model("llama", tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "llama",\n "hidden_size": }')
+    assert_one_line_error(run_qinfer("generate", str(tmp_path), "hi"), "config.json is not valid JSON",
+                          "at line 2", "copy the model's config.json again")
+
+
 def test_no_network_while_pulling(tmp_path):
     # pip pointed at nothing stands in for a machine without network.
     env = {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(tmp_path), "PIP_EXTRA_INDEX_URL": "", "PIP_CONSTRAINT": ""}

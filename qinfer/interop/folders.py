@@ -6,7 +6,8 @@ AutoGPTQ, llm-compressor and vLLM use). The per-linear layouts are :mod:`qinfer.
 :mod:`qinfer.interop.compressed_tensors`; this module finds the linears, carries every other tensor (norms,
 embeddings, biases, an unquantized lm_head) through unchanged, and writes the config and tokenizer files. A
 quantized lm_head is exported untied (``tie_word_embeddings: false``), with the embedding table qinfer reads
-from it written out in bf16.
+from it written out in bf16 (qinfer computing in fp32 reads it unrounded, so an fp32 reader of the export sees
+embeddings that differ by that rounding); importing such an export ties them again.
 Both directions write atomically (temp folder + rename).
 
 Not carried across: qinfer's per-KV-head cache scales (``self_attn.k_scale`` / ``v_scale``) have no
@@ -139,18 +140,26 @@ def import_folder(src: Path, out: Path, force: bool = False) -> ConvertReport:
         scheme = ct.scheme_from_compressed_tensors_config(qconfig)
     tensors = read_folder_tensors(src)
     report = ConvertReport(out)
-    result = {}
+    result, head = {}, None
     for prefix in _foreign_prefixes(tensors, method):
         s = scheme.lm_head_scheme() if prefix == "lm_head" else scheme
         weight = gptq.from_gptq_tensors(prefix, tensors, s) if method == gptq.CHECKPOINT_FORMAT else (
             ct.from_compressed_tensors(prefix, tensors, s)
         )
+        head = weight if prefix == "lm_head" else head
         for suffix in _FOREIGN_SUFFIXES[method]:
             tensors.pop(f"{prefix}.{suffix}", None)
         result.update(weight.tensors(prefix))
         report.linears += 1
     if report.linears == 0:
         raise QinferError(f"{src}: config.json declares {method} quantization but no quantized weights were found")
+    embed = tensors.get("model.embed_tokens.weight")
+    if (head is not None and embed is not None and embed.dtype == torch.bfloat16
+            and torch.equal(embed, head.dequantize(torch.bfloat16))):
+        # qinfer's own export of a tied embedding (above): tie it again, so that the table is read from the
+        # lm_head in every compute dtype, as before the export, not from its bf16 rounding.
+        del tensors["model.embed_tokens.weight"]
+        config["tie_word_embeddings"] = True
     kv = ct.kv_cache_dtype(qconfig) if method == ct.QUANT_METHOD else "none"
     _kv_scales_per_head(src, tensors, kv, ModelConfig.from_folder(src).num_kv_heads)
     result.update(tensors)
@@ -224,8 +233,11 @@ def _read_config(folder: Path) -> dict:
         raise QinferError(f"{folder} is not a model folder: it has no config.json")
     try:
         config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise QinferError(f"{path} is not valid JSON") from None
+    except json.JSONDecodeError as e:
+        raise QinferError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}): fix it or copy the model's "
+                          "config.json again") from None
+    except UnicodeDecodeError:
+        raise QinferError(f"{path} is not UTF-8 text: copy the model's config.json again") from None
     if not isinstance(config, dict):
         raise QinferError(f"{path} is not a JSON object")
     return config
