@@ -39,6 +39,8 @@ class SamplingParams:
             raise QinferError(f"--top-p must be in (0, 1] (got {self.top_p})")
         if self.top_k < 0:
             raise QinferError(f"--top-k must be >= 0 (got {self.top_k})")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:  # what torch.Generator takes
+            raise QinferError(f"--seed must be in [-2**63, 2**64 - 1] (got {self.seed})")
 
 
 @dataclass
@@ -76,9 +78,11 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     # logits: [B, V] -> token ids [B]
-    if params.temperature == 0:
+    if params.temperature < 1e-45:  # 0, or a temperature fp32 holds as 0 (under its least subnormal)
         return greedy(logits)
-    logits = logits.float() / params.temperature
+    # Less the row's largest first: a tiny temperature (1e-40) then sends the others to -inf, not inf/NaN.
+    logits = logits.float()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
     if params.top_k:
         kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -111,7 +111,7 @@ def test_no_network_while_pulling(tmp_path):
 
 
 @pytest.mark.parametrize("args", [["--max-tokens", "0"], ["--top-p", "1.5"], ["--top-p", "nan"], ["--temperature", "-1"],
-                                  ["--temperature", "nan"], ["--temperature", "inf"]])
+                                  ["--temperature", "nan"], ["--temperature", "inf"], ["--seed", str(2**64)]])
 def test_bad_sampling_options(args):
     assert_one_line_error(run_qinfer("generate", "gemma3-270m", "hi", *args))
 
