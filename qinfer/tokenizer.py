@@ -319,8 +319,24 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
 
 
 @lru_cache(maxsize=8)
+class _GenerationBlock(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``: the marks fine-tuning templates put around the assistant's
+    text (for a loss mask). As in transformers when no mask is asked for, the block renders as its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
+
+
 def _compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols, _GenerationBlock])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -240,6 +240,22 @@ def test_template_globals_and_bos(tmp_path):
         tok.apply_chat_template([{"role": "system", "content": "x"}])
 
 
+def test_template_generation_marks_render_as_transformers_does(tmp_path):
+    # {% generation %} marks the assistant's text for fine-tuning's loss mask; rendering keeps the body
+    from transformers import AutoTokenizer
+
+    template = ("{% for m in messages %}{% if m['role'] == 'assistant' %}A: {% generation %}{{ m['content'] }}"
+                "{% endgeneration %}{% else %}U: {{ m['content'] }}{% endif %}\n{% endfor %}"
+                "{% if add_generation_prompt %}A:{% endif %}")
+    tok = _with_template(tmp_path, template)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                {"role": "user", "content": "Bye"}]
+    ours = tok.apply_chat_template(messages)
+    assert ours == "U: HiA: HelloU: ByeA:"  # trim_blocks takes the newline after a block tag
+    theirs = AutoTokenizer.from_pretrained(tmp_path / "templated")
+    assert ours == theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
 def test_template_tojson_and_jinja_file(tmp_path):
     tok = _with_template(tmp_path, "{{ messages[0] | tojson }}", in_file=True)
     assert tok.apply_chat_template([{"role": "user", "content": "é<b>"}], add_generation_prompt=False) == (
