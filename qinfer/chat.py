@@ -24,9 +24,12 @@ class ChatSession:
                               f"of {context} tokens: lower --max-tokens")
         hello = [{"role": "user", "content": "Hello."}]
         try:  # a template or tokenizer that fails on a plain first turn would fail every turn: refuse it now
-            _encoded(tokenizer, hello)
+            first = len(_encoded(tokenizer, hello))
         except QinferError as e:
             raise QinferError(f"this model cannot take a first chat turn: {e}") from None
+        if first + params.max_tokens > context:  # nor could a one-word turn
+            raise QinferError(f"--max-tokens {params.max_tokens} leaves no room for a first turn: the template and "
+                              f"a word take {first} tokens of the model's context of {context}: lower --max-tokens")
         if system:  # likewise a template that takes no system message
             try:
                 tokenizer.encode(system, add_bos=False)
@@ -44,6 +47,10 @@ class ChatSession:
 
     def reset(self) -> None:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    @property
+    def has_history(self) -> bool:
+        return len(self.messages) > bool(self.system)
 
     def reply(self, text: str, stats: GenerationStats | None = None) -> Iterator[str]:
         """Stream the assistant's answer to ``text`` as text pieces; the answer joins the history."""
@@ -75,18 +82,38 @@ def _encoded(tokenizer: Tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer.encode(prompt, add_bos=False)  # templates write their own BOS where they want one
 
 
+def _read_line(stdin, stdout, terminal: bool) -> str:
+    """One line typed ("" at EOF). At a terminal through ``input``, which line-edits (arrows, history) once
+    ``readline`` is loaded; from a pipe as it comes."""
+    if terminal:
+        try:
+            return input(">>> ") + "\n"
+        except EOFError:
+            return ""
+    if stdin.isatty():
+        stdout.write(">>> ")
+        stdout.flush()
+    return stdin.readline()
+
+
 def repl(session: ChatSession, stdin=None, stdout=None) -> None:
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     interactive = stdin.isatty()
+    # input() line-edits only on the process's own terminal
+    terminal = interactive and stdin is sys.stdin and stdout is sys.stdout and sys.stdout.isatty()
+    if terminal:
+        try:
+            import readline  # noqa: F401  (loading it gives input() line editing and history)
+        except ImportError:  # not on every platform: input() still works, unedited
+            pass
+    if hasattr(stdin, "reconfigure"):  # bytes that are not UTF-8 reach the tokenizer, which names them
+        stdin.reconfigure(errors="surrogateescape")
     noted = False  # the note that --compile failed, written once
     if interactive:
         stdout.write("qinfer chat: /reset clears the conversation, /exit or Ctrl-D quits, Ctrl-C stops a reply\n")
     while True:
         try:
-            if interactive:
-                stdout.write(">>> ")
-                stdout.flush()
-            line = stdin.readline()
+            line = _read_line(stdin, stdout, terminal)
         except KeyboardInterrupt:
             stdout.write("\n")
             continue
@@ -110,7 +137,7 @@ def repl(session: ChatSession, stdin=None, stdout=None) -> None:
         except KeyboardInterrupt:
             stdout.write(" [stopped]")
         except QinferError as e:  # this turn cannot run: say so, keep the session (without the turn)
-            hint = "; /reset clears the conversation" if isinstance(e, ContextFull) else ""
+            hint = "; /reset clears the conversation" if isinstance(e, ContextFull) and session.has_history else ""
             stdout.write(f"({e}{hint})")
         stdout.write("\n")
         stdout.flush()

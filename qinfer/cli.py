@@ -1,5 +1,6 @@
 """The ``qinfer`` command line. Each command builds a dataclass and calls a library function."""
 
+import signal
 import sys
 from pathlib import Path
 
@@ -99,9 +100,16 @@ def generate(model, prompt, dtype, max_tokens, temperature, top_p, top_k, seed, 
     stream = StreamDecoder(tok)
     tokens = run(lm, tok.encode(prompt), params, stop_ids=tok.eos_ids, stats=stats, compiled=compiled)  # checked
     sys.stdout.write(prompt)
-    for token in tokens:
-        sys.stdout.write(stream.feed(token))
+    try:
+        for token in tokens:
+            sys.stdout.write(stream.feed(token))
+            sys.stdout.flush()
+    except KeyboardInterrupt:  # Ctrl-C stops the continuation: end its line, say how far it got
+        sys.stdout.write(stream.flush() + "\n")
         sys.stdout.flush()
+        click.echo(f"stopped (Ctrl-C): {stats.summary() if stats.generated_tokens else 'before the first token'}",
+                   err=True)
+        raise SystemExit(128 + signal.SIGINT) from None
     sys.stdout.write(stream.flush() + "\n")
     click.echo(stats.summary(), err=True)
     if compiled and compile_failure_note():

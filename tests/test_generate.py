@@ -1,5 +1,7 @@
 import importlib
 import json
+import os
+import select
 import subprocess
 import sys
 
@@ -65,6 +67,22 @@ def test_top_k_one_and_tiny_top_p_are_greedy():
     g = torch.Generator().manual_seed(0)
     for params in (SamplingParams(temperature=1.5, top_k=1), SamplingParams(temperature=1.5, top_p=1e-6)):
         assert torch.equal(sample(logits, params, g), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-40, 5e-324])
+def test_a_tiny_temperature_is_greedy_not_nan(temperature):
+    # logits / 1e-40 overflow fp32: the row's largest is taken off first, so the rest go to -inf, not inf - inf
+    logits = torch.randn(4, 100) * 30
+    g = torch.Generator().manual_seed(0)
+    assert torch.equal(sample(logits, SamplingParams(temperature=temperature), g), logits.argmax(-1))
+
+
+def test_seeds_torch_cannot_take_are_refused():
+    SamplingParams(seed=2**64 - 1)
+    SamplingParams(seed=-(2**63))
+    for seed in (2**64, -(2**63) - 1, 10**20):
+        with pytest.raises(QinferError, match=r"--seed must be in \[-2\*\*63, 2\*\*64 - 1\]"):
+            SamplingParams(seed=seed)
 
 
 def test_top_k_keeps_only_k_tokens():
@@ -211,3 +229,98 @@ def test_cli_compile_without_a_compiler_decodes_eagerly_with_a_note(tmp_path):
     assert broken.stdout == plain.stdout
     notes = [line for line in broken.stderr.splitlines() if line.startswith("note: --compile failed")]
     assert len(notes) == 1 and "compiler" in notes[0] and notes[0].endswith("decoded without it")
+
+
+def test_chat_refuses_max_tokens_that_leave_no_room_for_a_first_turn(tmp_path):
+    make_model("llama", tmp_path)  # a context of 256 positions; the template and "Hello." take more than 4
+    proc = subprocess.run([sys.executable, "-m", "qinfer", "chat", str(tmp_path), "--max-tokens", "252"],
+                          input="hello\n", capture_output=True, text=True, timeout=300)
+    assert_one_line_error(proc, "--max-tokens 252 leaves no room for a first turn", "lower --max-tokens")
+
+
+def test_chat_says_reset_only_when_there_is_a_conversation_to_clear(tmp_path):
+    make_model("llama", tmp_path)
+    long = " ".join(["word"] * 300)
+    chat = subprocess.run([sys.executable, "-m", "qinfer", "chat", str(tmp_path), "--max-tokens", "6"],
+                          input=f"{long}\nhello\n/reset\n{long}\n", capture_output=True, text=True, timeout=300)
+    replies = chat.stdout.strip().splitlines()
+    assert chat.returncode == 0 and len(replies) == 4, chat.stderr
+    assert "exceeds the model's context" in replies[0] and "/reset" not in replies[0]
+    assert "exceeds the model's context" in replies[3] and "/reset" not in replies[3]
+
+
+def test_chat_names_input_that_is_not_utf8_in_a_strict_locale(tmp_path):
+    # PYTHONIOENCODING=utf-8 reads stdin strictly, as an en_US.UTF-8 locale does (C.UTF-8 escapes bad bytes)
+    make_model("llama", tmp_path)
+    chat = subprocess.run([sys.executable, "-m", "qinfer", "chat", str(tmp_path), "--max-tokens", "3"],
+                          input=b"caf\xe9 ok\nhello\n", capture_output=True, timeout=300,
+                          env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+    replies = chat.stdout.decode().strip().splitlines()
+    assert chat.returncode == 0 and b"Traceback" not in chat.stderr, chat.stderr
+    assert len(replies) == 2 and "not valid UTF-8 (byte 0xe9" in replies[0]
+
+
+ECHO_CHAT = """
+from qinfer.chat import repl
+class Echo:
+    compiled, system, has_history = False, None, False
+    def reset(self): pass
+    def reply(self, text): yield "[" + text + "]"
+repl(Echo())
+"""
+
+
+def test_chat_at_a_terminal_edits_the_line():
+    # typed "ab", left arrow, "X", Enter: the turn is "aXb", as in any readline prompt
+    master, slave = os.openpty()
+    proc = subprocess.Popen([sys.executable, "-c", ECHO_CHAT], stdin=slave, stdout=slave, stderr=slave,
+                            env={**os.environ, "TERM": "xterm"})
+    os.close(slave)
+    out = b""
+
+    def read_until(needle: bytes) -> None:
+        nonlocal out
+        while needle not in out and select.select([master], [], [], 60)[0]:
+            try:
+                out += os.read(master, 4096)
+            except OSError:  # the child closed the terminal
+                return
+
+    read_until(b">>> ")
+    os.write(master, b"ab\x1b[DX\r")
+    read_until(b"]")
+    os.write(master, b"\x04")
+    assert proc.wait(timeout=60) == 0
+    os.close(master)
+    assert b"[aXb]" in out, out
+
+
+@pytest.mark.parametrize("after", [0, 3])
+def test_ctrl_c_ends_generates_line_and_says_how_far_it_got(tmp_path, monkeypatch, after):
+    # Ctrl-C (here raised after `after` tokens) is no error: the text so far ends its line, the timing line
+    # says where it stopped, and the exit status is 130 as for any Ctrl-C
+    from click.testing import CliRunner
+
+    from qinfer.cli import cli
+
+    make_model("llama", tmp_path)
+    real = generate_module.generate
+
+    def interrupted(*args, **kwargs):
+        tokens = real(*args, **kwargs)
+
+        def stream():
+            for _ in range(after):
+                yield next(tokens)
+            raise KeyboardInterrupt
+
+        return stream()
+
+    monkeypatch.setattr(generate_module, "generate", interrupted)
+    result = CliRunner().invoke(cli, ["generate", str(tmp_path), "a b", "--max-tokens", "8"])
+    assert result.exit_code == 130 and "Error" not in result.stderr, result.stderr
+    assert result.stdout.startswith("a b") and result.stdout.endswith("\n")
+    stopped = "stopped (Ctrl-C): " + ("before the first token" if after == 0 else "prefill ")
+    assert result.stderr.strip().startswith(stopped), result.stderr
+    if after:
+        assert "decode 3 tok" in result.stderr
