@@ -4,6 +4,7 @@ Ctrl-C while the model is answering stops that answer (the partial answer stays 
 Ctrl-C at the prompt clears the line; ``/reset`` forgets the conversation; ``/exit`` or EOF quits.
 """
 
+import importlib
 import sys
 from collections.abc import Iterator
 
@@ -103,7 +104,7 @@ def repl(session: ChatSession, stdin=None, stdout=None) -> None:
     terminal = interactive and stdin is sys.stdin and stdout is sys.stdout and sys.stdout.isatty()
     if terminal:
         try:
-            import readline  # noqa: F401  (loading it gives input() line editing and history)
+            importlib.import_module("readline")  # loading it gives input() line editing and history
         except ImportError:  # not on every platform: input() still works, unedited
             pass
     if hasattr(stdin, "reconfigure"):  # bytes that are not UTF-8 reach the tokenizer, which names them
