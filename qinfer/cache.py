@@ -8,7 +8,9 @@ import importlib
 import json
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -133,12 +135,14 @@ def atomic_dir(target: Path, force: bool = False):
         if target.exists() and force:
             old = temp_path(target.parent, f".{target.name}.old-", folder=True)
             old.rmdir()
-            target.rename(old)
-            tmp.rename(target)
-            if old.is_dir() and not old.is_symlink():
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                old.unlink(missing_ok=True)
+            # Between the renames there is no target, and after them the old one must go: Ctrl-C waits.
+            with _signals_held():
+                target.rename(old)
+                tmp.rename(target)
+                if old.is_dir() and not old.is_symlink():
+                    shutil.rmtree(old, ignore_errors=True)
+                else:
+                    old.unlink(missing_ok=True)
         else:
             if target.exists() or target.is_symlink():
                 raise _appeared(target)
@@ -151,6 +155,24 @@ def atomic_dir(target: Path, force: bool = False):
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def _signals_held():
+    """Hold SIGINT and SIGTERM back for a few system calls that must not be parted, then deliver them."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
+        yield
+        return
+    caught: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for sig in caught:
+            signal.raise_signal(sig)
 
 
 def _appeared(target: Path) -> QinferError:

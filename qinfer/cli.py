@@ -242,10 +242,8 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
     if (path / "config.json").is_file() and foreign_quant_method(path) is not None:  # before converting it
         raise QinferError(f"{model} is already quantized ({foreign_quant_method(path)}): quantize the original "
                           "model instead")
-    try:
-        report = quantize_model(resolve_model(model), out, scheme, calib_config, force=force, tune=tune)
-    except KeyboardInterrupt:
-        raise QinferError(f"interrupted: nothing was written to {out}") from None
+    # Ctrl-C: exit 130 with the line every command gives (OUT as it was, or complete if the rename had begun)
+    report = quantize_model(resolve_model(model), out, scheme, calib_config, force=force, tune=tune)
     click.echo(report.summary())
 
 

@@ -63,7 +63,7 @@ from qinfer.format import Fp8Weight, QuantScheme
 from qinfer.interop.folders import SIDE_FILES
 from qinfer.loader import bos_tensors, drop_pages, load_model, weight_files
 from qinfer.model import BosState, Transformer
-from qinfer.preflight import check_calibration_size, check_shapes
+from qinfer.preflight import check_calibration_size, check_finite, check_shapes
 from qinfer.quantizers.fp8 import fp8_kv_scale, fp8_quantize, int8_kv_scale
 from qinfer.quantizers.gptq import fp_target, gptq_quantize_ex
 from qinfer.quantizers.rtn import rtn_quantize
@@ -222,6 +222,7 @@ def quantize_model(
     reuse_freed_memory()
     model = load_model(folder, dtype=torch.bfloat16)
     check_shapes(model, scheme)  # before any calibration work
+    check_finite(model)
     Tokenizer.from_folder(folder)  # copied into OUT, which every other command reads it from: refuse a broken one
     needs_calib = uses_calibration(scheme, tune)
     if needs_calib:
@@ -342,9 +343,10 @@ def quantize_model(
                 shutil.copy2(folder / name, tmp / name)
         scheme.save(tmp)
         report.bytes_after = _folder_bytes(tmp)
-    report.seconds = time.perf_counter() - start
-    report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    (out / "quantize_report.json").write_text(json.dumps(_report_json(report, scheme, calib, tune), indent=2))
+        report.seconds = time.perf_counter() - start
+        report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        # inside the temp folder: OUT appears with its report, never without
+        (tmp / "quantize_report.json").write_text(json.dumps(_report_json(report, scheme, calib, tune), indent=2))
     return report
 
 

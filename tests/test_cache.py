@@ -32,6 +32,34 @@ def test_atomic_dir_replaces_only_when_complete(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp or old folder left behind
 
 
+@pytest.mark.parametrize("which", [1, 2])
+def test_ctrl_c_between_the_renames_of_a_replace_waits_for_both(tmp_path, monkeypatch, which):
+    # Ctrl-C right after the old OUT is moved aside (or as the new one moves in): it is delivered once both
+    # renames are done, so OUT is never missing and the old one is not left hidden beside it
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "config.json").write_text("old")
+    rename, calls = Path.rename, []
+
+    def rename_then_ctrl_c(self, dest):
+        result = rename(self, dest)
+        calls.append(dest)
+        if len(calls) == which:
+            os.kill(os.getpid(), signal.SIGINT)
+        return result
+
+    monkeypatch.setattr(Path, "rename", rename_then_ctrl_c)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # also under a shell that ignores it
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with atomic_dir(target, force=True) as tmp:
+                (tmp / "config.json").write_text("new")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert (target / "config.json").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 def test_atomic_dir_replacing_a_file_leaves_nothing_behind(tmp_path):
     target = tmp_path / "out"
     target.write_text("a file")
