@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from qinfer.cache import available_memory
 from qinfer.calib.capture import KEEP_DTYPE, compute_dtype
 from qinfer.errors import QinferError
@@ -29,6 +31,20 @@ def check_shapes(model: Transformer, scheme: QuantScheme) -> None:
         head = scheme.lm_head_scheme()
         if head.format == "int":
             check_int_shape(tuple(model.lm_head.weight.shape), head.bits, head.group_size, "lm_head")
+
+
+def check_finite(model: Transformer) -> None:
+    """Raise a ``QinferError`` naming the first tensor that holds a NaN or an infinity. A quantizer would meet
+    one in a linear only when it reached that block, and one in a norm or the embedding never: the run would
+    finish and write a model whose every output is NaN."""
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if not t.is_floating_point():
+            continue
+        rows = t.reshape(t.shape[0], -1) if t.dim() else t.reshape(1, 1)
+        for start in range(0, rows.shape[0], 1 << 14):  # a bounded bool temporary, whatever the table's size
+            if not bool(torch.isfinite(rows[start:start + (1 << 14)]).all()):
+                raise QinferError(f"{name} contains NaN or Inf: the checkpoint is damaged; download or convert it "
+                                  "again")
 
 
 def calibration_bytes(model: Transformer, calib: CalibConfig, tune: TuneConfig) -> int:

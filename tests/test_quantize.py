@@ -1,5 +1,6 @@
 """The quantize pipeline end to end on tiny models: accuracy ordering, the written format, bad input."""
 
+import contextlib
 import json
 import shutil
 from dataclasses import replace
@@ -15,6 +16,7 @@ from qinfer.evals.forward import make_cache
 from qinfer.format import QuantScheme
 from qinfer.loader import load_model
 from qinfer.calib.capture import calibrate_in_stages, capture_block, embed_samples, run_block
+import qinfer.quantize
 from qinfer.quantize import CalibConfig, calibration_batch, quantize_model
 from qinfer.quantizers.gptq import fp_target
 from qinfer.tokenizer import Tokenizer
@@ -144,10 +146,20 @@ def test_blocks_calibrated_in_fp32_or_bf16_give_the_same_format(tiny, tmp_path, 
     assert between < min(logits_error(tiny, outs[0], ids), logits_error(tiny, outs[1], ids))
 
 
-def test_output_folder_is_complete_and_loads_packed(tiny, tmp_path, calib_file):
+def test_output_folder_is_complete_and_loads_packed(tiny, tmp_path, calib_file, monkeypatch):
     out = tmp_path / "q"
     scheme = QuantScheme(method="gptq", bits=4, group_size=32, kv_cache="int8", quantize_lm_head=True)
+    atomic_dir, finished = qinfer.quantize.atomic_dir, []
+
+    @contextlib.contextmanager
+    def watched(target, force=False):  # what the temp folder holds when it is renamed to OUT
+        with atomic_dir(target, force) as tmp:
+            yield tmp
+            finished.extend(p.name for p in tmp.iterdir())
+
+    monkeypatch.setattr(qinfer.quantize, "atomic_dir", watched)
     report = quantize_model(tiny, out, scheme, CalibConfig(source=str(calib_file), samples=8, seq_len=32))
+    assert sorted(finished) == sorted(p.name for p in out.iterdir())  # the report too: OUT never appears without it
     names = {p.name for p in out.iterdir()}
     assert {"model.safetensors", "quant_config.json", "config.json", "tokenizer.json", "quantize_report.json"} <= names
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folder left behind
@@ -302,6 +314,19 @@ def test_nan_weight_names_the_layer(tmp_path):
     tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
     save_file(tensors, path, metadata={"format": "pt"})
     with pytest.raises(QinferError, match="model.layers.1.mlp.up_proj"):
+        quantize_model(tmp_path / "src", tmp_path / "out", QuantScheme(method="rtn", group_size=32), CALIB)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["model.layers.2.input_layernorm.weight", "model.embed_tokens.weight"])
+def test_nan_outside_the_linears_is_named_before_any_work(tmp_path, name):
+    # no quantizer reads a norm or the embedding: without the check RTN wrote a model whose outputs are NaN
+    make_model("llama", tmp_path / "src")
+    path = tmp_path / "src" / "model.safetensors"
+    tensors = load_file(path)
+    tensors[name].view(-1)[7] = float("inf")
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(QinferError, match=f"{name} contains NaN or Inf"):
         quantize_model(tmp_path / "src", tmp_path / "out", QuantScheme(method="rtn", group_size=32), CALIB)
     assert not (tmp_path / "out").exists()
 
