@@ -10,6 +10,7 @@ All of them feed :func:`qinfer.calib.sampling.sample_windows`.
 """
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -21,7 +22,8 @@ DEFAULT_SOURCE = "austen"
 # text, far more than the ~1M tokens a GPTQ run samples.
 MAX_DATASET_DOCUMENTS = 10_000
 
-_PATH_SUFFIXES = (".txt", ".jsonl")
+# A missing path with one of these is a file that is not there, not a dataset name.
+_PATH_SUFFIXES = (".txt", ".jsonl", ".json", ".csv", ".tsv", ".parquet", ".md", ".gz", ".zst")
 _BLANK_LINES = re.compile(r"\n[ \t\r\f\v]*\n")
 
 
@@ -91,6 +93,11 @@ def _dataset_documents(name: str) -> list[str]:
             f"calibration source {name} is not a file and the `datasets` library is not installed; "
             f"pip install datasets, or give a .txt/.jsonl file, or use {DEFAULT_SOURCE!r}"
         ) from None
+    # Offline, huggingface_hub logs a warning per retry before it gives up: the one line below says it all.
+    quiet = [logging.getLogger(n) for n in ("huggingface_hub", "datasets", "fsspec")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.ERROR)
     try:
         rows = datasets.load_dataset(name, split="train", streaming=True)
         docs = []
@@ -108,6 +115,9 @@ def _dataset_documents(name: str) -> list[str]:
             f"calibration source {name} is not a file and could not be loaded with `datasets` "
             f"(offline or unknown dataset?): {type(exc).__name__}: {exc}".splitlines()[0]
         ) from exc
+    finally:
+        for logger, level in zip(quiet, levels):
+            logger.setLevel(level)
     if not docs:
         raise QinferError(f"dataset {name} has no non-empty text in its train split")
     return docs

@@ -1,4 +1,5 @@
 import json
+import logging
 import sys
 import types
 
@@ -45,7 +46,7 @@ def test_jsonl_errors_name_the_line(tmp_path, line, message):
         load_calibration_documents(str(path))
 
 
-@pytest.mark.parametrize("name", ["missing.txt", "missing.jsonl", "./data", "/nonexistent/corpus"])
+@pytest.mark.parametrize("name", ["missing.txt", "missing.jsonl", "missing.csv", "./data", "/nonexistent/corpus"])
 def test_missing_path(tmp_path, monkeypatch, name):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(QinferError, match=f"calibration file {name} does not exist"):
@@ -79,6 +80,8 @@ def fake_datasets(rows=None, error=None):
     def load_dataset(name, split, streaming):
         assert (split, streaming) == ("train", True)
         if error:
+            for attempt in range(3):  # as huggingface_hub logs each retry offline
+                logging.getLogger("huggingface_hub.utils._http").warning("Retrying in %ss [Retry %s/5].", 1, attempt)
             raise error
         return iter(rows)
 
@@ -92,11 +95,14 @@ def test_dataset_text_column(monkeypatch):
     assert load_calibration_documents("some/corpus") == ["doc 0", "doc 1", "doc 2", "doc 3"]
 
 
-def test_dataset_errors_are_one_line(monkeypatch):
+def test_dataset_errors_are_one_line(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "datasets", fake_datasets(error=ConnectionError("no route\nto host")))
+    level = logging.getLogger("huggingface_hub").level
     with pytest.raises(QinferError) as err:
         load_calibration_documents("some/corpus")
     assert "\n" not in str(err.value)
+    assert not [r for r in caplog.records if "Retrying" in r.getMessage()]  # the retries' warnings: not printed
+    assert logging.getLogger("huggingface_hub").level == level  # and the level is put back
     expected = "could not be loaded with `datasets` (offline or unknown dataset?): ConnectionError: no route"
     assert expected in str(err.value)
     monkeypatch.setitem(sys.modules, "datasets", fake_datasets([{"content": "x"}]))
