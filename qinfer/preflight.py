@@ -1,6 +1,7 @@
 """Checks ``qinfer quantize`` runs on the loaded model before any calibration work, so that a run that cannot
 finish (a linear the integer layout cannot hold, a NaN or Inf in any weight, windows past the model's context,
-activations that do not fit in memory) stops in seconds with one line instead of failing, or being killed, minutes in."""
+activations that do not fit in memory) stops in seconds with one line instead of failing, or being killed,
+minutes in."""
 
 from __future__ import annotations
 
