@@ -106,6 +106,23 @@ class RopeConfig:
             raise QinferError(f"unsupported rope scaling type {self.kind!r}; qinfer supports {', '.join(ROPE_TYPES)}")
 
 
+def read_config(folder: Path) -> dict:
+    """``folder``'s config.json as a dict, or one line naming what is wrong with it."""
+    path = Path(folder) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise QinferError(f"{folder} has no config.json: point qinfer at a Hugging Face model folder") from None
+    except json.JSONDecodeError as e:
+        raise QinferError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}): fix it or copy the model's "
+                          "config.json again") from None
+    except UnicodeDecodeError:
+        raise QinferError(f"{path} is not UTF-8 text: copy the model's config.json again") from None
+    if not isinstance(raw, dict):
+        raise QinferError(f"{path} is not a JSON object: copy the model's config.json again")
+    return raw
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model_type: str
@@ -141,17 +158,7 @@ class ModelConfig:
 
     @classmethod
     def from_folder(cls, folder: Path) -> "ModelConfig":
-        path = Path(folder) / "config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise QinferError(f"{folder} has no config.json: point qinfer at a Hugging Face model folder") from None
-        except json.JSONDecodeError as e:
-            raise QinferError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}): fix it or copy the model's "
-                              "config.json again") from None
-        except UnicodeDecodeError:
-            raise QinferError(f"{path} is not UTF-8 text: copy the model's config.json again") from None
-        return cls.from_dict(raw)
+        return cls.from_dict(read_config(folder))
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from qinfer.arch import ModelConfig
+from qinfer.arch import ModelConfig, read_config
 from qinfer.cache import atomic_dir, check_output, damage, write_manifest
 from qinfer.errors import QinferError
 from qinfer.format import QUANT_CONFIG_FILE, QuantScheme, packed_weight
@@ -60,7 +60,7 @@ class ConvertReport:
 
 def foreign_quant_method(folder: Path) -> str | None:
     """``quantization_config.quant_method`` of ``folder/config.json``, or None when it has none."""
-    config = _read_config(Path(folder))
+    config = read_config(Path(folder))
     q = config.get("quantization_config")
     if q is None:
         return None
@@ -80,7 +80,7 @@ def export_folder(src: Path, out: Path, fmt: str, force: bool = False) -> Conver
         raise QinferError(f"{src} is not a qinfer-quantized folder (no {QUANT_CONFIG_FILE}): run qinfer quantize first")
     check_output(out, force, source=src)
     scheme = QuantScheme.load(src)
-    config = _read_config(src)
+    config = read_config(src)
     if fmt == "gptq" and scheme.format == "fp8":
         raise QinferError(f"{src}: FP8 weights have no GPTQ layout: export with --format compressed-tensors")
     if fmt == "gptq":
@@ -126,7 +126,7 @@ def import_folder(src: Path, out: Path, force: bool = False) -> ConvertReport:
     from qinfer.loader import read_folder_tensors
 
     src, out = Path(src), Path(out)
-    config = _read_config(src)
+    config = read_config(src)
     method = foreign_quant_method(src)
     if method not in IMPORT_METHODS:
         raise QinferError(
@@ -225,22 +225,6 @@ def _foreign_prefixes(tensors: dict[str, torch.Tensor], method: str) -> list[str
         if k.endswith(".weight") and t.dtype == torch.float8_e4m3fn
     ]
     return sorted(packed + fp8)
-
-
-def _read_config(folder: Path) -> dict:
-    path = folder / "config.json"
-    if not path.exists():
-        raise QinferError(f"{folder} is not a model folder: it has no config.json")
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise QinferError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}): fix it or copy the model's "
-                          "config.json again") from None
-    except UnicodeDecodeError:
-        raise QinferError(f"{path} is not UTF-8 text: copy the model's config.json again") from None
-    if not isinstance(config, dict):
-        raise QinferError(f"{path} is not a JSON object")
-    return config
 
 
 def _write(src: Path, out: Path, tensors: dict, config: dict, force: bool, scheme: QuantScheme | None = None) -> None:
