@@ -66,6 +66,13 @@ class Terminated(SystemExit):
 class _Interrupted(click.ClickException):
     exit_code = 128 + signal.SIGINT
 
+    def show(self, file=None):
+        """At a terminal, the ``^C`` it echoed ends the line first, so the message starts one of its own."""
+        file = file or click.get_text_stderr()
+        if file.isatty():
+            click.echo(file=file)
+        super().show(file)
+
 
 @contextmanager
 def _sigterm_unwinds():

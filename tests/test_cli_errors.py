@@ -147,6 +147,22 @@ def test_out_of_memory_is_one_line(tmp_path, monkeypatch):
     assert "fewer --samples or a shorter --seq-len" in result.output
 
 
+@pytest.mark.parametrize("terminal", [True, False])
+def test_ctrl_c_message_starts_its_own_line_at_a_terminal(terminal):
+    # a terminal echoes ^C where the cursor is; the Error line must not run on after it
+    import io
+
+    from qinfer.errors import _Interrupted
+
+    class Stream(io.StringIO):
+        def isatty(self):
+            return terminal
+
+    stream = Stream()
+    _Interrupted("interrupted; nothing half-written was kept").show(stream)
+    assert stream.getvalue() == ("\n" if terminal else "") + "Error: interrupted; nothing half-written was kept\n"
+
+
 @pytest.mark.parametrize("tool", ["block_errors", "block_swap", "decode_profile", "gemv_bench", "prefill_bench",
                                   "text_spread"])
 def test_evals_tools_give_the_same_one_line_errors(tool, monkeypatch):
