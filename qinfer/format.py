@@ -31,7 +31,7 @@ Requires ``K % G == 0`` and ``K * b % 8 == 0``.
 tensor          dtype    shape           content
 ==============  =======  ==============  ======================================================
 ``P.qweight``   uint8    [N, K * b / 8]  codes ``q[n, k]`` in [0, 2^b), bit-packed as below
-``P.scale``     float16  [N, K / G]      ``scale[n, g]``, finite and > 0
+``P.scale``     float16  [N, K / G]      ``scale[n, g]``, finite and >= 0 (0: a group of zeros)
 ``P.zero``      uint8    [N, K / G]      ``zero[n, g]`` in [0, 2^b); only when not ``symmetric``
 ==============  =======  ==============  ======================================================
 
@@ -424,8 +424,9 @@ class QuantizedWeight:
         zero = None if scheme.symmetric else _get(tensors, zero_key)
         shape = (qweight.shape[0], qweight.shape[1] * 8 // scheme.bits)
         perm = tensors.get(f"{prefix}.perm")
+        scale = check_scales(_get(tensors, f"{prefix}.scale"), f"{prefix}.scale")
         try:
-            w = cls(qweight, _get(tensors, f"{prefix}.scale"), zero, scheme.bits, scheme.group_size, shape, perm)
+            w = cls(qweight, scale, zero, scheme.bits, scheme.group_size, shape, perm)
         except QinferError as e:
             raise QinferError(f"{prefix}: {e}") from None
         if perm is not None and not torch.equal(perm.sort().values, torch.arange(shape[1], dtype=perm.dtype)):
@@ -479,6 +480,7 @@ class Fp8Weight:
             w = cls(_get(tensors, f"{prefix}.weight"), _get(tensors, f"{prefix}.scale"))
         except QinferError as e:
             raise QinferError(f"{prefix}: {e}") from None
+        check_scales(w.scale, f"{prefix}.scale")
         if bool(((w.weight.view(torch.uint8) & 0x7F) == 0x7F).any()):  # E4M3's only NaN bit patterns
             raise QinferError(f"{prefix}.weight holds NaN codes: the checkpoint is corrupt; re-export or requantize it")
         if w.granularity != scheme.fp8_granularity:
@@ -506,6 +508,15 @@ def e4m3_times(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``codes.float() * scale`` in float32, bit for bit: the codes as value / 2^8 (exact, fp16), times
     ``scale * 2^8`` (exact), one rounding; without PyTorch's one-element-at-a-time float8 conversion."""
     return e4m3_as_fp16(codes).float() * (scale * FP8_SHIFT)
+
+
+def check_scales(scale: torch.Tensor, name: str) -> torch.Tensor:
+    """``scale``, refused where it holds NaN, an infinity or a negative value (a corrupt checkpoint: such a
+    scale would run, giving NaN or wrong outputs instead of an error)."""
+    if scale.dtype.is_floating_point and not bool((scale >= 0).logical_and_(scale.isfinite()).all()):
+        bad = "NaN" if bool(scale.isnan().any()) else "infinite" if bool(scale.isinf().any()) else "negative"
+        raise QinferError(f"{name} holds {bad} scales: the checkpoint is corrupt; re-export or requantize it")
+    return scale
 
 
 def packed_weight(prefix: str, tensors: dict[str, torch.Tensor], scheme: QuantScheme) -> QuantizedWeight | Fp8Weight | None:

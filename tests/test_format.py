@@ -259,6 +259,24 @@ def test_from_tensors_errors():
         QuantizedWeight.from_tensors("p", entries, QuantScheme(symmetric=False, group_size=-1))
 
 
+
+@pytest.mark.parametrize("bad,word", [(float("nan"), "NaN"), (float("inf"), "infinite"), (-0.5, "negative")])
+def test_scales_that_are_not_finite_and_non_negative_are_refused(bad, word):
+    # a corrupt scale would run (NaN logits, exit 0); 0 is a group of zeros and stays readable
+    W = torch.randn(4, 256)
+    scheme = QuantScheme(symmetric=False)
+    entries = rtn_quantize(W, scheme).tensors("p")
+    entries["p.scale"][2, 1] = bad
+    with pytest.raises(QinferError, match=f"^p.scale holds {word} scales: the checkpoint is corrupt"):
+        QuantizedWeight.from_tensors("p", entries, scheme)
+    entries["p.scale"][2, 1] = 0
+    assert QuantizedWeight.from_tensors("p", entries, scheme).dequantize()[2, 128:].eq(0).all()
+    fp8 = QuantScheme(method="fp8", format="fp8", bits=8, group_size=-1)
+    entries = fp8_quantize(W, fp8).tensors("p")
+    entries["p.scale"][1, 0] = bad
+    with pytest.raises(QinferError, match=f"^p.scale holds {word} scales"):
+        Fp8Weight.from_tensors("p", entries, fp8)
+
 def test_fp8_tensors_round_trip_and_granularity_check():
     W = torch.randn(8, 40)
     for gran in ("channel", "tensor"):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from qinfer.errors import QinferError
-from qinfer.format import pack, unpack
+from qinfer.format import check_scales, pack, unpack
 
 
 def stream_to_words(stream: torch.Tensor) -> torch.Tensor:
@@ -60,6 +60,7 @@ def exact_fp16(t: torch.Tensor, name: str) -> torch.Tensor:
     """``t`` as float16, refusing a value the cast would change (qinfer stores float16 scales)."""
     if not t.dtype.is_floating_point:
         raise QinferError(f"{name}: expected floating-point scales, got {t.dtype}")
+    check_scales(t, name)
     if t.dtype == torch.float16:
         return t
     h = t.half()

@@ -265,9 +265,16 @@ def test_import_errors():
         from_compressed_tensors("p", dict(t, **{"p.weight_scale": t["p.weight_scale"].float() / 3}), asym)
     with pytest.raises(QinferError, match="does not put 32 input channels in each of 3 groups"):
         from_compressed_tensors("p", dict(t, **{"p.weight_g_idx": torch.zeros(96, dtype=torch.int32)}), asym)
+    scales = t["p.weight_scale"].float()
+    scales[0, 0] = float("nan")  # a bf16 or fp32 NaN is named as such, not as a value float16 cannot hold
+    with pytest.raises(QinferError, match="^p.weight_scale holds NaN scales: the checkpoint is corrupt"):
+        from_compressed_tensors("p", dict(t, **{"p.weight_scale": scales}), asym)
     fp8 = to_compressed_tensors(fp8_quantize(_weight(), FP8_SCHEMES[0]), "q")
     with pytest.raises(QinferError, match="fp8_granularity"):
         from_compressed_tensors("q", fp8, FP8_SCHEMES[1])
+    bad = dict(fp8, **{"q.weight_scale": fp8["q.weight_scale"].clone().fill_(float("inf"))})
+    with pytest.raises(QinferError, match=r"^q.scale holds infinite scales.*\(from q.weight_scale\)"):
+        from_compressed_tensors("q", bad, FP8_SCHEMES[0])
     # a 0-d per-tensor scale in bfloat16 is read as float32 [1]
     fp8_t = to_compressed_tensors(fp8_quantize(_weight(), FP8_SCHEMES[1]), "q")
     fp8_t["q.weight_scale"] = torch.tensor(0.5, dtype=torch.bfloat16)

@@ -273,6 +273,11 @@ def test_import_errors():
     # the config's bits wrong for the stored words: named as such, not as a shape GPTQ cannot hold
     with pytest.raises(QinferError, match="hold 32 codes of bits=8, but g_idx has 64 input channels"):
         from_gptq_tensors("p", t, QuantScheme(method="gptq", bits=8, group_size=32, symmetric=False))
+    for bad, word in [(float("nan"), "NaN"), (float("-inf"), "infinite"), (-1.0, "negative")]:
+        scales = t["p.scales"].clone()
+        scales[1, 3] = bad
+        with pytest.raises(QinferError, match=f"^p.scales holds {word} scales: the checkpoint is corrupt"):
+            from_gptq_tensors("p", dict(t, **{"p.scales": scales}), scheme)
     # g_idx may be absent; bf16 scales that fit float16 exactly are accepted
     ok = {k: v for k, v in t.items() if not k.endswith("g_idx")}
     ok["p.scales"] = torch.full_like(t["p.scales"], 0.125, dtype=torch.bfloat16)
