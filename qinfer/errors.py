@@ -9,6 +9,7 @@ name the problem and the fix. Every such command takes ``-h``.
 import errno
 import re
 import signal
+import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -68,7 +69,7 @@ class _Interrupted(click.ClickException):
 
     def show(self, file=None):
         """At a terminal, the ``^C`` it echoed ends the line first, so the message starts one of its own."""
-        file = file or click.get_text_stderr()
+        file = file or sys.stderr
         if file.isatty():
             click.echo(file=file)
         super().show(file)
