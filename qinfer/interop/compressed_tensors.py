@@ -36,7 +36,9 @@ adds ``2^(b-1)`` to every value, zero points included, so the stored bits of ``q
 
 Config: one ``config_groups`` entry targeting ``Linear`` with ``weights: {num_bits: b, type: "int",
 symmetric, strategy: "group" (group_size G) | "channel" (group_size null), dynamic: false}``, no activation
-quantization, ``ignore: ["lm_head"]`` unless the scheme quantizes the lm_head. A ``weight_g_idx`` that is
+quantization, ``ignore``: ``"lm_head"`` unless it is quantized, and the name of each decoder linear a checkpoint
+imported from elsewhere left unquantized. On import the tensors say which linears are quantized (``ignore`` is
+not parsed: its entries may be patterns); the others run unquantized. A ``weight_g_idx`` that is
 not ``k // G`` (act-order groups, G channels each, from writers before the library removed ``actorder:
 "group"`` in 0.20) is kept as the format's column permutation ``perm`` on import; such a weight exports to
 the GPTQ layout only.

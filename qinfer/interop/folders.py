@@ -4,7 +4,8 @@ such a folder into the qinfer format.
 A foreign folder is recognised by the ``quantization_config`` entry of its ``config.json`` (the key GPTQModel,
 AutoGPTQ, llm-compressor and vLLM use). The per-linear layouts are :mod:`qinfer.interop.gptq` and
 :mod:`qinfer.interop.compressed_tensors`; this module finds the linears, carries every other tensor (norms,
-embeddings, biases, an unquantized lm_head) through unchanged, and writes the config and tokenizer files. A
+embeddings, biases, an unquantized lm_head, linears a foreign checkpoint left unquantized) through unchanged, and
+writes the config and tokenizer files. A
 quantized lm_head is exported untied (``tie_word_embeddings: false``), with the embedding table qinfer reads
 from it written out in bf16 (qinfer computing in fp32 reads it unrounded, so an fp32 reader of the export sees
 embeddings that differ by that rounding); importing such an export ties them again.
@@ -40,6 +41,9 @@ from qinfer.interop import gptq
 
 EXPORT_FORMATS = ("gptq", "compressed-tensors")
 IMPORT_METHODS = (gptq.CHECKPOINT_FORMAT, ct.QUANT_METHOD)
+# Part of an imported copy's cache key: raised when an import writes something else for the same folder (2: the
+# quantized lm_head read from the tensors, not from compressed-tensors' ignore list), so older copies are made again.
+IMPORT_REVISION = b"2"
 # Besides config.json and the weights, what makes a folder a usable model.
 SIDE_FILES = (
     "generation_config.json",
@@ -105,6 +109,16 @@ def export_folder(src: Path, out: Path, fmt: str, force: bool = False) -> Conver
         else:
             result.update(ct.to_compressed_tensors(weight, prefix))
         report.linears += 1
+    dense = _dense_linears(tensors, ModelConfig.from_dict(config).arch.linear_names)
+    if fmt == "gptq":
+        if dense:
+            raise QinferError(
+                f"{src}: {dense[0]} is not quantized ({len(dense)} linears are not; an imported checkpoint left them "
+                "out), which a GPTQ v1 config cannot say: export with --format compressed-tensors"
+            )
+        quantization_config["lm_head"] = head is not None
+    else:  # what is not quantized: the lm_head unless it is, and any linear a checkpoint imported left out
+        quantization_config["ignore"] = (["lm_head"] if head is None else []) + dense
     if head is not None:  # a quantized lm_head is a tensor of its own for other readers: untied
         config["tie_word_embeddings"] = False
         if "model.embed_tokens.weight" not in tensors:  # qinfer's tied embedding (qinfer.format): a bf16 table
@@ -141,7 +155,11 @@ def import_folder(src: Path, out: Path, force: bool = False) -> ConvertReport:
     tensors = read_folder_tensors(src)
     report = ConvertReport(out)
     result, head = {}, None
-    for prefix in _foreign_prefixes(tensors, method):
+    prefixes = _foreign_prefixes(tensors, method)
+    if ("lm_head" in prefixes) != scheme.quantize_lm_head:  # the tensors say it (an ignore entry may be a pattern)
+        quantized = "lm_head" in prefixes
+        scheme = dataclasses.replace(scheme, quantize_lm_head=quantized, lm_head_bits=scheme.bits if quantized else 8)
+    for prefix in prefixes:
         s = scheme.lm_head_scheme() if prefix == "lm_head" else scheme
         weight = gptq.from_gptq_tensors(prefix, tensors, s) if method == gptq.CHECKPOINT_FORMAT else (
             ct.from_compressed_tensors(prefix, tensors, s)
@@ -161,7 +179,7 @@ def import_folder(src: Path, out: Path, force: bool = False) -> ConvertReport:
         del tensors["model.embed_tokens.weight"]
         config["tie_word_embeddings"] = True
     kv = ct.kv_cache_dtype(qconfig) if method == ct.QUANT_METHOD else "none"
-    _kv_scales_per_head(src, tensors, kv, ModelConfig.from_folder(src).num_kv_heads)
+    _kv_scales_per_head(src, tensors, kv, ModelConfig.from_dict(config).num_kv_heads)
     result.update(tensors)
     _write(src, out, result, config, force, dataclasses.replace(scheme, kv_cache=kv))
     return report
@@ -188,13 +206,13 @@ def _kv_scales_per_head(src: Path, tensors: dict[str, torch.Tensor], kv: str, n_
 def imported_copy(src: Path, cache: Path) -> Path:
     """The qinfer-format conversion of the foreign folder ``src`` under ``cache``, made on first use.
 
-    Keyed by the config, the tokenizer and generation files copied beside the weights, and the size,
+    Keyed by :data:`IMPORT_REVISION`, the config, the tokenizer and generation files copied beside the weights, and the size,
     modification time and first megabyte of each weight file.
     """
     from qinfer.loader import weight_files
 
     src = Path(src)
-    h = hashlib.sha256((src / "config.json").read_bytes())
+    h = hashlib.sha256(IMPORT_REVISION + (src / "config.json").read_bytes())
     for name in SIDE_FILES:
         h.update(name.encode() + ((src / name).read_bytes() if (src / name).is_file() else b"\0absent"))
     for f in weight_files(src):
@@ -213,6 +231,18 @@ _FOREIGN_SUFFIXES = {
     gptq.CHECKPOINT_FORMAT: ("qweight", "qzeros", "scales", "g_idx"),
     ct.QUANT_METHOD: ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx", "weight"),
 }
+
+
+def _dense_linears(tensors: dict[str, torch.Tensor], linear_names: tuple[str, ...]) -> list[str]:
+    """The decoder linears ``tensors`` holds unquantized (``P.weight`` of a floating dtype), in layer order."""
+    found = []
+    for name, t in tensors.items():
+        prefix = name.removesuffix(".weight")
+        parts = prefix.split(".", 3)  # model, layers, i, self_attn.q_proj
+        if (prefix != name and len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+                and parts[3] in linear_names and t.dtype != torch.float8_e4m3fn):
+            found.append((int(parts[2]), linear_names.index(parts[3]), prefix))
+    return [prefix for *_, prefix in sorted(found)]
 
 
 def _foreign_prefixes(tensors: dict[str, torch.Tensor], method: str) -> list[str]:

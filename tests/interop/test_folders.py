@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from qinfer.errors import QinferError
 from qinfer.format import QUANT_CONFIG_FILE, QuantizedWeight, QuantScheme
+from qinfer.interop import compressed_tensors as ct
 from qinfer.interop.folders import export_folder, import_folder
 from qinfer.loader import load_model, read_folder_tensors
 from qinfer.quantize import CalibConfig, quantize_model
@@ -145,6 +146,40 @@ def test_transformers_reads_compressed_tensors_export(quantized, tmp_path, name)
     assert torch.allclose(theirs, ours, atol=1e-4, rtol=0), (theirs - ours).abs().max()
 
 
+
+def test_linears_a_compressed_tensors_checkpoint_leaves_out_stay_out(quantized, tmp_path):
+    # llm-compressor writes layers it skipped dense and names them in `ignore`, often by pattern: qinfer runs
+    # them dense, records what is quantized from the tensors, and writes them back to `ignore` on export
+    export_folder(quantized / "int4-sym", tmp_path / "ct", "compressed-tensors")
+    tensors = load_file(tmp_path / "ct" / "model.safetensors")
+    for prefix in [k.removesuffix(".weight_packed") for k in tensors if k.endswith("down_proj.weight_packed")]:
+        weight = ct.from_compressed_tensors(prefix, tensors, SCHEMES["int4-sym"]).dequantize(torch.float32)
+        for suffix in ("weight_packed", "weight_scale", "weight_shape"):
+            del tensors[f"{prefix}.{suffix}"]
+        tensors[f"{prefix}.weight"] = weight + 0.01  # not on any 4-bit grid
+    save_file(tensors, tmp_path / "ct" / "model.safetensors")
+    config = json.loads((tmp_path / "ct" / "config.json").read_text())
+    config["quantization_config"]["ignore"] = ["re:.*lm_head", "re:.*down_proj$"]
+    (tmp_path / "ct" / "config.json").write_text(json.dumps(config))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ct", dtype=torch.float32)
+    with torch.no_grad():
+        reference = theirs(IDS).logits
+
+    import_folder(tmp_path / "ct", tmp_path / "back")
+    assert QuantScheme.load(tmp_path / "back").quantize_lm_head is False  # the pattern's lm_head is dense
+    assert torch.allclose(logits(tmp_path / "back"), reference, atol=1e-4, rtol=0)
+    export_folder(tmp_path / "back", tmp_path / "again", "compressed-tensors")
+    ignore = json.loads((tmp_path / "again" / "config.json").read_text())["quantization_config"]["ignore"]
+    layers = config["num_hidden_layers"]
+    assert ignore == ["lm_head"] + [f"model.layers.{i}.mlp.down_proj" for i in range(layers)]
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again", dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.allclose(again(IDS).logits, reference, atol=1e-4, rtol=0)
+    with pytest.raises(QinferError, match="model.layers.0.mlp.down_proj is not quantized .* --format compressed"):
+        export_folder(tmp_path / "back", tmp_path / "gptq", "gptq")
+    assert not (tmp_path / "gptq").exists()
+
+
 def test_import_folder_writes_qinfer_format(quantized, tmp_path):
     export_folder(quantized / "int4-sym", tmp_path / "gptq", "gptq")
     import_folder(tmp_path / "gptq", tmp_path / "back")
@@ -166,6 +201,16 @@ def test_an_imported_copy_follows_its_tokenizer_files(quantized, tmp_path):
     again = resolve_model(str(tmp_path / "gptq"))
     assert again != first
     assert "chat_template" not in json.loads((again / "tokenizer_config.json").read_text())
+
+
+def test_an_imported_copy_made_by_an_older_import_is_made_again(quantized, tmp_path, monkeypatch):
+    import qinfer.interop.folders as folders
+
+    export_folder(quantized / "int4-sym", tmp_path / "gptq", "gptq")
+    first = resolve_model(str(tmp_path / "gptq"))
+    monkeypatch.setattr(folders, "IMPORT_REVISION", folders.IMPORT_REVISION + b"+1")
+    again = resolve_model(str(tmp_path / "gptq"))
+    assert again != first and (again / QUANT_CONFIG_FILE).exists()
 
 
 def test_a_damaged_imported_copy_is_made_again(quantized, tmp_path):
