@@ -204,6 +204,11 @@ class QuantScheme:
         if not isinstance(data, dict):
             raise QinferError(f"{QUANT_CONFIG_FILE} must hold a JSON object, not {type(data).__name__}")
         version = data.pop("format_version", None)
+        if version is None and {"w_bit", "q_group_size"} & set(data):
+            raise QinferError(
+                f"{QUANT_CONFIG_FILE} is AutoAWQ's (w_bit, q_group_size), not qinfer's: qinfer does not read AutoAWQ "
+                "checkpoints; quantize the original model with qinfer (--method awq)"
+            )
         if version != FORMAT_VERSION:
             raise QinferError(
                 f"{QUANT_CONFIG_FILE} has format_version {version!r}; this qinfer reads version {FORMAT_VERSION}"

@@ -2,7 +2,8 @@
 such a folder into the qinfer format.
 
 A foreign folder is recognised by the ``quantization_config`` entry of its ``config.json`` (the key GPTQModel,
-AutoGPTQ, llm-compressor and vLLM use). The per-linear layouts are :mod:`qinfer.interop.gptq` and
+AutoGPTQ, llm-compressor and vLLM use), or, for older AutoGPTQ checkpoints, by a ``quantize_config.json`` beside
+it (GPTQ; vLLM and GPTQModel read that too). The per-linear layouts are :mod:`qinfer.interop.gptq` and
 :mod:`qinfer.interop.compressed_tensors`; this module finds the linears, carries every other tensor (norms,
 embeddings, biases, an unquantized lm_head, linears a foreign checkpoint left unquantized) through unchanged, and
 writes the config and tokenizer files. A
@@ -40,6 +41,7 @@ from qinfer.interop import compressed_tensors as ct
 from qinfer.interop import gptq
 
 EXPORT_FORMATS = ("gptq", "compressed-tensors")
+AUTOGPTQ_CONFIG_FILE = "quantize_config.json"
 IMPORT_METHODS = (gptq.CHECKPOINT_FORMAT, ct.QUANT_METHOD)
 # Part of an imported copy's cache key: raised when an import writes something else for the same folder (2: the
 # quantized lm_head read from the tensors, not from compressed-tensors' ignore list), so older copies are made again.
@@ -62,15 +64,29 @@ class ConvertReport:
     dropped: list[str] = field(default_factory=list)
 
 
+def foreign_quant_config(folder: Path) -> dict | None:
+    """``folder``'s quantization config: ``quantization_config`` of its ``config.json``, else an older AutoGPTQ
+    ``quantize_config.json`` beside it (GPTQ; vLLM and GPTQModel read it too), else None (not quantized)."""
+    folder = Path(folder)
+    q = read_config(folder).get("quantization_config")
+    where = f"{folder}/config.json: quantization_config"
+    if q is None and (folder / AUTOGPTQ_CONFIG_FILE).is_file():
+        where = f"{folder}/{AUTOGPTQ_CONFIG_FILE}"
+        try:
+            q = json.loads((folder / AUTOGPTQ_CONFIG_FILE).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise QinferError(f"{where} is not valid JSON ({e}): fix or remove it") from None
+        if isinstance(q, dict):
+            q = {"quant_method": gptq.CHECKPOINT_FORMAT, **q}
+    if q is not None and not isinstance(q, dict):
+        raise QinferError(f"{where} is not a JSON object")
+    return q
+
+
 def foreign_quant_method(folder: Path) -> str | None:
-    """``quantization_config.quant_method`` of ``folder/config.json``, or None when it has none."""
-    config = read_config(Path(folder))
-    q = config.get("quantization_config")
-    if q is None:
-        return None
-    if not isinstance(q, dict):
-        raise QinferError(f"{folder}/config.json: quantization_config is not an object")
-    return str(q.get("quant_method"))
+    """``quant_method`` of :func:`foreign_quant_config`, or None when the folder declares no quantization."""
+    q = foreign_quant_config(folder)
+    return None if q is None else str(q.get("quant_method"))
 
 
 def export_folder(src: Path, out: Path, fmt: str, force: bool = False) -> ConvertReport:
@@ -141,13 +157,14 @@ def import_folder(src: Path, out: Path, force: bool = False) -> ConvertReport:
 
     src, out = Path(src), Path(out)
     config = read_config(src)
-    method = foreign_quant_method(src)
+    qconfig = foreign_quant_config(src) or {}
+    method = qconfig.get("quant_method")
     if method not in IMPORT_METHODS:
         raise QinferError(
             f"{src}: quantization_config.quant_method {method!r} is not supported; qinfer reads "
             f"{' and '.join(IMPORT_METHODS)} checkpoints (or unquantized ones)"
         )
-    qconfig = config.pop("quantization_config")
+    config.pop("quantization_config", None)
     if method == gptq.CHECKPOINT_FORMAT:
         scheme = gptq.scheme_from_gptq_config(qconfig)
     else:
@@ -213,7 +230,7 @@ def imported_copy(src: Path, cache: Path) -> Path:
 
     src = Path(src)
     h = hashlib.sha256(IMPORT_REVISION + (src / "config.json").read_bytes())
-    for name in SIDE_FILES:
+    for name in (*SIDE_FILES, AUTOGPTQ_CONFIG_FILE):
         h.update(name.encode() + ((src / name).read_bytes() if (src / name).is_file() else b"\0absent"))
     for f in weight_files(src):
         st = f.stat()

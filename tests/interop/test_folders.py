@@ -264,6 +264,22 @@ def test_unsupported_foreign_quantization_is_one_line(src, tmp_path):
     config["quantization_config"] = {"quant_method": "awq", "bits": 4}
     (folder / "config.json").write_text(json.dumps(config))
     assert_one_line_error(run_qinfer("generate", str(folder), "hi"), "quant_method 'awq' is not supported")
+    # AutoAWQ also writes its own quant_config.json (qinfer's file name): named as AutoAWQ's, not as a version
+    (folder / "quant_config.json").write_text(json.dumps({"zero_point": True, "q_group_size": 128, "w_bit": 4}))
+    assert_one_line_error(run_qinfer("generate", str(folder), "hi"), "quant_config.json is AutoAWQ's")
+
+
+def test_older_autogptq_quantize_config_json_is_read(quantized, tmp_path):
+    # AutoGPTQ before quantization_config: the GPTQ settings in quantize_config.json beside config.json
+    export_folder(quantized / "int4-asym", tmp_path / "gptq", "gptq")
+    config = json.loads((tmp_path / "gptq" / "config.json").read_text())
+    settings = config.pop("quantization_config")
+    del settings["quant_method"], settings["checkpoint_format"]  # older files name neither
+    (tmp_path / "gptq" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "gptq" / "quantize_config.json").write_text(json.dumps(settings))
+    assert torch.equal(logits(resolve_model(str(tmp_path / "gptq"))), logits(quantized / "int4-asym"))
+    assert_one_line_error(run_qinfer("quantize", str(tmp_path / "gptq"), "-o", str(tmp_path / "q")),
+                          "is already quantized (gptq)")
 
 
 def test_force_never_deletes_a_foreign_folder_being_read(quantized, tmp_path):
