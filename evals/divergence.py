@@ -32,7 +32,6 @@ window's logits per model and a few ``[chunk, V]`` fp32 blocks exist at once, ne
 whole text (Gemma's V = 262144 makes that 1 MB per token in fp32).
 """
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -42,7 +41,7 @@ from tqdm import tqdm
 
 from qinfer.errors import QinferError
 from qinfer.evals.forward import LogitsFn
-from qinfer.evals.perplexity import windows
+from qinfer.evals.perplexity import exp, windows
 
 
 @dataclass(frozen=True)
@@ -61,7 +60,7 @@ class TextMetrics:
     @property
     def ppl_ratio(self) -> float | None:
         """ppl / ppl_baseline (None in results measured before ``nll_delta`` was kept)."""
-        return None if self.nll_delta is None else math.exp(self.nll_delta)
+        return None if self.nll_delta is None else exp(self.nll_delta)
 
     @property
     def ppl_change(self) -> float | None:
@@ -117,7 +116,7 @@ class TokenSeries:
         block = se_block(n) if block is None else block
         nll, delta = float(self.nll.sum()) / n, self.nll - self.baseline_nll
         return TextMetrics(
-            ppl=math.exp(nll), nll=nll, kl=float(self.kl.sum()) / n, top1_agreement=int(self.agree.sum()) / n,
+            ppl=exp(nll), nll=nll, kl=float(self.kl.sum()) / n, top1_agreement=int(self.agree.sum()) / n,
             tokens=n, window=window, stride=stride, nll_delta=float(delta.mean()),
             nll_delta_se=batch_means_se(delta, block), kl_se=batch_means_se(self.kl, block),
         )

@@ -25,6 +25,15 @@ class PerplexityResult:
     stride: int
 
 
+def exp(x: float) -> float:
+    """``math.exp(x)``, infinite past float64's range: a broken model's mean loss over 709 nats is a perplexity
+    of inf, not an error."""
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
+
+
 def windows(n_tokens: int, window: int, stride: int) -> list[tuple[int, int, int]]:
     """(start, end, first scored position) for each window over ``n_tokens`` tokens."""
     if n_tokens < 2:
@@ -71,4 +80,4 @@ def perplexity(
         total += float(nll.double().sum())
         count += nll.numel()
     mean = total / count
-    return PerplexityResult(ppl=math.exp(mean), nll=mean, tokens=count, window=window, stride=stride)
+    return PerplexityResult(ppl=exp(mean), nll=mean, tokens=count, window=window, stride=stride)

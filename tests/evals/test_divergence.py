@@ -119,3 +119,13 @@ def test_batch_means_standard_error_follows_the_correlation():
 
 def test_the_blocks_grow_with_the_text_past_sixteen_of_the_shortest():
     assert [se_block(n) for n in (100, 2047, 2048, 8191, 32767)] == [128, 128, 128, 511, 2047]
+
+
+def test_a_loss_past_float64s_exp_is_an_infinite_perplexity():
+    # a broken model (finite weights, huge logits): mean loss over 709 nats is ppl inf, not an OverflowError
+    tokens = torch.randint(0, V, (200,), generator=torch.Generator().manual_seed(3))
+    base = _positional(0)
+    broken = _positional(1, scale=1e4)
+    got = text_metrics(base, {"broken": broken}, tokens, window=40, stride=16, progress=False)["broken"]
+    assert got.nll > 710 and got.ppl == math.inf and got.ppl_change == math.inf
+    assert perplexity(lambda ids: broken(ids[0], 0)[None], tokens, window=40, stride=16, progress=False).ppl == math.inf
