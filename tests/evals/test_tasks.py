@@ -311,3 +311,24 @@ def test_real_bigbench_sdist_through_pip(tmp_path, monkeypatch):
     assert sizes["strategyqa"] == (2289, Counter({2: 2289}))
     assert sizes["winowhy"] == (2862, Counter({2: 2862}))
     assert (tmp_path / "data" / "bigbench" / bigbench.SDIST).stat().st_size == 358249635
+
+
+@pytest.mark.parametrize("kv", ["bf16", "int8", "fp8"])
+def test_a_choice_scores_the_same_whatever_choices_run_beside_it(tmp_path, monkeypatch, kv):
+    # without stored KV scales a quantized cache takes them from its first write: the batch must not be
+    # other choices and padding (it was, and a choice's log-likelihood moved with them)
+    import qinfer.evals.accuracy as accuracy
+    from qinfer.evals.tasks import MCExample
+    from qinfer.loader import load_model
+    from qinfer.tokenizer import Tokenizer
+    from tests.evals.eval_fixtures import tiny_model
+
+    folder = tiny_model(tmp_path / "m", "llama")
+    model, tok = load_model(folder, dtype=torch.float32), Tokenizer.from_folder(folder)
+    scores = []
+    real = accuracy.continuation_loglik
+    monkeypatch.setattr(accuracy, "continuation_loglik", lambda *a, **k: scores.append(real(*a, **k)) or scores[-1])
+    examples = [MCExample("It is a truth", (" universally", " a"), 0),
+                MCExample("It is a truth", (" universally", " acknowledged, that a single man in possession"), 0)]
+    accuracy.task_accuracy(model, tok, examples, kv, "t", progress=False)
+    assert scores[0][0] == scores[1][0]
