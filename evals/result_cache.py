@@ -3,9 +3,10 @@
 Layout: ``qinfer.cache.cache_dir() / "eval" / <part> / <key>.json`` where ``part`` is "text", "task" or
 "speed" and ``key`` is the sha256 of the JSON of the key fields (the model's content key, the baseline's,
 every setting, :data:`CACHE_VERSION`, the torch version, and a fingerprint of the runtime code that produces
-the numbers: the decoder, KV cache, loader, format and every kernel, so a kernel change re-measures; a speed key
-also holds :func:`speed_fingerprint`, so a change to how speed is timed re-measures speed). Keying each part on its own settings lets a run
-with more tasks, or with ``--speed`` after ``--no-speed``, reuse everything it shares with earlier runs.
+the numbers: the decoder, KV cache, loader, format and every kernel, and whether the C kernels are in use, so a
+kernel change re-measures; a speed key also holds :func:`speed_fingerprint`, so a change to how speed is timed
+re-measures speed). Keying each part on its own settings lets a run with more tasks, or with ``--speed`` after
+``--no-speed``, reuse everything it shares with earlier runs.
 Files are written atomically; an unreadable one counts as a miss and is overwritten.
 """
 
@@ -34,9 +35,15 @@ RUNTIME_MODULES = ("qinfer.model", "qinfer.kv_cache", "qinfer.loader", "qinfer.f
 
 
 @functools.cache
-def code_fingerprint() -> str:
-    """sha256 over the source of :data:`RUNTIME_MODULES` and of every module in ``qinfer.kernels``."""
+def _runtime_source() -> str:
     return source_fingerprint(RUNTIME_MODULES, "qinfer.kernels")
+
+
+def code_fingerprint() -> str:
+    """sha256 over the source of :data:`RUNTIME_MODULES` and of every module in ``qinfer.kernels``, and which
+    kernels a CPU row multiplies through (``QINFER_CPU_GEMV=0``, or no C compiler, gives PyTorch's, whose sums
+    round differently)."""
+    return hashlib.sha256((_runtime_source() + gemv_cpu.describe()).encode()).hexdigest()
 
 
 # Modules whose code decides how speed is timed and what a step's bytes and FLOPs are: a speed key's own part.
