@@ -50,12 +50,16 @@ speed was not measured); ``roofline.png`` places each model's decode and prefill
 
 import json
 import math
+import os
+import shutil
 from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
 
+from qinfer.cache import temp_path
+from qinfer.errors import QinferError
 from qinfer.evals.divergence import SE_BLOCKS, SE_MIN_BLOCK
 from qinfer.evals.roofline import Roofline, threads_text
 from qinfer.kernels import gemv_cpu
@@ -203,18 +207,35 @@ def _strict(value):
     return value
 
 
+def check_out(out: Path) -> None:
+    """Refuse an ``--out`` where one of the files eval writes is a folder (before anything is measured)."""
+    for name in (RESULTS_JSON, RESULTS_MD, PARETO_PNG, ROOFLINE_PNG):
+        if (Path(out) / name).is_dir():
+            raise QinferError(f"--out {out}: {name} there is a folder, where eval writes a file: move it, or choose "
+                              "another --out")
+
+
 def write_outputs(config, results, roofline: Roofline | None, text_description: str) -> list[Path]:
-    """Write results.json, results.md, pareto.png and (with speed) roofline.png into ``config.out``."""
+    """Write results.json, results.md, pareto.png and (with speed) roofline.png into ``config.out``: all of them
+    into a temp folder there first, then each renamed into place, so a failure on the way (a plot that cannot be
+    drawn or written) leaves the earlier run's files as they were, not a mix of two runs."""
     from qinfer.evals.plots import plot_pareto, plot_models_roofline
 
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     data = results_json(config, results, roofline, text_description)
-    (out / RESULTS_JSON).write_text(json.dumps(_strict(data), indent=2, allow_nan=False) + "\n", encoding="utf-8")
-    (out / RESULTS_MD).write_text(results_markdown(data, results), encoding="utf-8")
-    written = [out / RESULTS_JSON, out / RESULTS_MD, plot_pareto(results, text_description, out / PARETO_PNG)]
-    if roofline is not None:
-        written.append(plot_models_roofline(results, roofline, out / ROOFLINE_PNG))
-    else:  # an earlier run's plot beside these results would show speeds they do not have
+    tmp = temp_path(out, ".results-", folder=True)
+    try:
+        (tmp / RESULTS_JSON).write_text(json.dumps(_strict(data), indent=2, allow_nan=False) + "\n", encoding="utf-8")
+        (tmp / RESULTS_MD).write_text(results_markdown(data, results), encoding="utf-8")
+        plot_pareto(results, text_description, tmp / PARETO_PNG)
+        if roofline is not None:
+            plot_models_roofline(results, roofline, tmp / ROOFLINE_PNG)
+        names = sorted(f.name for f in tmp.iterdir())
+        for name in names:
+            os.replace(tmp / name, out / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if roofline is None:  # an earlier run's plot beside these results would show speeds they do not have
         (out / ROOFLINE_PNG).unlink(missing_ok=True)
-    return written
+    return [out / name for name in (RESULTS_JSON, RESULTS_MD, PARETO_PNG, ROOFLINE_PNG) if name in names]

@@ -130,7 +130,10 @@ class _Model:
 def run_eval(config: EvalConfig) -> list[ModelResult]:
     """Measure every model of ``config``, write the outputs to ``config.out``, return one result per model."""
     if config.out is not None:
+        from qinfer.evals.report import check_out
+
         check_writable(config.out, option="--out")  # before the measuring, not after it
+        check_out(config.out)
     examples = {task: load_task(task, config.limit) for task in config.tasks}  # unknown task: fails here, early
     models, baseline, tokens, text_desc = comparison(config)
     text_fields = dict(baseline=baseline.key, baseline_kv=BASELINE_KV, kv=config.kv_cache, window=config.window,

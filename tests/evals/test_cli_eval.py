@@ -49,6 +49,33 @@ def test_eval_without_speed_writes_no_roofline_plot(env):
     assert sorted(p.name for p in out.iterdir()) == ["pareto.png", "results.json", "results.md"]
 
 
+
+def test_eval_outputs_replace_the_earlier_run_all_at_once(env, monkeypatch):
+    # written into a temp folder and renamed: a plot that fails leaves the earlier run's files, not a mix
+    import qinfer.evals.plots as plots
+    from qinfer.evals.runner import run_eval
+
+    out = env["root"] / "out"
+    out.mkdir()
+    (out / "results.json").write_text("an earlier run's")
+    config = EvalConfig(models=(env["model"],), text=env["text"], tasks=(), speed=False, out=str(out), window=64,
+                        stride=32, max_tokens=300, progress=False)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("matplotlib failed")
+
+    monkeypatch.setattr(plots, "plot_pareto", fail)
+    with pytest.raises(RuntimeError, match="matplotlib failed"):
+        run_eval(config)
+    assert sorted(p.name for p in out.iterdir()) == ["results.json"]  # no temp folder left either
+    assert (out / "results.json").read_text() == "an earlier run's"
+    monkeypatch.undo()
+    (out / "pareto.png").mkdir()  # a folder where a file goes: refused before anything is measured
+    proc = run_qinfer("eval", env["model"], "--tasks", "none", "--no-speed", "--text", env["text"], *SMALL,
+                      "--out", str(out), env=env["env"])
+    assert_one_line_error(proc, "pareto.png there is a folder")
+    assert "perplexity" not in proc.stderr
+
 def test_eval_compile_without_a_compiler_is_one_clear_error(env):
     install_roofline()
     # no C++ compiler for inductor (and an empty cache of its own, so nothing compiled before is reused)
