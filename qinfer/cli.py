@@ -278,7 +278,7 @@ def export(model, out, fmt, force):
 @click.option("--text", default="heldout", show_default=True, help="heldout (Austen's Persuasion) or a UTF-8 file.")
 @click.option("--max-tokens", type=int, default=2048, show_default=True, help="Tokens of the text to score.")
 @click.option("--window", type=int, default=512, show_default=True, help="Perplexity window (tokens).")
-@click.option("--stride", type=int, default=256, show_default=True, help="Window advance (tokens).")
+@click.option("--stride", type=int, default=None, help="Window advance (tokens)  [default: half the window]")
 @click.option("--tasks", default="general_knowledge,social_iqa,strategyqa,winowhy", show_default=True,
               help="Comma-separated BIG-bench multiple-choice tasks, or none.")
 @click.option("--limit", type=int, default=25, show_default=True, help="Examples per task.")
@@ -303,7 +303,7 @@ def eval_models(models, baseline, text, max_tokens, window, stride, tasks, limit
         raise QinferError(f"--tasks {tasks!r} names no task: give a comma-separated list, or none")
     _check_out_name(out)
     config = EvalConfig(models=models, baseline=baseline, text=text, max_tokens=max_tokens, window=window,
-                        stride=stride, tasks=task_list, limit=limit, speed=speed, kv_cache=kv_cache,
+                        stride=window // 2 if stride is None else stride, tasks=task_list, limit=limit, speed=speed, kv_cache=kv_cache,
                         prompt_tokens=prompt_tokens, decode_steps=decode_steps, repeats=repeats, compiled=compiled,
                         out=out, cache=not no_cache)
     results = run_eval(config)

@@ -76,6 +76,19 @@ def test_eval_outputs_replace_the_earlier_run_all_at_once(env, monkeypatch):
     assert_one_line_error(proc, "pareto.png there is a folder")
     assert "perplexity" not in proc.stderr
 
+
+def test_eval_stride_defaults_to_half_the_window(env):
+    # as llama.cpp's perplexity scores the second half of each window: a short --window needs no --stride too
+    out = env["root"] / "out"
+    proc = run_qinfer("eval", env["model"], "--tasks", "none", "--no-speed", "--text", env["text"], "--window", "64",
+                      "--max-tokens", "300", "--out", str(out), env=env["env"])
+    assert proc.returncode == 0, proc.stderr
+    settings = json.loads((out / "results.json").read_text())["settings"]
+    assert (settings["window"], settings["stride"]) == (64, 32)
+    one = run_qinfer("eval", env["model"], "--tasks", "none", "--no-speed", "--text", env["text"], "--window", "1",
+                     env=env["env"])
+    assert one.returncode == 1 and "Traceback" not in one.stderr and "--window" in one.stderr, one.stderr
+
 def test_eval_compile_without_a_compiler_is_one_clear_error(env):
     install_roofline()
     # no C++ compiler for inductor (and an empty cache of its own, so nothing compiled before is reused)
