@@ -6,6 +6,7 @@ eval stays quick on a CPU. Task accuracy is :func:`qinfer.evals.tasks.score_mc` 
 :func:`qinfer.evals.tasks.continuation_loglik`, the choices of one question run as one batch.
 """
 
+import sys
 from pathlib import Path
 
 import torch
@@ -27,11 +28,14 @@ _MARGIN = 16  # tokens dropped at the cut of a prefix: a token split there may d
 def load_text(spec: str) -> tuple[str, str]:
     """``(text, description)`` for ``--text``: "heldout" or the path of a UTF-8 text file."""
     if spec == HELDOUT:
+        if Path(HELDOUT).exists():
+            print(f"note: --text {HELDOUT} is the held-out novel; the {HELDOUT} here is not read (write ./{HELDOUT} "
+                  "for it)", file=sys.stderr)
         return heldout_text(), f"{HELDOUT_BOOK.capitalize()} (held-out Austen novel)"
     path = Path(spec).expanduser()
     if path.is_dir():
         raise QinferError(f"--text {spec} is a folder: pass 'heldout' or a UTF-8 text file")
-    if not path.is_file():
+    if not path.exists():  # a pipe (--text <(...)) is read as a file is
         raise QinferError(f"--text {spec}: no such file; pass 'heldout' or a UTF-8 text file")
     try:
         return path.read_text(encoding="utf-8-sig"), str(path)  # a BOM is not text (as --calib reads it)

@@ -153,7 +153,8 @@ def format_table(results) -> str:
 
 def _md_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+    cell = lambda text: str(text).replace("|", "\\|")  # noqa: E731  (a "|" in a model's name would end a cell)
+    return "\n".join(lines + ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows])
 
 
 def results_markdown(data: dict, results) -> str:

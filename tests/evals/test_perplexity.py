@@ -54,3 +54,34 @@ def test_text_file_is_read_without_its_byte_order_mark(tmp_path):
     path.write_bytes(b"\xff\xfe not utf-8")
     with pytest.raises(QinferError, match="is not UTF-8 text"):
         load_text(str(path))
+
+
+def test_text_from_a_pipe_and_a_file_named_heldout(tmp_path, monkeypatch, capsys):
+    import os
+    import threading
+
+    import qinfer.evals.accuracy as accuracy
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # what a shell's --text <(...) passes: not a regular file, but readable as one
+    writer = threading.Thread(target=lambda: fifo.write_text("It is a truth."), daemon=True)
+    writer.start()
+    try:
+        assert accuracy.load_text(str(fifo)) == ("It is a truth.", str(fifo))
+    finally:
+        if writer.is_alive():  # not read: open the other end so the writer finishes
+            os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+        writer.join(timeout=10)
+    # the built-in name wins over a file of that name here, and says so
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "heldout").write_text("mine")
+    monkeypatch.setattr(accuracy, "heldout_text", lambda: "Persuasion")
+    assert accuracy.load_text("heldout")[0] == "Persuasion"
+    assert "./heldout" in capsys.readouterr().err
+
+
+def test_a_bar_in_a_model_name_stays_inside_its_markdown_cell():
+    from qinfer.evals.report import _md_table
+
+    table = _md_table(["model", "ppl"], [["tiny|pipe", "3.0"]])
+    assert table.splitlines()[-1] == "| tiny\\|pipe | 3.0 |"
