@@ -51,7 +51,7 @@ class EvalConfig:
     text: str = HELDOUT  # "heldout" or a UTF-8 file
     max_tokens: int = 2048  # tokens of the text used (~8 windows at the default window/stride)
     window: int = 512
-    stride: int = 256
+    stride: int | None = None  # None: half the window (llama.cpp's perplexity scores each window's second half)
     tasks: tuple[str, ...] = DEFAULT_TASKS
     limit: int = 25  # examples per task
     speed: bool = True
@@ -75,6 +75,8 @@ class EvalConfig:
             raise QinferError(f"--kv-cache must be one of {', '.join(KV_DTYPES)}; got {self.kv_cache!r}")
         if self.window < 2:
             raise QinferError(f"--window must be at least 2 tokens; got {self.window}")
+        if self.stride is None:
+            object.__setattr__(self, "stride", self.window // 2)
         if not 0 < self.stride <= self.window:
             raise QinferError(f"--stride must be in 1..--window ({self.window}); got {self.stride}")
         if self.max_tokens < self.window:

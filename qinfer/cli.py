@@ -303,7 +303,7 @@ def eval_models(models, baseline, text, max_tokens, window, stride, tasks, limit
         raise QinferError(f"--tasks {tasks!r} names no task: give a comma-separated list, or none")
     _check_out_name(out)
     config = EvalConfig(models=models, baseline=baseline, text=text, max_tokens=max_tokens, window=window,
-                        stride=window // 2 if stride is None else stride, tasks=task_list, limit=limit, speed=speed, kv_cache=kv_cache,
+                        stride=stride, tasks=task_list, limit=limit, speed=speed, kv_cache=kv_cache,
                         prompt_tokens=prompt_tokens, decode_steps=decode_steps, repeats=repeats, compiled=compiled,
                         out=out, cache=not no_cache)
     results = run_eval(config)

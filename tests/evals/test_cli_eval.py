@@ -1,5 +1,6 @@
 """``qinfer eval`` and ``qinfer roofline`` run as a user runs them."""
 
+import dataclasses
 import json
 import os
 
@@ -155,9 +156,11 @@ def test_roofline_command_shows_the_cached_roofline(env):
 def test_cli_defaults_are_the_eval_config_defaults():
     params = {p.name: p.default for p in cli.commands["eval"].params if isinstance(p, click.Option)}
     defaults = EvalConfig(models=("m",))
+    fields = {f.name: f.default for f in dataclasses.fields(EvalConfig)}
     for name in ("text", "max_tokens", "window", "stride", "limit", "speed", "kv_cache", "prompt_tokens",
                  "decode_steps", "repeats", "compiled"):
-        assert params[name] == getattr(defaults, name), name
+        assert params[name] == fields[name], name
+    assert params["stride"] is None and defaults.stride == defaults.window // 2
     assert tuple(params["tasks"].split(",")) == defaults.tasks
     assert params["out"] == os.fspath(defaults.out)
 
