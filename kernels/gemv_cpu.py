@@ -2,23 +2,25 @@
 GEMV, in C.
 
 Decode at batch 1 reads every weight once per token, so its linears should stream at the memory bandwidth.
-PyTorch's own one-row kernels do not on a CPU with AVX2 only: ATen's bf16 GEMV widens and sums at ~9 GB/s a
-core (gemma3-270m's 335 MB lm_head: ~19 ms a step on 2 cores, about 60% of the bandwidth the roofline
-measures); its int4 weight-only kernel (``int4_cpu``) takes ~115 us for a 2048 x 640 weight of 0.7 MB; 2-, 3-
-and 8-bit codes went through one int8 matmul per group (``int8_cpu``) and FP8 codes through an fp16 copy of
-the weight (``fp8_cpu``). ``gemv_cpu.c`` does each product in one pass over the stored bytes with
-AVX2/FMA/F16C: bf16 bits move into fp32 in registers; 4-bit codes are unpacked in registers, their nibbles
-meeting the row's even and odd entries (on a CPU with AVX-VNNI, groups of 64 or more, bf16 or fp16 rows: as bytes
-in integer dot products, VPDPBUSD, against x in 15-bit fixed point per group, exact integer sums scaled once a
-group, within max|x in the group| / 32766 of each x where bf16 keeps 2^-9 of x itself; an fp32 row keeps the
-float loop); 2- and 3-bit codes, 8 to a 16- or
-24-bit word, by a shift per lane; integer codes are summed against x per group and scaled once (``s * (sum q x - z *
-sum x)``); E4M3 codes move into fp16 bits (sign-extended, shifted, masked: exact, subnormals too) and F16C widens
-them. Rows split across OpenMP threads (PyTorch's own runtime: ``torch.set_num_threads``). Every product and sum is
-fp32 (the VNNI loop's are exact integers until each group's is scaled) and each output is rounded once to the row's
-dtype: the references' results up to the order of their sums (and the VNNI loop's fixed-point x), except where
-the zero term cancels most of ``sum q x`` (x far from zero mean over a long group: fp32 rows then differ from the
-reference by up to ~1e-4 of the output where the reference's own error is ~1e-7).
+PyTorch's own one-row kernels do not on a CPU with AVX2 only: ATen's bf16 GEMV widens and sums at ~9 GB/s a core
+(gemma3-270m's 335 MB lm_head: ~19 ms a step on 2 cores, about 60% of the bandwidth the roofline measures); its
+int4 weight-only kernel (``int4_cpu``) takes ~115 us for a 2048 x 640 weight of 0.7 MB; 2-, 3- and 8-bit codes went
+through one int8 matmul per group (``int8_cpu``) and FP8 codes through an fp16 copy of the weight (``fp8_cpu``).
+``gemv_cpu.c`` does each product in one pass over the stored bytes with AVX2/FMA/F16C: bf16 bits move into fp32 in
+registers; 4-bit codes are unpacked in registers, their nibbles meeting the row's even and odd entries (on a CPU
+with AVX-VNNI, groups of 64 or more, bf16 or fp16 rows: as bytes in integer dot products, VPDPBUSD, against x in
+15-bit fixed point per group, exact integer sums scaled once a group, within max|x in the group| / 32766 of each x
+where bf16 keeps 2^-9 of x itself; an fp32 row keeps the float loop); 2- and 3-bit codes, 8 to a 16- or 24-bit
+word, by a shift per lane; integer codes are summed against x per group and scaled once (``s * (sum q x - z * sum
+x)``; a group whose codes all equal its zero point is given scale 0, so it gives exactly 0 where the two sums would
+leave a residue times its scale); E4M3 codes move into fp16 bits (sign-extended, shifted, masked: exact, subnormals
+too) and F16C widens them. Rows split across OpenMP threads (PyTorch's own runtime: ``torch.set_num_threads``).
+Every product and sum is fp32 (the VNNI loop's are exact integers until each group's is scaled) and each output is
+rounded once to the row's dtype (a bias, Qwen2's q/k/v, is added after that in the row's dtype: a second rounding,
+where PyTorch's multi-row kernels add it in fp32): the references' results up to the order of their sums (and the
+VNNI loop's fixed-point x), except where the zero term cancels most of ``sum q x`` (x far from zero mean over a
+long group: fp32 rows then differ from the reference by up to ~1e-4 of the output where the reference's own error
+is ~1e-7).
 ``python -m qinfer.evals.gemv_bench MODEL`` times each against PyTorch's path side by side
 (``evals/RESULTS-LOG.md``).
 
@@ -52,7 +54,7 @@ import torch
 from torch.autograd import profiler
 
 from qinfer.cache import cache_dir, sha256_file, temp_path, write_atomic
-from qinfer.format import Fp8Weight, QuantizedWeight
+from qinfer.format import Fp8Weight, QuantizedWeight, unpack
 from qinfer.kernels.prepared import per_weight
 
 SOURCE = Path(__file__).with_name("gemv_cpu.c")
@@ -345,11 +347,34 @@ def _int_weight(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor |
     """The prepared Weight of contiguous integer codes, scales and zero points."""
     N, K = qweight.shape[0], qweight.shape[1] * 8 // bits
 
+    G = K if group_size == -1 else group_size
+
     def build():
-        return Weight(qweight.data_ptr(), scale.data_ptr(), None if zero is None else zero.data_ptr(), N, K,
-                      qweight.stride(0), K if group_size == -1 else group_size, bits)
+        scales = _zero_groups_unscaled(qweight, scale, zero, bits, G)
+        weight = Weight(qweight.data_ptr(), scales.data_ptr(), None if zero is None else zero.data_ptr(), N, K,
+                        qweight.stride(0), G, bits)
+        weight.scales = scales  # kept alive while the Weight is: it may be a copy
+        return weight
 
     return _prepared(_PREPARED["int"], qweight, (qweight, scale, zero), build)
+
+
+def _zero_groups_unscaled(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
+                          G: int) -> torch.Tensor:
+    """``scale``, or a copy with 0 for each group whose codes all equal its zero point (a group of zero weights).
+    The kernels compute ``s * (sum q x - z * sum x)``: the two sums, taken apart, leave a residue there that a
+    large scale (AutoGPTQ gives such groups 2 / (2^b - 1); older qinfer models gave them 1) makes far larger
+    than the other groups' outputs, where the weights say exactly 0."""
+    N, ng = scale.shape
+    z = (torch.full((N, ng), 1 << (bits - 1), dtype=torch.uint8) if zero is None else zero).to(torch.int16)
+    if bits in (4, 8):  # on the packed bytes: a 4-bit group of zeros is G / 2 bytes of z + 16 z
+        stored = qweight.reshape(N, ng, G * bits // 8)
+        empty = (stored == (z * 17 if bits == 4 else z)[..., None].to(torch.uint8)).all(-1)
+    else:
+        empty = (unpack(qweight, bits, ng * G).view(N, ng, G) == z[..., None]).all(-1)
+    if not bool(empty.any()):
+        return scale
+    return scale.masked_fill(empty, 0)
 
 
 def dequantize_supported(weight: QuantizedWeight, dtype: torch.dtype) -> bool:

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from qinfer.format import Fp8Weight, QuantizedWeight, QuantScheme
+from qinfer.format import Fp8Weight, QuantizedWeight, QuantScheme, pack, unpack
 from qinfer.kernels import gemv_cpu, linear
 from qinfer.kernels.quant_linear import dequant_linear_ref
 from qinfer.quantizers.fp8 import fp8_quantize
@@ -121,6 +121,36 @@ def test_int4_rows_carry_nan_and_infinity_and_take_a_zero_row():
         assert not gemv_cpu.int4_vnni() and gemv_cpu.describe() == "qinfer's C GEMVs"
     assert gemv_cpu.int4_vnni() == before and ("AVX-VNNI" in gemv_cpu.describe()) == before
 
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_a_group_of_zero_weights_with_a_large_scale_gives_exactly_zero(bits, symmetric):
+    # AutoGPTQ stores a group of zeros with scale 2 / (2^b - 1) (older qinfer models: 1), far above the others':
+    # the factored zero term's residue times that scale was -0.26 where the weights say 0 (VNNI loop, 4 bits)
+    K, G = 2048, 128
+    weight = _int(8, K, G, symmetric, seed=7, bits=bits)
+    qweight, scale = weight.qweight.clone(), weight.scale.clone()
+    zero = None if symmetric else weight.zero.clone()
+    z = 1 << (bits - 1) if symmetric else 3
+    codes = unpack(qweight, bits, K)
+    codes[0] = z  # row 0: all zeros; row 1: one group of zeros
+    codes[1, G : 2 * G] = z
+    if zero is not None:
+        zero[0], zero[1, 1] = z, z
+    scale[0], scale[1, 1] = 1.0, 1.0
+    weight = QuantizedWeight(pack(codes, bits), scale, zero, bits, G, (8, K))
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(2)) * 4
+    x[0, ::97] = 300.0  # outliers far from zero mean: sum q x and z sum x are large and nearly equal
+    w = weight.dequantize(torch.float32).double()
+    for dtype in (torch.bfloat16, torch.float32):
+        for path in (contextlib.nullcontext, gemv_cpu.without_vnni):
+            with path():
+                y = gemv_cpu.int_gemv(x.to(dtype), weight).double()
+            assert y[0, 0] == 0.0, (dtype, path)
+            ref = x.to(dtype).double() @ w.T  # row 1 is its other groups alone
+            assert abs(float(y[0, 1] - ref[0, 1])) <= 1e-2 * float(x.to(dtype).double().abs() @ w[1].abs())
 
 @needs_kernels
 @pytest.mark.parametrize("N,K", [(3, 8), (272, 640), (5, 72)])  # the 32-wide loop and its 8-wide tail
