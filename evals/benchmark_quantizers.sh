@@ -29,7 +29,7 @@ quant gptq-w4g128-e2e --method gptq --bits 4 --e2e-steps 128
 quant gptq-w4g128-fpt --method gptq --bits 4 --fp-target
 quant gptq-w4g128-fpt-mse --method gptq --bits 4 --fp-target --mse-clip
 if [ $all = 1 ]; then
-  quant awq-w4g128-mse-e2e --method awq --bits 4 --mse-clip --e2e-steps 128
+  quant awq-w4g128-e2e --method awq --bits 4 --e2e-steps 128
   quant awq-w4g128-tuned --method awq --bits 4 --tune-steps 50
   quant awq-w4g128-seq --method awq --bits 4 --true-sequential
   quant awq-w4g128-fpt-round --method awq --bits 4 --fp-target --tune-steps 200 --tune-rounding

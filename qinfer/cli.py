@@ -223,6 +223,10 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
     scheme = QuantScheme(method=method, bits=bits, group_size=group_size, symmetric=sym, act_order=act_order,
                          format=fmt, kv_cache=kv_cache, quantize_lm_head=quantize_lm_head, lm_head_bits=lm_head_bits,
                          mse_clip=mse_clip)
+    if "tune_lr" in given and not (tune_steps or e2e_steps):
+        raise QinferError("--tune-lr is the rate of the tuning stages: add --tune-steps N or --e2e-steps N, or drop it")
+    if "tune_batch" in given and not tune_steps:
+        raise QinferError("--tune-batch is the block tuning stage's batch: add --tune-steps N, or drop it")
     if fp_target_damp is not None and not fp_target:
         raise QinferError("--fp-target-damp sets the ridge of --fp-target's fit: add --fp-target, or drop it")
     calib_config = CalibConfig(source=calib, samples=samples, seq_len=seq_len, seed=seed, true_sequential=true_sequential,

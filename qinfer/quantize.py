@@ -135,6 +135,7 @@ class QuantizeReport:
     e2e_samples: int = 0  # ... over this many calibration samples
     compute_dtype: str = "bfloat16"  # what the blocks ran in during calibration
     embedding_bits: int | None = None  # a tied embedding read from the quantized lm_head: its bits
+    lm_head_method: str | None = None  # how a quantized lm_head was quantized: gptq, or rtn / fp8 (to nearest)
     kept_bos: bool = False  # what the unquantized model computes at the BOS position is stored
     calibration_text_tokens: int | None = None  # tokens of calibration text the windows were drawn from (None: none)
 
@@ -209,6 +210,9 @@ def quantize_model(
     check_output(out, force, source=folder)
     if (folder / "quant_config.json").exists():
         raise QinferError(f"{folder} is already quantized: quantize the original model instead")
+    if scheme.mse_clip and scheme.method == "awq":
+        raise QinferError("AWQ searches each group's clipping on the block's output itself (on the min/max grid), "
+                          "which --mse-clip's shrink would then move off: drop --mse-clip for --method awq")
     if calib.fp_target and calib.true_sequential is False:
         raise QinferError("--fp-target calibrates each linear group after the ones before it: drop --no-true-sequential")
     calib = calib.resolved(scheme.method)
@@ -413,6 +417,8 @@ def _lm_head(model: Transformer, X: torch.Tensor | None, scheme: QuantScheme, te
         h = model.model.norm(X).reshape(-1, X.shape[-1])
         H = (h.T @ h).float()
     qw, err = _quantize_rows(W, H, head_scheme, "lm_head")
+    # AWQ's per-channel scales would fold into the final norm, which every position's logits share: to nearest
+    report.lm_head_method = "gptq" if H is not None else "fp8" if head_scheme.format == "fp8" else "rtn"
     report.layer_errors["lm_head"] = err
     _account(report, tensors, qw, "lm_head", W.numel())
 
@@ -456,6 +462,7 @@ def _report_json(report: QuantizeReport, scheme: QuantScheme, calib: CalibConfig
         "tune_held_out": report.tune_held_out,
         "e2e_kl": report.e2e_kl,
         "embedding_bits": report.embedding_bits,
+        "lm_head_method": report.lm_head_method,
         "compute_dtype": report.compute_dtype,
         "kept_bos": report.kept_bos,
         "code": code_fingerprint(),

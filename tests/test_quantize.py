@@ -173,6 +173,7 @@ def test_output_folder_is_complete_and_loads_packed(tiny, tmp_path, calib_file, 
     assert set(model.kv_scales) == {0, 1, 2}
     assert 4.0 < report.effective_bits < 8.5
     assert report.bytes_after < report.bytes_before
+    assert json.loads((out / "quantize_report.json").read_text())["lm_head_method"] == "gptq"
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))
@@ -255,6 +256,7 @@ def test_tied_embedding_is_read_from_the_quantized_lm_head(tmp_path, scheme):
     assert "model.embed_tokens.weight" not in tensors  # stored once, as the quantized lm_head
     assert report.bytes_after < report.bytes_before
     assert "tied embedding is read from the 8-bit lm_head" in report.summary()
+    assert report.lm_head_method == ("rtn" if scheme.format == "int" else "fp8")  # to nearest, as AWQ's too
     ids = torch.tensor([[2, 7, 7, 300]])
     for dtype in (torch.float32, torch.bfloat16):
         model = load_model(out, dtype=dtype)

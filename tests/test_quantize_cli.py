@@ -87,6 +87,10 @@ def test_cli_quantize_then_generate(tiny, tmp_path, calib_file):  # noqa: F811
         (["--lm-head-bits", "4", "--group-size", "32"], "add --quantize-lm-head"),
         (["--bits", "8", "--format", "fp8", "--asym"], "drop --asym"),
         (["--method", "awq", "--act-order", "--group-size", "32"], "drop --act-order"),
+        (["--method", "awq", "--mse-clip", "--group-size", "32"], "drop --mse-clip for --method awq"),
+        (["--tune-lr", "0.5", "--group-size", "32"], "--tune-lr is the rate of the tuning stages"),
+        (["--method", "rtn", "--tune-lr", "0.5"], "add --tune-steps N or --e2e-steps N"),
+        (["--tune-batch", "3", "--e2e-steps", "2", "--group-size", "32"], "--tune-batch is the block tuning stage's"),
     ],
 )
 def test_cli_bad_options(tiny, tmp_path, args, needle):  # noqa: F811
