@@ -291,6 +291,8 @@ def quantize_model(
                     apply_awq(model, i, stats, scheme)
                 for g in range(len(groups)):
                     quantize_group(g, stats.linears if stats is not None else {})
+                if scheme.kv_cache != "none" and not tune.steps:  # (tuning measures them below)
+                    stats = capture_block(model, i, X, ())  # the K/V ranges of the quantized q/k/v, as stored
             if tune.steps:
                 packed, result = tune_block(model, i, packed, X_in, X_ref, tune, residuals)
                 report.tune_losses[f"model.layers.{i}"] = (result.loss_before, result.loss_after)

@@ -503,3 +503,29 @@ def test_lm_head_quantized_in_slices_of_rows_equals_whole(scheme):
     assert type(sliced) is type(whole) and sliced.shape == whole.shape == (100, 64)
     assert torch.equal(sliced.dequantize(torch.float32), whole.dequantize(torch.float32))
     assert sliced_err == pytest.approx(whole_err, rel=1e-5)
+
+
+@pytest.mark.parametrize("method", ["rtn", "awq", "gptq"])
+def test_kv_scales_cover_what_the_stored_model_writes(tiny, tmp_path, calib_file, method):
+    # each stored scale is the calibrated absmax over 127 of the keys / values the *quantized* block computes
+    # (RTN and AWQ measured them before quantizing: the stored model's keys passed them by up to 4%)
+    from qinfer.quantize import calibration_batch
+
+    calib = CalibConfig(source=str(calib_file), samples=4, seq_len=32, keep_bos=False)
+    quantize_model(tiny, tmp_path / "q", QuantScheme(method=method, bits=3, group_size=32, kv_cache="int8"), calib)
+    model = load_model(tmp_path / "q", dtype=torch.bfloat16)
+    seen = {}
+
+    class Ranges:
+        def update(self, layer, input_pos, k, v, start=0, end=None):
+            for name, t in (("k", k), ("v", v)):
+                a = t.abs().amax(dim=(0, 2, 3)).float()
+                seen[layer, name] = torch.maximum(seen.get((layer, name), a), a)
+            return k[:, :, start:], v[:, :, start:]
+
+    with torch.no_grad():
+        for row in calibration_batch(tiny, calib):
+            model.hidden_states(row[None], torch.arange(len(row)), Ranges())
+    for i, (k, v) in model.kv_scales.items():
+        torch.testing.assert_close(k * 127, seen[i, "k"], rtol=1e-3, atol=0)
+        torch.testing.assert_close(v * 127, seen[i, "v"], rtol=1e-3, atol=0)
