@@ -346,7 +346,6 @@ def _int_weight(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor |
                 group_size: int) -> Weight:
     """The prepared Weight of contiguous integer codes, scales and zero points."""
     N, K = qweight.shape[0], qweight.shape[1] * 8 // bits
-
     G = K if group_size == -1 else group_size
 
     def build():

@@ -223,8 +223,9 @@ def _kv_scales_per_head(src: Path, tensors: dict[str, torch.Tensor], kv: str, n_
 def imported_copy(src: Path, cache: Path) -> Path:
     """The qinfer-format conversion of the foreign folder ``src`` under ``cache``, made on first use.
 
-    Keyed by :data:`IMPORT_REVISION`, the config, the tokenizer and generation files copied beside the weights, and the size,
-    modification time and first megabyte of each weight file.
+    Keyed by :data:`IMPORT_REVISION`, the config (and an AutoGPTQ ``quantize_config.json``), the tokenizer and
+    generation files copied beside the weights, and the size, modification time and first megabyte of each weight
+    file.
     """
     from qinfer.loader import weight_files
 
