@@ -286,7 +286,9 @@ def quantize_model(
                     block.get_submodule(name).weight.data = qw.dequantize(dtype)  # holds what is saved
             else:
                 # All groups at once: stop at the last one's input (down_proj's), past the attention and its K/V ranges.
-                stats = capture_block(model, i, X, groups, partial=True) if X is not None else None
+                # (RTN reads no statistics: its X is there for the K/V ranges or tuning, each measured below)
+                needs_stats = X is not None and scheme.method in ("gptq", "awq")
+                stats = capture_block(model, i, X, groups, partial=True) if needs_stats else None
                 if scheme.method == "awq":
                     apply_awq(model, i, stats, scheme)
                 for g in range(len(groups)):

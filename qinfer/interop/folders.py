@@ -64,11 +64,12 @@ class ConvertReport:
     dropped: list[str] = field(default_factory=list)
 
 
-def foreign_quant_config(folder: Path) -> dict | None:
-    """``folder``'s quantization config: ``quantization_config`` of its ``config.json``, else an older AutoGPTQ
-    ``quantize_config.json`` beside it (GPTQ; vLLM and GPTQModel read it too), else None (not quantized)."""
+def foreign_quant_config(folder: Path, config: dict | None = None) -> dict | None:
+    """``folder``'s quantization config: ``quantization_config`` of its ``config.json`` (``config``, when the
+    caller has read it), else an older AutoGPTQ ``quantize_config.json`` beside it (GPTQ; vLLM and GPTQModel read
+    it too), else None (not quantized)."""
     folder = Path(folder)
-    q = read_config(folder).get("quantization_config")
+    q = (read_config(folder) if config is None else config).get("quantization_config")
     where = f"{folder}/config.json: quantization_config"
     if q is None and (folder / AUTOGPTQ_CONFIG_FILE).is_file():
         where = f"{folder}/{AUTOGPTQ_CONFIG_FILE}"
@@ -157,7 +158,7 @@ def import_folder(src: Path, out: Path, force: bool = False) -> ConvertReport:
 
     src, out = Path(src), Path(out)
     config = read_config(src)
-    qconfig = foreign_quant_config(src) or {}
+    qconfig = foreign_quant_config(src, config) or {}
     method = qconfig.get("quant_method")
     if method not in IMPORT_METHODS:
         raise QinferError(
