@@ -48,6 +48,11 @@ static void store_one(void *y, int dtype, int64_t n, float v) {
     else ((float *)y)[n] = v;
 }
 
+/* output n of a GEMV: its fp32 sum plus bias n (b: [N] of dtype, or NULL), rounded once to dtype */
+static inline void store_out(void *y, const void *b, int dtype, int64_t n, float v) {
+    store_one(y, dtype, n, b ? v + load_one(b, dtype, n) : v);
+}
+
 /* Each loop over a row's codes also asks for the bytes AHEAD past the ones it reads. A decode step reads a
  * weight from memory once, and the hardware prefetchers stop at each 4 KiB page, so without this a thread
  * waits at every page for its first lines and their address translation (gemma3-270m's decode step on 2 Xeon
@@ -305,8 +310,8 @@ int qinfer_decode_attention(const void *q, const void *k, const void *v, void *o
     return failed;
 }
 
-/* W: bf16 [N, K], rows ld elements apart; x: [K] of dtype; y: [N] of dtype */
-int qinfer_bf16_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype) {
+/* W: bf16 [N, K], rows ld elements apart; x: [K], b: [N] or NULL (no bias) and y: [N] of dtype */
+int qinfer_bf16_gemv(const qinfer_weight *wt, const void *x, const void *b, void *y, int dtype) {
     const uint16_t *W = wt->w;
     int64_t N = wt->N, K = wt->K, ldw = wt->ld;
     float *xf = malloc(sizeof(float) * (K > 0 ? K : 1));
@@ -328,7 +333,7 @@ int qinfer_bf16_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype)
         for (; k < k8; k += 8) a0 = _mm256_fmadd_ps(bf16x8(w + k), _mm256_loadu_ps(xf + k), a0);
         float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
         for (; k < K; k++) s += bf16_to_f32(w[k]) * xf[k];
-        store_one(y, dtype, n, s);
+        store_out(y, b, dtype, n, s);
     }
     free(xf);
     return 0;
@@ -429,9 +434,9 @@ int qinfer_int4_vnni(int on) {
     return before;
 }
 
-/* codes: uint8 [N, K/2]; scale: fp16 [N, K/G]; zero: uint8 [N, K/G] or NULL (symmetric: 8); x: [K] and y: [N]
- * of dtype. K % G == 0 and G % 16 == 0. */
-int qinfer_int4_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype) {
+/* codes: uint8 [N, K/2]; scale: fp16 [N, K/G]; zero: uint8 [N, K/G] or NULL (symmetric: 8); x: [K], b: [N] or
+ * NULL and y: [N] of dtype. K % G == 0 and G % 16 == 0. */
+int qinfer_int4_gemv(const qinfer_weight *wt, const void *x, const void *b, void *y, int dtype) {
     const uint8_t *Q = wt->w, *Z = wt->zero;
     const uint16_t *S = wt->scale;
     int64_t N = wt->N, K = wt->K, G = wt->group;
@@ -467,7 +472,7 @@ int qinfer_int4_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype)
     }
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++)
-        store_one(y, dtype, n, vnni ? int4_row_vnni(Q, S, Z, xh, xl, step, xs, n, ng, hb)
+        store_out(y, b, dtype, n, vnni ? int4_row_vnni(Q, S, Z, xh, xl, step, xs, n, ng, hb)
                                     : int4_row(Q, S, Z, xe, xo, xs, n, ng, hb));
     free(xe);
     return 0;
@@ -544,16 +549,16 @@ int qinfer_int4_dequantize(const qinfer_weight *wt, void *out, int dtype) {
     return 0;
 }
 
-/* codes: uint8 [N, K]; scale: fp16 [N, K/G]; zero: uint8 [N, K/G] or NULL (symmetric: 128); x: [K] and y: [N]
- * of dtype. K % G == 0 and G % 16 == 0. */
-int qinfer_int8_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype) {
+/* codes: uint8 [N, K]; scale: fp16 [N, K/G]; zero: uint8 [N, K/G] or NULL (symmetric: 128); x: [K], b: [N] or
+ * NULL and y: [N] of dtype. K % G == 0 and G % 16 == 0. */
+int qinfer_int8_gemv(const qinfer_weight *wt, const void *x, const void *b, void *y, int dtype) {
     const uint8_t *Q = wt->w, *Z = wt->zero;
     const uint16_t *S = wt->scale;
     int64_t N = wt->N, K = wt->K, G = wt->group, ng = K / G;
     float *xf = row_and_group_sums(x, dtype, K, G), *xs = xf + K;
     if (!xf) return 1;
     #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) store_one(y, dtype, n, int8_row(Q, S, Z, xf, xs, n, ng, G));
+    for (int64_t n = 0; n < N; n++) store_out(y, b, dtype, n, int8_row(Q, S, Z, xf, xs, n, ng, G));
     free(xf);
     return 0;
 }
@@ -596,8 +601,8 @@ static inline __attribute__((always_inline)) float narrow_row(
 }
 
 /* codes: uint8 [N, K*bits/8] (bits 2 or 3); scale: fp16 [N, K/G]; zero: uint8 [N, K/G] or NULL (symmetric:
- * 2^(bits-1)); x: [K] and y: [N] of dtype. K % G == 0 and G % 8 == 0. */
-int qinfer_narrow_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype) {
+ * 2^(bits-1)); x: [K], b: [N] or NULL and y: [N] of dtype. K % G == 0 and G % 8 == 0. */
+int qinfer_narrow_gemv(const qinfer_weight *wt, const void *x, const void *b, void *y, int dtype) {
     const uint8_t *Q = wt->w, *Z = wt->zero;
     const uint16_t *S = wt->scale;
     int64_t N = wt->N, K = wt->K, G = wt->group, ng = K / G;
@@ -605,10 +610,10 @@ int qinfer_narrow_gemv(const qinfer_weight *wt, const void *x, void *y, int dtyp
     if (!xf) return 1;
     if (wt->bits == 2) {
         #pragma omp parallel for schedule(static)
-        for (int64_t n = 0; n < N; n++) store_one(y, dtype, n, narrow_row(Q, S, Z, xf, xs, n, ng, G, 2));
+        for (int64_t n = 0; n < N; n++) store_out(y, b, dtype, n, narrow_row(Q, S, Z, xf, xs, n, ng, G, 2));
     } else {
         #pragma omp parallel for schedule(static)
-        for (int64_t n = 0; n < N; n++) store_one(y, dtype, n, narrow_row(Q, S, Z, xf, xs, n, ng, G, 3));
+        for (int64_t n = 0; n < N; n++) store_out(y, b, dtype, n, narrow_row(Q, S, Z, xf, xs, n, ng, G, 3));
     }
     free(xf);
     return 0;
@@ -644,8 +649,8 @@ static inline __m256 e4m3x8(const uint8_t *p) {
 }
 
 /* codes: E4M3 [N, K], rows ld apart; scale: fp32, one per row (group == N) or one in all (group == 1);
- * x: [K] and y: [N] of dtype; K % 8 == 0. */
-int qinfer_fp8_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype) {
+ * x: [K], b: [N] or NULL and y: [N] of dtype; K % 8 == 0. */
+int qinfer_fp8_gemv(const qinfer_weight *wt, const void *x, const void *b, void *y, int dtype) {
     const uint8_t *W = wt->w;
     const float *scale = wt->scale;
     int64_t N = wt->N, K = wt->K, ldw = wt->ld, per_row = wt->group == N, k32 = K / 32 * 32;
@@ -666,7 +671,7 @@ int qinfer_fp8_gemv(const qinfer_weight *wt, const void *x, void *y, int dtype) 
         }
         for (; k < K; k += 8) a0 = _mm256_fmadd_ps(e4m3x8(w + k), _mm256_loadu_ps(xf + k), a0);
         float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-        store_one(y, dtype, n, s * 256.f * scale[per_row ? n : 0]);
+        store_out(y, b, dtype, n, s * 256.f * scale[per_row ? n : 0]);
     }
     free(xf);
     return 0;

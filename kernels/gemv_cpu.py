@@ -16,11 +16,10 @@ x)``; a group whose codes all equal its zero point is given scale 0, so it gives
 leave a residue times its scale); E4M3 codes move into fp16 bits (sign-extended, shifted, masked: exact, subnormals
 too) and F16C widens them. Rows split across OpenMP threads (PyTorch's own runtime: ``torch.set_num_threads``).
 Every product and sum is fp32 (the VNNI loop's are exact integers until each group's is scaled) and each output is
-rounded once to the row's dtype (a bias, Qwen2's q/k/v, is added after that in the row's dtype: a second rounding,
-where PyTorch's multi-row kernels add it in fp32): the references' results up to the order of their sums (and the
-VNNI loop's fixed-point x), except where the zero term cancels most of ``sum q x`` (x far from zero mean over a
-long group: fp32 rows then differ from the reference by up to ~1e-4 of the output where the reference's own error
-is ~1e-7).
+rounded once to the row's dtype, a bias (Qwen2's q/k/v) added in fp32 before that, as PyTorch's ``linear`` adds
+it: the references' results up to the order of their sums (and the VNNI loop's fixed-point x), except where the
+zero term cancels most of ``sum q x`` (x far from zero mean over a long group: fp32 rows then differ from the
+reference by up to ~1e-4 of the output where the reference's own error is ~1e-7).
 ``python -m qinfer.evals.gemv_bench MODEL`` times each against PyTorch's path side by side
 (``evals/RESULTS-LOG.md``).
 
@@ -90,7 +89,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         return None, f"building the CPU GEMV kernels failed: {e}"
     for kernel in (lib.qinfer_bf16_gemv, lib.qinfer_int4_gemv, lib.qinfer_int8_gemv, lib.qinfer_narrow_gemv,
                    lib.qinfer_fp8_gemv):
-        kernel.argtypes, kernel.restype = [_P, _P, _P, ctypes.c_int], ctypes.c_int
+        kernel.argtypes, kernel.restype = [_P, _P, _P, _P, ctypes.c_int], ctypes.c_int
     lib.qinfer_rms_norm.argtypes = [_P, _P, _P, _I64, _I64, ctypes.c_float, ctypes.c_float] + [ctypes.c_int] * 3
     lib.qinfer_rms_norm.restype = None
     lib.qinfer_decode_attention.argtypes = [_P] * 4 + [_I64] * 13 + [ctypes.c_float, ctypes.c_int]
@@ -293,8 +292,8 @@ class Weight(ctypes.Structure):
 def bf16_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for one row ``x`` [..., K] and a bf16 ``weight`` [N, K]: [..., N] in x's dtype."""
     if torch.compiler.is_compiling() or profiler._is_profiler_enabled:
-        return _plus(torch.ops.qinfer.bf16_gemv(x, weight), bias)
-    return _plus(_bf16_op(x, weight), bias)
+        return torch.ops.qinfer.bf16_gemv(x, weight, bias)
+    return _bf16_op(x, weight, bias)
 
 
 def fp8_supported(x: torch.Tensor, weight: Fp8Weight) -> bool:
@@ -311,35 +310,33 @@ def int_gemv(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
     8-bit ``weight``: [..., N] in x's dtype."""
     w = weight
     if torch.compiler.is_compiling() or profiler._is_profiler_enabled:
-        return _plus(torch.ops.qinfer.int_gemv(x, w.qweight, w.scale, w.zero, w.bits, w.group_size), bias)
-    return _plus(_int_op(x, w.qweight, w.scale, w.zero, w.bits, w.group_size), bias)
+        return torch.ops.qinfer.int_gemv(x, w.qweight, w.scale, w.zero, w.bits, w.group_size, bias)
+    return _int_op(x, w.qweight, w.scale, w.zero, w.bits, w.group_size, bias)
 
 
 def fp8_gemv(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for one row ``x`` [..., K] and an FP8 ``weight``: [..., N] in x's dtype."""
     if torch.compiler.is_compiling() or profiler._is_profiler_enabled:
-        return _plus(torch.ops.qinfer.fp8_gemv(x, weight.weight, weight.scale), bias)
-    return _plus(_fp8_op(x, weight.weight, weight.scale), bias)
+        return torch.ops.qinfer.fp8_gemv(x, weight.weight, weight.scale, bias)
+    return _fp8_op(x, weight.weight, weight.scale, bias)
 
 
-def _plus(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return y if bias is None else y + bias
-
-
-def _bf16_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _bf16_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     def build():
         return Weight(weight.data_ptr(), None, None, *weight.shape, weight.stride(0), 0)
 
-    return _run(_library()[0].qinfer_bf16_gemv, x, _prepared(_PREPARED["bf16"], weight, (weight,), build))
+    return _run(_library()[0].qinfer_bf16_gemv, x, _prepared(_PREPARED["bf16"], weight, (weight,), build), bias)
 
 
-def _int_op(x, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, group_size: int):
+def _int_op(x, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, group_size: int,
+            bias: torch.Tensor | None = None):
     if not (qweight.is_contiguous() and scale.is_contiguous() and (zero is None or zero.is_contiguous())):
         qweight, scale, zero = (None if t is None else t.contiguous() for t in (qweight, scale, zero))
-        return _int_op(x, qweight, scale, zero, bits, group_size)  # contiguous copies, prepared for this call only
+        # contiguous copies, prepared for this call only
+        return _int_op(x, qweight, scale, zero, bits, group_size, bias)
     lib = _library()[0]
     kernel = lib.qinfer_int4_gemv if bits == 4 else lib.qinfer_int8_gemv if bits == 8 else lib.qinfer_narrow_gemv
-    return _run(kernel, x, _int_weight(qweight, scale, zero, bits, group_size))
+    return _run(kernel, x, _int_weight(qweight, scale, zero, bits, group_size), bias)
 
 
 def _int_weight(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
@@ -407,8 +404,8 @@ def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def _fp8_op(x, codes: torch.Tensor, scale: torch.Tensor):
-    return _run(_library()[0].qinfer_fp8_gemv, x, _fp8_weight(codes, scale.contiguous()))
+def _fp8_op(x, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+    return _run(_library()[0].qinfer_fp8_gemv, x, _fp8_weight(codes, scale.contiguous()), bias)
 
 
 def _fp8_weight(codes: torch.Tensor, scale: torch.Tensor) -> Weight:
@@ -450,10 +447,12 @@ def _prepared(store: dict, key: torch.Tensor, tensors: tuple, build) -> Weight:
     return entry[1]
 
 
-def _run(kernel, x: torch.Tensor, weight: Weight) -> torch.Tensor:
+def _run(kernel, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
     x = x.contiguous()
     y = torch.empty(*x.shape[:-1], weight.N, dtype=x.dtype)
-    if kernel(ctypes.byref(weight), x.data_ptr(), y.data_ptr(), _DTYPE_CODES[x.dtype]):
+    b = None if bias is None else bias.to(x.dtype).contiguous()  # added in fp32 before y's one rounding
+    if kernel(ctypes.byref(weight), x.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
+              _DTYPE_CODES[x.dtype]):
         raise MemoryError("out of memory for a decode row's fp32 copy")
     return y
 
@@ -461,9 +460,10 @@ def _run(kernel, x: torch.Tensor, weight: Weight) -> torch.Tensor:
 # the operators torch.compile sees (registered through torch.library.Library, whose dispatch costs ~7 us a
 # call here against ~25 us through torch.library.custom_op; see fp8_cpu)
 _LIBRARY = torch.library.Library("qinfer", "FRAGMENT")
-_LIBRARY.define("bf16_gemv(Tensor x, Tensor weight) -> Tensor")
-_LIBRARY.define("int_gemv(Tensor x, Tensor qweight, Tensor scale, Tensor? zero, int bits, int group_size) -> Tensor")
-_LIBRARY.define("fp8_gemv(Tensor x, Tensor codes, Tensor scale) -> Tensor")
+_LIBRARY.define("bf16_gemv(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor")
+_LIBRARY.define("int_gemv(Tensor x, Tensor qweight, Tensor scale, Tensor? zero, int bits, int group_size,"
+                " Tensor? bias=None) -> Tensor")
+_LIBRARY.define("fp8_gemv(Tensor x, Tensor codes, Tensor scale, Tensor? bias=None) -> Tensor")
 _LIBRARY.impl("bf16_gemv", _bf16_op, "CPU")
 _LIBRARY.impl("int_gemv", _int_op, "CPU")
 _LIBRARY.impl("fp8_gemv", _fp8_op, "CPU")
@@ -474,17 +474,17 @@ _LIBRARY.impl("decode_attention", _attention_op, "CPU")
 
 
 @torch.library.register_fake("qinfer::bf16_gemv")
-def _(x, weight):
+def _(x, weight, bias=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 @torch.library.register_fake("qinfer::int_gemv")
-def _(x, qweight, scale, zero, bits, group_size):
+def _(x, qweight, scale, zero, bits, group_size, bias=None):
     return x.new_empty(*x.shape[:-1], qweight.shape[0])
 
 
 @torch.library.register_fake("qinfer::fp8_gemv")
-def _(x, codes, scale):
+def _(x, codes, scale, bias=None):
     return x.new_empty(*x.shape[:-1], codes.shape[0])
 
 

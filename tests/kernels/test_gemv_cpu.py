@@ -69,7 +69,9 @@ def test_bf16_rows_apart_bias_and_leading_dimensions():
     got = gemv_cpu.bf16_gemv(x, weight)
     assert got.shape == (1, 1, 300)
     _check(got, x.double() @ weight.double().T, x.double().abs() @ weight.double().abs().T, torch.bfloat16)
-    assert torch.equal(linear(x, weight, bias), got + bias)
+    with_bias = linear(x, weight, bias)
+    _check(with_bias, x.double() @ weight.double().T + bias.double(),
+           x.double().abs() @ weight.double().abs().T + bias.double().abs(), torch.bfloat16)
     assert not gemv_cpu.bf16_supported(x, table.T)  # columns apart: PyTorch's kernel
     assert not gemv_cpu.bf16_supported(torch.randn(2, 640).bfloat16(), weight)  # rows: PyTorch's GEMM
     assert not gemv_cpu.bf16_supported(torch.randn(1, 639).bfloat16(), weight)  # a mismatch: torch's own error
@@ -163,6 +165,35 @@ def test_fp8_row_matches_the_exact_product(N, K, granularity, dtype):
     got = gemv_cpu.fp8_gemv(x, weight)
     w = weight.weight.double() * weight.scale.double()  # every code, subnormals too, as PyTorch reads it
     _check(got, x.double() @ w.T, x.double().abs() @ w.abs().T, dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["bf16", "int4", "int8", "int3", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_bias_is_added_before_the_one_rounding(kind, dtype):
+    # x has one nonzero entry (of 7 significant bits; 2 against 8-bit codes), so each row's product is exact in
+    # fp32 and the output is that plus the bias, rounded once (as torch's linear rounds it); rounding the
+    # product first, then the sum, misses on some rows
+    N, K, g = 4096, 128, torch.Generator().manual_seed(7)
+    x = torch.zeros(1, K, dtype=dtype)
+    x[0, 37] = 0.75 if kind == "int8" else 91 / 128
+    bias = torch.randn(N, generator=g).to(dtype)
+    if kind == "bf16":
+        weight = torch.randn(N, K, generator=g).bfloat16()
+        w, x = weight.double(), x.bfloat16()
+        bias = bias.bfloat16()
+    elif kind == "fp8":  # scales of 8 significant bits: products exact
+        codes = (torch.randn(N, K, generator=g) * 20).to(torch.float8_e4m3fn)
+        weight = Fp8Weight(codes, torch.rand(N, 1, generator=g).bfloat16().float())
+        w = codes.double() * weight.scale.double()
+    else:
+        weight = _int(N, K, 32, False, bits={"int4": 4, "int8": 8, "int3": 3}[kind])
+        w = weight.dequantize(torch.float64)
+    product = (x.double() @ w.T).float()  # exact
+    assert torch.equal(product.double(), x.double() @ w.T)
+    expected = (product + bias.float()).to(x.dtype)
+    assert not torch.equal(product.to(x.dtype) + bias, expected)  # rounding twice differs on some rows
+    assert torch.equal(linear(x, weight, bias), expected)
 
 
 @needs_kernels
@@ -288,19 +319,20 @@ def test_a_replaced_weight_is_read_anew_and_a_freed_one_is_forgotten():
 def test_compiled_calls_are_the_opaque_operators_and_match_eager():
     weight, packed, fp8 = torch.randn(48, 128).bfloat16(), _int(128, 128, 32, False), _fp8(128, 128, "tensor")
     x = torch.randn(1, 1, 128).bfloat16()
-    torch.library.opcheck(torch.ops.qinfer.bf16_gemv, (x, weight))
-    torch.library.opcheck(torch.ops.qinfer.int_gemv, (x, packed.qweight, packed.scale, packed.zero, 4, 32))
-    # (opcheck's schema test multiplies every tensor argument, which torch cannot do for float8 ones)
-    torch.library.opcheck(torch.ops.qinfer.fp8_gemv, (x, fp8.weight, fp8.scale),
-                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    for bias in (None, torch.randn(128).bfloat16()):
+        torch.library.opcheck(torch.ops.qinfer.bf16_gemv, (x, weight, None if bias is None else bias[:48]))
+        torch.library.opcheck(torch.ops.qinfer.int_gemv, (x, packed.qweight, packed.scale, packed.zero, 4, 32, bias))
+        # (opcheck's schema test multiplies every tensor argument, which torch cannot do for float8 ones)
+        torch.library.opcheck(torch.ops.qinfer.fp8_gemv, (x, fp8.weight, fp8.scale, bias),
+                              test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
     graphs = []
 
     def backend(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
 
-    def chain(x):
-        return linear(linear(linear(x, fp8), packed), weight)
+    def chain(x):  # biases too: the operators add them
+        return linear(linear(linear(x, fp8, bias), packed, bias), weight, bias[:48])
 
     compiled = torch.compile(chain, backend=backend, fullgraph=True)
     assert torch.equal(compiled(x), chain(x))
