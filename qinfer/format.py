@@ -196,26 +196,27 @@ class QuantScheme:
         return json.dumps({"format_version": FORMAT_VERSION, **dataclasses.asdict(self)}, indent=2) + "\n"
 
     @classmethod
-    def from_json(cls, text: str) -> QuantScheme:
+    def from_json(cls, text: str, source: str = QUANT_CONFIG_FILE) -> QuantScheme:
+        """The scheme ``text`` holds; errors name it as ``source`` (the file's path, where it was read from)."""
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise QinferError(f"{QUANT_CONFIG_FILE} is not valid JSON: {e}") from None
+            raise QinferError(f"{source} is not valid JSON: {e}") from None
         if not isinstance(data, dict):
-            raise QinferError(f"{QUANT_CONFIG_FILE} must hold a JSON object, not {type(data).__name__}")
+            raise QinferError(f"{source} must hold a JSON object, not {type(data).__name__}")
         version = data.pop("format_version", None)
         if version is None and {"w_bit", "q_group_size"} & set(data):
             raise QinferError(
-                f"{QUANT_CONFIG_FILE} is AutoAWQ's (w_bit, q_group_size), not qinfer's: qinfer does not read AutoAWQ "
+                f"{source} is AutoAWQ's (w_bit, q_group_size), not qinfer's: qinfer does not read AutoAWQ "
                 "checkpoints; quantize the original model with qinfer (--method awq)"
             )
         if version != FORMAT_VERSION:
             raise QinferError(
-                f"{QUANT_CONFIG_FILE} has format_version {version!r}; this qinfer reads version {FORMAT_VERSION}"
+                f"{source} has format_version {version!r}; this qinfer reads version {FORMAT_VERSION}"
             )
         unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
-            raise QinferError(f"{QUANT_CONFIG_FILE} has unknown keys {unknown}")
+            raise QinferError(f"{source} has unknown keys {unknown}")
         return cls(**data)
 
     def save(self, folder: str | Path) -> Path:
@@ -228,7 +229,7 @@ class QuantScheme:
         path = Path(folder) / QUANT_CONFIG_FILE
         if not path.is_file():
             raise QinferError(f"{path} not found: the folder is not a qinfer-quantized checkpoint")
-        return cls.from_json(path.read_text())
+        return cls.from_json(path.read_text(), str(path))
 
 
 def group_count(K: int, group_size: int) -> int:

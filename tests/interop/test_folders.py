@@ -266,7 +266,7 @@ def test_unsupported_foreign_quantization_is_one_line(src, tmp_path):
     assert_one_line_error(run_qinfer("generate", str(folder), "hi"), "quant_method 'awq' is not supported")
     # AutoAWQ also writes its own quant_config.json (qinfer's file name): named as AutoAWQ's, not as a version
     (folder / "quant_config.json").write_text(json.dumps({"zero_point": True, "q_group_size": 128, "w_bit": 4}))
-    assert_one_line_error(run_qinfer("generate", str(folder), "hi"), "quant_config.json is AutoAWQ's")
+    assert_one_line_error(run_qinfer("generate", str(folder), "hi"), f"{folder / 'quant_config.json'} is AutoAWQ's")
 
 
 def test_older_autogptq_quantize_config_json_is_read(quantized, tmp_path):
