@@ -2,7 +2,7 @@
 
 Accepted: a built-in name (pulled on first use), a folder with config.json + *.safetensors (a user's HF
 checkpoint or a qinfer-quantized one), a GPTQ (v1) or compressed-tensors folder (converted once into the
-qinfer format in the cache), or a .gguf file (converted once into the cache, keyed by content).
+qinfer format in the cache), or a .gguf file (converted once into the cache, keyed by its size, time and ends).
 """
 
 import functools
@@ -50,9 +50,11 @@ def _shadow_note(spec: str) -> None:
 
 
 def _converted_gguf(path: Path) -> Path:
-    # Key the conversion by size + a hash of the head and tail: cheap, and a changed file gets a new folder.
-    size = path.stat().st_size
-    h = hashlib.sha256(str(size).encode())
+    # Key the conversion by size, modification time and a hash of the head and tail: cheap, and a changed file
+    # gets a new folder (also one changed in the middle only, whose head and tail stay: its time moves)
+    st = path.stat()
+    size = st.st_size
+    h = hashlib.sha256(f"{size}:{st.st_mtime_ns}".encode())
     with open(path, "rb") as f:
         h.update(f.read(1 << 20))
         f.seek(max(0, size - (1 << 20)))

@@ -1,6 +1,7 @@
 """GGUF → HF folder conversion, on tiny GGUFs written the way llama.cpp writes them (see tests/gguf_fixtures.py)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -310,6 +311,18 @@ def test_a_damaged_conversion_in_the_cache_is_made_again(llama_case, monkeypatch
     killed = registry.cache_dir() / f"{registry.PULL_TEMP}{int(dead.stdout)}-abc"  # a download killed outright
     killed.mkdir()
     assert registry.pull(name) == pulled and not killed.exists()  # swept even when nothing is fetched
+
+
+def test_a_gguf_changed_where_its_ends_stay_is_converted_again(llama_case):
+    # the key hashes the first and last MiB, so an edit between them (a re-exported fine-tune of a large model)
+    # shows only in the modification time; this tiny file's ends cover all of it, so only the time moves here
+    _, path = llama_case
+    first = resolve_model(str(path))
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    again = resolve_model(str(path))
+    assert again != first and (again / "model.safetensors").is_file()
+    assert resolve_model(str(path)) == again
 
 
 def test_force_never_deletes_the_gguf_being_quantized(llama_case, tmp_path):
