@@ -147,11 +147,13 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def weight_files(folder: Path) -> list[Path]:
-    """The safetensors files that hold ``folder``'s model, as transformers picks them: the shards its
-    ``model.safetensors.index.json`` lists, else ``model.safetensors``, else every ``*.safetensors`` there.
-    Other files beside an index or a ``model.safetensors`` (Mistral's ``consolidated.safetensors``, an
-    adapter, a stale shard) are not read."""
+    """The safetensors files that hold ``folder``'s model, as transformers picks them: ``model.safetensors``,
+    else the shards its ``model.safetensors.index.json`` lists, else every ``*.safetensors`` there. Other files
+    beside a ``model.safetensors`` or an index (Mistral's ``consolidated.safetensors``, an adapter, a stale
+    shard or index) are not read."""
     folder = Path(folder)
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
     index = folder / INDEX_FILE
     if index.is_file():
         try:
@@ -163,11 +165,13 @@ def weight_files(folder: Path) -> list[Path]:
         if missing:
             raise QinferError(f"{folder}: {missing[0]} (listed in {INDEX_FILE}) is missing: re-download it")
         return [folder / n for n in names]
-    if (folder / "model.safetensors").is_file():
-        return [folder / "model.safetensors"]
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise QinferError(f"{folder} has no *.safetensors weights: qinfer reads safetensors checkpoints only")
+    for f in files:  # a dangling link (a Hugging Face cache snapshot whose blob is gone) or a folder
+        if not f.is_file():
+            what = "a link to a missing file" if f.is_symlink() and not f.exists() else "not a file"
+            raise QinferError(f"{f} is {what}: re-download the model's weights")
     return files
 
 

@@ -78,6 +78,32 @@ def test_model_safetensors_is_read_without_an_index(tmp_path):
         torch.testing.assert_close(load_model(tmp_path, dtype=torch.float32)(ids), ref(ids).logits, atol=2e-4, rtol=2e-4)
 
 
+def test_model_safetensors_beside_an_index_is_what_transformers_reads(tmp_path):
+    ref = make_model("llama", tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    _shard(tmp_path)  # shards of the same weights, then a model.safetensors that differs from them
+    save_file({k: t * 2 if k.startswith("model.layers.1.") else t for k, t in tensors.items()},
+              tmp_path / "model.safetensors")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    ids = torch.randint(0, 97, (1, 11))
+    with torch.no_grad():
+        ours, expected = load_model(tmp_path, dtype=torch.float32)(ids), theirs(ids).logits
+        torch.testing.assert_close(ours, expected, atol=2e-4, rtol=2e-4)
+        assert not torch.allclose(expected, ref(ids).logits, atol=1e-2)  # not the shards' weights
+
+
+@pytest.mark.parametrize("kind", ["dangling link", "folder"])
+def test_a_weight_file_that_cannot_be_read_is_one_line(tmp_path, kind):
+    make_model("llama", tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    if kind == "folder":
+        (tmp_path / "model.safetensors").mkdir()
+    else:  # a Hugging Face cache snapshot whose blob is gone
+        (tmp_path / "model.safetensors").symlink_to(tmp_path / "blobs" / "0123")
+    what = "not a file" if kind == "folder" else "a link to a missing file"
+    assert_one_line_error(run_qinfer("generate", str(tmp_path), "hi"), f"model.safetensors is {what}: re-download")
+
+
 def test_an_untied_model_without_its_lm_head_is_refused(tmp_path):
     make_model("llama", tmp_path)  # tie_word_embeddings: false
     tensors = load_file(tmp_path / "model.safetensors")
