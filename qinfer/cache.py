@@ -7,6 +7,7 @@ import hashlib
 import importlib
 import json
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -253,13 +254,35 @@ def write_atomic(path: Path, data: bytes | str) -> None:
     try:
         with open(tmp, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600
+        _readable(tmp)  # mkstemp makes 0600
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def save_tensors(tensors: dict, path: Path) -> None:
+    """``tensors`` as the safetensors file ``path``, with one metadata key (safetensors writes several in a
+    per-process order: the same run gave other bytes) and the permissions the umask gives a new file
+    (safetensors makes 0600). The file system's errors are raised as ``OSError`` naming ``path`` (safetensors
+    raises its own type, which says only ``os error N``): a full disk is one line, not a traceback."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except SafetensorError as e:
+        code = re.search(r"os error (\d+)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from None
+    _readable(path)
+
+
+def _readable(path: Path) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def sha256_file(path: Path) -> str:

@@ -24,7 +24,6 @@ were permuted, the norm offset and the ``config.json`` builder. Adding qwen2/qwe
 """
 
 import json
-import os
 import re
 import struct
 from dataclasses import dataclass
@@ -34,9 +33,9 @@ from typing import Any, Callable, Mapping
 import gguf
 import numpy as np
 import torch
-from safetensors.torch import save_file
 from tqdm import tqdm
 
+from qinfer.cache import save_tensors
 from qinfer.errors import QinferError
 from qinfer.gguf_vocab import GGUFVocab, SpecialTokens, resolve_special_tokens, write_tokenizer_files
 
@@ -320,8 +319,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.bflo
     if len(vocab.tokens) > vocab_size:
         raise QinferError(f"the GGUF has {len(vocab.tokens)} tokens but {vocab_size} embeddings; corrupt file")
 
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    _ordinary_permissions(out_dir / "model.safetensors")  # safetensors writes 0600; the folder is shared
+    save_tensors(tensors, out_dir / "model.safetensors")
     config = hf_config(arch, hp, specials, vocab_size, tied="lm_head.weight" not in tensors, dtype=dtype)
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json", generation_config(specials))
@@ -352,12 +350,6 @@ def generation_config(specials: SpecialTokens) -> dict[str, Any]:
         "eos_token_id": stops[0] if len(stops) == 1 else stops,
         "pad_token_id": specials.pad_id,
     }
-
-
-def _ordinary_permissions(path: Path) -> None:
-    umask = os.umask(0)
-    os.umask(umask)
-    path.chmod(0o666 & ~umask)
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:

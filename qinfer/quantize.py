@@ -40,12 +40,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 from qinfer.awq_pipeline import apply_awq, scale_group
 from qinfer.block_tune import E2E_EVAL_SAMPLES, TuneConfig, rounding_residual, tune_block, tune_end_to_end
-from qinfer.cache import atomic_dir, check_output, source_fingerprint
+from qinfer.cache import atomic_dir, check_output, save_tensors, source_fingerprint
 from qinfer.calib.capture import (
     block_in,
     calibrate_in_stages,
@@ -343,9 +342,7 @@ def quantize_model(
     _lm_head(model, X, scheme, tensors, report)
     del X
     with atomic_dir(out, force=force) as tmp:
-        # one metadata key: safetensors writes several in a per-process order, and the same run gave other bytes
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "model.safetensors").chmod(0o644)  # safetensors creates 0600
+        save_tensors(tensors, tmp / "model.safetensors")
         for name in COPIED_FILES:
             if (folder / name).exists():
                 shutil.copy2(folder / name, tmp / name)

@@ -113,7 +113,13 @@ def _pip_download(requirements: tuple[str, ...], dest: Path) -> list[Path]:
     print(f"downloading {' '.join(requirements)}", file=sys.stderr)
     proc = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
-        reason = next((ln.strip() for ln in proc.stderr.splitlines() if ln.startswith("ERROR")), "pip failed")
+        lines = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip()]
+        if any("No space left on device" in ln for ln in lines):
+            raise QinferError(f"disk full while downloading {', '.join(requirements)} into {dest.parent}: free space "
+                              "(or point QINFER_CACHE at a larger disk) and retry")
+        # pip's own crash says only "ERROR: Exception:" before its traceback, whose last line names the error
+        errors = [ln for ln in lines if ln.startswith("ERROR") and ln != "ERROR: Exception:"]
+        reason = errors[0] if errors else lines[-1] if lines else "pip failed"
         raise QinferError(
             f"could not download {', '.join(requirements)} from the package index ({reason}); "
             "check the network (pip must reach PyPI) and retry"

