@@ -20,7 +20,8 @@ Three things llama.cpp's converter did to the weights are undone here:
 
 Per-architecture knowledge is the ``ARCHS`` table: GGUF block tensor names → HF module paths, whether Q/K
 were permuted, the norm offset and the ``config.json`` builder. Adding qwen2/qwen3/mistral is one entry
-(qwen2: llama's names plus ``.bias`` on q/k/v, no permutation; qwen3: ``attn_q_norm``/``attn_k_norm``).
+(qwen2: llama's names plus ``.bias`` on q/k/v, which ``_TENSOR_NAME`` would take, no permutation; qwen3:
+``attn_q_norm``/``attn_k_norm``).
 """
 
 import json
@@ -92,34 +93,38 @@ class GGUFHParams:
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any], arch: str) -> "GGUFHParams":
-        def get(key, default=None):
+        def get(key, default=None, kind=int):
             value = meta.get(f"{arch}.{key}", default)
             if value is None:
                 raise QinferError(f"the GGUF lacks {arch}.{key}; re-export it with a current llama.cpp converter")
-            return value
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or (kind is int and not float(value).is_integer()):
+                what = "an integer" if kind is int else "a number"
+                raise QinferError(f"the GGUF states {arch}.{key} = {value!r}, not {what}; the file is corrupt")
+            return kind(value)
 
-        hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
-        head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
+        hidden, heads = get("embedding_length"), get("attention.head_count")
+        head_dim = get("attention.key_length", 0) or get("rope.dimension_count", 0)
         scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
         if scaling_type == "none":
             rope_scaling = None
         elif scaling_type == "linear":
-            rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+            rope_scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor", kind=float)}
         else:
             raise QinferError(f"unsupported RoPE scaling {scaling_type!r} in the GGUF; supported: none, linear")
         window = meta.get(f"{arch}.attention.sliding_window")
         return cls(
             arch=arch,
-            num_layers=int(get("block_count")),
+            num_layers=get("block_count"),
             hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
+            intermediate_size=get("feed_forward_length"),
             num_heads=heads,
-            num_kv_heads=int(get("attention.head_count_kv", heads)),
-            head_dim=int(head_dim or hidden // heads),
-            rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon")),
-            rope_theta=_f32(get("rope.freq_base", 10000.0)),
-            context_length=int(get("context_length")),
-            sliding_window=None if window is None else int(window),
+            num_kv_heads=get("attention.head_count_kv", heads),
+            head_dim=head_dim or (hidden // heads if heads > 0 else 0),
+            rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon", kind=float)),
+            rope_theta=_f32(get("rope.freq_base", 10000.0, kind=float)),
+            context_length=get("context_length"),
+            sliding_window=None if window is None else get("attention.sliding_window"),
             rope_scaling=rope_scaling,
         )
 
@@ -244,27 +249,44 @@ def open_gguf(path: Path) -> gguf.GGUFReader:
 
 
 def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
-    return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    try:
+        return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    except (ValueError, UnicodeDecodeError) as e:  # a string that is not UTF-8: a damaged byte
+        raise QinferError(f"{reader.data.filename} is corrupt ({e}); download it again") from e
 
 
-_TENSOR_NAME = re.compile(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)")
+_TENSOR_NAME = re.compile(r"(?:blk\.(\d+)\.)?(\w+)\.weight")  # no biases: neither architecture has one
 
 
 def hf_tensor_name(name: str, arch: GGUFArch, num_layers: int) -> str:
     """The transformers state-dict key for GGUF tensor ``name``."""
     m = _TENSOR_NAME.fullmatch(name)
     if m:
-        layer, key, kind = m.groups()
+        layer, key = m.groups()
         if layer is None and key in GLOBAL_TENSORS:
-            return f"{GLOBAL_TENSORS[key]}.{kind}"
+            return f"{GLOBAL_TENSORS[key]}.weight"
         if layer is not None and key in arch.block_tensors and int(layer) < num_layers:
-            return f"model.layers.{layer}.{arch.block_tensors[key]}.{kind}"
+            return f"model.layers.{layer}.{arch.block_tensors[key]}.weight"
     raise QinferError(f"unexpected tensor {name!r} in the GGUF; this conversion does not support it")
+
+
+def _expected_shape(name: str, hp: GGUFHParams) -> tuple[int | None, ...]:
+    """The shape of HF weight ``name`` that ``hp`` implies; None: any (the vocabulary's rows)."""
+    module = name.removesuffix(".weight").rsplit(".", 1)[-1]
+    H, q, kv, inner = hp.hidden_size, hp.num_heads * hp.head_dim, hp.num_kv_heads * hp.head_dim, hp.intermediate_size
+    shapes = {"embed_tokens": (None, H), "lm_head": (None, H), "q_proj": (q, H), "k_proj": (kv, H), "v_proj": (kv, H),
+              "o_proj": (H, q), "gate_proj": (inner, H), "up_proj": (inner, H), "down_proj": (H, inner),
+              "q_norm": (hp.head_dim,), "k_norm": (hp.head_dim,)}
+    return shapes.get(module, (H,))  # the other norms
 
 
 def convert_tensor(tensor: gguf.ReaderTensor, arch: GGUFArch, hp: GGUFHParams) -> torch.Tensor:
     """Dequantize one ``ReaderTensor`` to fp32 ``[out, in]``, undo llama.cpp's edits. Returns fp32."""
-    data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    try:
+        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError:  # F64 and the integer types: no model's weights
+        raise QinferError(f"the GGUF's {tensor.name} is stored as {tensor.tensor_type.name}, which this conversion "
+                          "does not read; re-export it as F32, F16, BF16 or a llama.cpp quant type") from None
     data = data.reshape(tuple(int(d) for d in reversed(tensor.shape)))  # ne0 is the last (fastest) dim
     if not data.flags.writeable:  # F32 tensors come back as a view of the read-only memory map
         data = data.copy()
@@ -311,6 +333,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.bflo
     tensors: dict[str, torch.Tensor] = {}
     for tensor in tqdm(reader.tensors, desc=f"converting {Path(gguf_path).name}", unit="tensor"):
         name = hf_tensor_name(tensor.name, arch, hp.num_layers)
+        shape, want = tuple(int(d) for d in reversed(tensor.shape)), _expected_shape(name, hp)
+        if len(shape) != len(want) or any(w is not None and d != w for d, w in zip(shape, want)):
+            implied = "x".join("V" if w is None else str(w) for w in want)
+            raise QinferError(f"the GGUF's {tensor.name} is {'x'.join(map(str, shape))} where its {arch_name}.* "
+                              f"hyperparameters imply {implied}; the file is corrupt or not a standard export")
         tensors[name] = convert_tensor(tensor, arch, hp).to(dtype)
     missing = _expected_names(arch, hp) - tensors.keys()
     if missing:

@@ -201,6 +201,10 @@ def bpe_tokenizer(vocab: GGUFVocab, specials: SpecialTokens) -> HFTokenizer:
         )
     ids = {tok: i for i, tok in enumerate(vocab.tokens)}
     merges = [tuple(m.split(" ", 1)) for m in vocab.merges]
+    bad = next((m for m, pair in zip(vocab.merges, merges) if len(pair) != 2 or not all(t in ids for t in pair)), None)
+    if bad is not None:
+        raise QinferError(f"the GGUF's tokenizer.ggml.merges has {bad!r}, not two tokens of its vocabulary; "
+                          "the file is corrupt: download or re-export it")
     tok = HFTokenizer(models.BPE(vocab=ids, merges=merges, byte_fallback=False, fuse_unk=False))
     tok.pre_tokenizer = BPE_PRE_TOKENIZERS[pre]()
     tok.decoder = decoders.ByteLevel()

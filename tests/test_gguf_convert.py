@@ -240,6 +240,49 @@ def test_unknown_tensor_and_missing_tensor(tmp_path):
         convert_gguf(missing, out)
 
 
+def _corrupt_cases():
+    """A GGUF damaged or exported oddly in each way a converter meets, and the line that names it."""
+    return {
+        "string number": ({"extra": {"llama.rope.freq_base": "abc"}}, "llama.rope.freq_base = 'abc', not a number"),
+        "array count": ({"extra": {"llama.attention.head_count_kv": [4, 4]}}, "head_count_kv = [4, 4], not an integer"),
+        "heads": ({"extra": {"llama.attention.head_count": 2, "llama.attention.head_count_kv": 2}},
+                  "blk.0.attn_q.weight is 64x64 where its llama.* hyperparameters imply 32x64"),
+        "ffn": ({"extra": {"llama.feed_forward_length": 100}}, "blk.0.ffn_gate.weight is 96x64 where its llama.* hyperparameters imply 100x64"),
+        "norm": ({"tensors": {"blk.0.attn_norm.weight": np.ones((2, 64), np.float32)}}, "attn_norm.weight is 2x64 where"),
+        "bias": ({"tensors": {"blk.0.attn_q.bias": np.zeros(64, np.float32)}}, "unexpected tensor 'blk.0.attn_q.bias'"),
+        "f64": ({"tensors": {"blk.0.ffn_up.weight": None}}, "blk.0.ffn_up.weight is stored as F64"),
+        "merge": ({"merges": ["abc"]}, "tokenizer.ggml.merges has 'abc', not two tokens of its vocabulary"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_corrupt_cases()))
+def test_a_corrupt_or_odd_gguf_is_one_line_and_not_cached(tmp_path, case):
+    change, message = _corrupt_cases()[case]
+    vocab = bpe_vocab_metadata()
+    model = tiny_llama(len(vocab["tokenizer.ggml.tokens"]))
+    tensors = llamacpp_tensors(model, "llama")
+    for name, t in change.get("tensors", {}).items():
+        tensors[name] = tensors[name].astype(np.float64) if t is None else t
+    if "merges" in change:
+        vocab = {**vocab, "tokenizer.ggml.merges": change["merges"] + vocab["tokenizer.ggml.merges"]}
+    path = write_gguf(tmp_path / "odd.gguf", "llama", model.config, tensors, vocab, extra=change.get("extra"))
+    cache = tmp_path / "cache"
+    assert_one_line_error(run_qinfer("generate", str(path), "hi", env={"QINFER_CACHE": str(cache)}), message)
+    assert not any((cache / "converted").iterdir())
+
+
+def test_a_gguf_string_that_is_not_utf8_is_one_line(tmp_path):
+    vocab = bpe_vocab_metadata()
+    model = tiny_llama(len(vocab["tokenizer.ggml.tokens"]))
+    path = write_gguf(tmp_path / "odd.gguf", "llama", model.config, llamacpp_tensors(model, "llama"), vocab,
+                      extra={"general.name": "QQQQQQQQ"})
+    path.write_bytes(path.read_bytes().replace(b"QQQQQQQQ", b"\xff\xfe\xfd\xfc" * 2))  # a damaged string
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(QinferError, match="odd.gguf is corrupt .* download it again"):
+        convert_gguf(path, out)
+
+
 def test_out_dir_must_be_empty(tmp_path, llama_case):
     _, path = llama_case
     out = tmp_path / "out"
