@@ -162,7 +162,14 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
-        raw = dict(raw.get("text_config") or {}, **{k: v for k, v in raw.items() if k != "text_config"})
+        text = raw.get("text_config") or {}
+        if not isinstance(text, dict):
+            raise QinferError(f"config.json's text_config is {json.dumps(text)}, not an object; copy the model's "
+                              "config.json again")
+        raw = dict(text, **{k: v for k, v in raw.items() if k != "text_config"})
+        if not isinstance(raw.get("model_type", ""), str):
+            raise QinferError(f"config.json's model_type is {json.dumps(raw['model_type'])}, not a string; copy the "
+                              "model's config.json again")
         model_type = MODEL_TYPE_ALIASES.get(raw.get("model_type"), raw.get("model_type"))
         if "model_type" not in raw:
             raise QinferError("config.json has no model_type: it is not a Hugging Face model config; copy the "
@@ -172,8 +179,8 @@ class ModelConfig:
                 f"unsupported architecture {raw.get('model_type')!r} (config.json model_type); "
                 f"qinfer runs {', '.join(sorted(ARCHS))}"
             )
-        _check_supported(raw, model_type)
         try:
+            _check_supported(raw, model_type)
             n_layers = int(raw["num_hidden_layers"])
             hidden = int(raw["hidden_size"])
             n_heads = int(raw["num_attention_heads"])

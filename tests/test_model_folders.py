@@ -2,6 +2,7 @@
 refused in one line instead of being run wrongly."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -37,6 +38,16 @@ def test_settings_the_decoder_does_not_implement_are_refused(kind, overrides, me
     with pytest.raises(QinferError, match="config.json") as e:
         ModelConfig.from_dict(raw)
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"model_type": ["llama"]}, 'model_type is ["llama"], not a string'),
+    ({"text_config": "x"}, 'text_config is "x", not an object'),
+    ({"architectures": [1]}, "config.json has a malformed value"),
+])
+def test_malformed_config_values_are_one_line(overrides, message):
+    with pytest.raises(QinferError, match=re.escape(message)):
+        ModelConfig.from_dict({**CONFIGS["llama"]().to_dict(), **overrides})
 
 
 def _shard(folder, extra: dict | None = None):
