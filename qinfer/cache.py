@@ -227,12 +227,15 @@ def write_manifest(folder: Path) -> None:
 
 def damage(folder: Path) -> str:
     """What no longer matches ``folder``'s manifest (a file missing or of another size), or '' if all does. A
-    folder without a manifest (made by an older qinfer) is taken as it is."""
+    folder without a manifest (made by an older qinfer) is taken as it is if it has the weights every
+    conversion writes."""
     folder = Path(folder)
     try:
         sizes = json.loads((folder / MANIFEST).read_text())
     except FileNotFoundError:
-        return "" if folder.is_dir() else f"{folder} is missing"
+        if not folder.is_dir():
+            return f"{folder} is missing"
+        return "" if (folder / "model.safetensors").is_file() else "model.safetensors is missing"
     except (OSError, ValueError):
         return f"its {MANIFEST} is unreadable"
     if not isinstance(sizes, dict):

@@ -74,8 +74,9 @@ def list_models():
         click.echo(f"{spec.name:24s} {state}\n{'':24s} {spec.description}")
     from qinfer.format import QUANT_CONFIG_FILE
 
+    # (not a dot-folder: a conversion killed outright, or the folder a replaced one moved to, left behind)
     converted = sorted((cache_dir() / "converted").glob("*/config.json"))
-    for c in converted:  # a GGUF dequantized to bf16, or a GPTQ / compressed-tensors folder in the qinfer format
+    for c in (c for c in converted if not c.parent.name.startswith(".")):  # a GGUF dequantized to bf16, or a GPTQ / compressed-tensors folder in the qinfer format
         kind = "(imported)" if (c.parent / QUANT_CONFIG_FILE).exists() else "(converted gguf)"
         broken = damage(c.parent)
         click.echo(f"{kind:24s} {c.parent}" + (f" damaged ({broken}): made again on next use" if broken else ""))

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -341,8 +342,12 @@ def test_a_damaged_conversion_in_the_cache_is_made_again(llama_case, monkeypatch
     weights = folder / "model.safetensors"
     good = weights.read_bytes()
     weights.write_bytes(good[:1000])
+    leftover = folder.parent / f".{folder.name}.old-999998-abc"  # what a replace killed outright leaves
+    shutil.copytree(folder, leftover)
     listed = CliRunner().invoke(cli, ["list"]).output
     assert f"{folder} damaged (model.safetensors has 1000 bytes, not the {len(good)} written)" in listed
+    assert leftover.name not in listed
+    shutil.rmtree(leftover)
     assert resolve_model(str(path)) == folder and weights.read_bytes() == good
 
     monkeypatch.setattr(registry, "fetch_gguf", lambda spec, force=False: path)
