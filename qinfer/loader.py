@@ -213,6 +213,10 @@ def load_model(
         head = scheme.quantize_lm_head
         linears = {f"{p}.weight" for p, m in model.named_modules() if isinstance(m, QLinear) and (head or p != "lm_head")}
         missing = [f"{n.removesuffix('.weight')}.qweight (packed)" if n in linears else n for n in missing]
+    packed_names = [n for n in unexpected if n.endswith((".qweight", ".scale"))]
+    if packed_names and not (folder / QUANT_CONFIG_FILE).exists():
+        raise QinferError(f"{folder} holds quantized weights ({packed_names[0]}) but no {QUANT_CONFIG_FILE}, which "
+                          "says how to read them: copy it back from the folder `qinfer quantize` wrote")
     if missing or unexpected:
         what = f"missing {', '.join(missing[:3])}" if missing else f"unexpected {', '.join(unexpected[:3])}"
         raise QinferError(f"{folder}: weights do not match a {config.model_type} model with this config.json ({what})")

@@ -53,6 +53,10 @@ def test_cli_quantize_then_generate(tiny, tmp_path, calib_file):  # noqa: F811
     gen = run_qinfer("generate", str(out), "a single", "--max-tokens", "5")
     assert gen.returncode == 0, gen.stderr
     assert gen.stdout.startswith("a single")
+    for folder in (out, tmp_path / "fp8"):  # a quantized folder copied without its quant_config.json
+        (folder / "quant_config.json").unlink()
+        proc = run_qinfer("generate", str(folder), "a single", "--max-tokens", "5")
+        assert_one_line_error(proc, "holds quantized weights", "but no quant_config.json", "copy it back")
 
 
 @pytest.mark.parametrize(
