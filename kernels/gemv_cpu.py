@@ -57,6 +57,9 @@ from qinfer.format import Fp8Weight, QuantizedWeight, unpack
 from qinfer.kernels.prepared import per_weight
 
 SOURCE = Path(__file__).with_name("gemv_cpu.c")
+# read once, with this module: the library is built from (and keyed by) the C this module's calls were written for,
+# even if the file changes while a process runs
+_SOURCE_BYTES = SOURCE.read_bytes()
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -78,7 +81,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         return None, "no C compiler (gcc or $CC)"
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
+        key = hashlib.sha256(_SOURCE_BYTES + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
         path = cache_dir() / "kernels" / f"gemv_cpu-{key}.so"
         if not _intact(path):  # not built yet, or damaged since (loading a truncated library can crash)
             failed = _build(cc, path)
@@ -111,9 +114,10 @@ def _build(cc: str, path: Path) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(path.parent, ".gemv_cpu-", folder=False)
     try:
-        run = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True, timeout=300)
+        run = subprocess.run([cc, *FLAGS, "-x", "c", "-", "-o", str(tmp)], input=_SOURCE_BYTES, capture_output=True,
+                             timeout=300)
         if run.returncode:
-            return f"{cc} failed: {(run.stderr.strip().splitlines() or ['?'])[-1]}"
+            return f"{cc} failed: {(run.stderr.decode(errors='replace').strip().splitlines() or ['?'])[-1]}"
         os.replace(tmp, path)
         write_atomic(path.with_suffix(".sha256"), sha256_file(path))
         return ""

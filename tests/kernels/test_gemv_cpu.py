@@ -357,6 +357,23 @@ def test_without_the_kernels_one_row_takes_pytorchs(monkeypatch, tmp_path):
         gemv_cpu._library.cache_clear()
 
 
+@needs_kernels
+def test_the_library_is_built_from_the_source_this_module_was_loaded_with(tmp_path, monkeypatch):
+    # the C file edited (here: replaced) while a process runs: its library still matches the calls it makes
+    changed = tmp_path / "gemv_cpu.c"
+    changed.write_text("int qinfer_bf16_gemv(void) { return 1; }\n")
+    monkeypatch.setattr(gemv_cpu, "SOURCE", changed)
+    monkeypatch.setenv("QINFER_CACHE", str(tmp_path))
+    gemv_cpu._library.cache_clear()
+    try:
+        assert gemv_cpu.available(), gemv_cpu.unavailable_reason()
+        x, weight = torch.randn(1, 64).bfloat16(), torch.randn(8, 64).bfloat16()
+        _check(gemv_cpu.bf16_gemv(x, weight), x.double() @ weight.double().T,
+               x.double().abs() @ weight.double().abs().T, torch.bfloat16)
+    finally:
+        gemv_cpu._library.cache_clear()
+
+
 def test_a_damaged_cached_library_is_built_again(tmp_path):
     """Loading a cut-short .so can crash the process (SIGBUS): its recorded sha256 is checked first."""
     probe = [sys.executable, "-c", "from qinfer.kernels import gemv_cpu; print(gemv_cpu.available())"]
