@@ -2,9 +2,9 @@
 
 Runs the reference and the quantized model side by side, block by block, on calibration windows drawn as
 ``qinfer quantize`` draws them (same ``--calib`` source, ``--samples``, ``--seq-len`` and ``--seed``; ``--pick`` of them
-are scored: the first ones and the last 16, which ``--tune-holdout 16`` keeps out), and prints each block's
-mean squared output error, its largest per-sample errors and, after the last block, the tokens with the largest
-errors and the share of the error they hold::
+are scored: the first ones and the last ``min(16, PICK // 2)``, of the 16 that ``--tune-holdout 16`` keeps out), and
+prints each block's mean squared output error, its largest per-sample errors and, after the last block, the ``--top``
+tokens with the largest errors and the share of the error the largest 0.1% of tokens (at least one) hold::
 
     python -m qinfer.evals.block_errors gemma3-270m OUT --samples 512 --seed 1 --blocks 10
 
@@ -17,7 +17,7 @@ import torch
 from qinfer.arch import ModelConfig
 from qinfer.calib.capture import embed_samples, run_block
 from qinfer.errors import Command, QinferError
-from qinfer.evals.checkpoint import check_same_model
+from qinfer.evals.checkpoint import check_quantized, check_same_model
 from qinfer.loader import load_model
 from qinfer.quantize import CalibConfig, calibration_batch
 from qinfer.sources import resolve_model
@@ -34,26 +34,33 @@ HELD = 16  # the last samples are scored too: --tune-holdout's, the usual choice
 @click.option("--seq-len", type=int, default=512, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--pick", type=int, default=64, show_default=True,
-              help="Samples scored: the first PICK-16 and the last 16.")
+              help="Samples scored (at most --samples): the first PICK - H and the last H, H = min(16, PICK // 2).")
 @click.option("--blocks", type=int, default=None, help="Blocks to run (default: all).")
-@click.option("--top", type=int, default=15, show_default=True, help="Tokens listed after the last block.")
+@click.option("--top", type=int, default=15, show_default=True, help="Tokens listed after the last block (0: none).")
 def main(model, quantized, calib, samples, seq_len, seed, pick, blocks, top):
     _report(model, quantized, calib, samples, seq_len, seed, pick, blocks, top)
 
 
 @torch.no_grad()
 def _report(model, quantized, calib, samples, seq_len, seed, pick, blocks, top):
-    folder, quantized = resolve_model(model), resolve_model(quantized)  # both paths checked before any work
-    check_same_model(folder, quantized)
-    layers = ModelConfig.from_folder(folder).num_layers
+    folder, quantized_folder = resolve_model(model), resolve_model(quantized)  # both checked before any work
+    check_same_model(folder, quantized_folder)
+    check_quantized(quantized_folder, quantized)
+    config = ModelConfig.from_folder(folder)
+    layers = config.num_layers
     if pick < 1 or (blocks is not None and not 1 <= blocks <= layers):
         raise QinferError(f"--pick must be at least 1 and --blocks in 1..{layers} (got {pick}, {blocks})")
+    if top < 0:
+        raise QinferError(f"--top must be at least 0 (0 lists no tokens); got {top}")
+    if seq_len > config.max_position_embeddings:  # qinfer quantize's check (qinfer.preflight.check_calibration_size)
+        raise QinferError(f"--seq-len {seq_len} is longer than the model's context of {config.max_position_embeddings} "
+                          "tokens: lower --seq-len")
     ids = calibration_batch(folder, CalibConfig(source=calib, samples=samples, seq_len=seq_len, seed=seed))
     pick = min(pick, samples)
     held = min(HELD, pick // 2)
     rows = torch.cat([torch.arange(0, pick - held), torch.arange(samples - held, samples)]).unique()
     ids = ids[rows]
-    ref, quant = load_model(folder), load_model(quantized)
+    ref, quant = load_model(folder), load_model(quantized_folder)
     tok = Tokenizer.from_folder(folder)
     X_ref = embed_samples(ref, ids, torch.bfloat16)
     X = X_ref.clone()
@@ -72,8 +79,14 @@ def _report(model, quantized, calib, samples, seq_len, seed, pick, blocks, top):
         p += 1
         print(f"  sample #{int(rows[s])} token {p}: error {float(err[s, p]):.3g}, reference mean square "
               f"{float(size[s, p]):.3g}, text {tok.decode(ids[s, max(0, p - 6):p + 1].tolist())!r}")
-    share = float(body[order[: max(1, body.numel() // 1000)]].sum() / body.sum())
-    print(f"the largest 0.1% of tokens (after token 0) hold {share:.0%} of block {blocks - 1}'s squared error")
+    n, total = body.numel(), float(body.sum())
+    if total == 0:  # no share of nothing
+        print(f"block {blocks - 1}'s outputs equal the reference's after token 0: no squared error to share")
+        return
+    k = max(1, n // 1000)  # the largest 0.1%, at least one token
+    share = float(body[order[:k]].sum()) / total
+    print(f"block {blocks - 1}'s squared error after token 0 held by its largest {k} of {n} token errors (0.1%, at "
+          f"least one): {share:.0%}")
 
 
 if __name__ == "__main__":

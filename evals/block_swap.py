@@ -1,7 +1,7 @@
 """Which blocks carry a quantized model's divergence: its perplexity and KL with each block put back.
 
-Scores the quantized model on the evaluation text as ``qinfer eval`` does (same windows, the reference's
-logits as the baseline), then again once per decoder block with that one block replaced by the reference's
+Scores the quantized model on the evaluation text as ``qinfer eval`` does (same option checks, same windows, the
+reference's logits as the baseline), then again once per decoder block with that one block replaced by the reference's
 unquantized block, and prints one line each::
 
     python -m qinfer.evals.block_swap gemma3-270m OUT [--max-tokens 2048]
@@ -12,18 +12,20 @@ KL the most is where the most accuracy was lost; the drops need not add up, sinc
 interact. Diagnostic only: nothing is written, nothing cached.
 """
 
+from dataclasses import replace
+
 import click
 import torch
 from tqdm import tqdm
 
-from qinfer.errors import Command, QinferError
-from qinfer.evals.accuracy import HELDOUT, load_text, text_tokens
-from qinfer.evals.checkpoint import check_same_model
+from qinfer.errors import Command
+from qinfer.evals.accuracy import HELDOUT
+from qinfer.evals.checkpoint import check_quantized, check_same_model
 from qinfer.evals.divergence import text_metrics
 from qinfer.evals.forward import LogitsFn, window_logits
+from qinfer.evals.runner import EvalConfig, comparison
 from qinfer.loader import load_model
 from qinfer.sources import resolve_model
-from qinfer.tokenizer import Tokenizer
 
 
 @click.command(cls=Command)
@@ -39,17 +41,19 @@ def main(model, quantized, text, max_tokens, window, stride):
 
 @torch.no_grad()
 def _report(model, quantized, text, max_tokens, window, stride):
-    folder, quantized = resolve_model(model), resolve_model(quantized)  # both paths checked before any work
-    check_same_model(folder, quantized)
-    tok = Tokenizer.from_folder(folder)
-    tokens = text_tokens(tok, load_text(text)[0], max_tokens)
-    if tokens.numel() < window:
-        raise QinferError(f"the text has {tokens.numel()} tokens, fewer than one --window of {window}")
-    ref, quant = load_model(folder), load_model(quantized)
-    base = _remembered(window_logits(ref, "bf16", tok.leading_bos))  # one reference pass serves all 1 + blocks scores
+    # the checks qinfer eval makes (window, stride, context, vocabulary, tokenization), before any model is loaded
+    config = EvalConfig(models=(quantized,), baseline=model, text=text, max_tokens=max_tokens, window=window,
+                        stride=stride, tasks=(), speed=False, out=None)
+    folder, quantized_folder = resolve_model(model), resolve_model(quantized)
+    check_same_model(folder, quantized_folder)  # before the text is read
+    check_quantized(quantized_folder, quantized)
+    (q,), baseline, tokens, _ = comparison(replace(config, models=(str(quantized_folder),), baseline=str(folder)))
+    ref, quant = load_model(baseline.folder), load_model(q.folder)
+    bos = baseline.tokenizer.leading_bos  # the reference's, before the windows of both models
+    base = _remembered(window_logits(ref, "bf16", bos))  # one reference pass serves all 1 + blocks scores
 
     def score(label: str) -> None:
-        m = text_metrics(base, {label: window_logits(quant, "bf16", tok.leading_bos)}, tokens, window, stride,
+        m = text_metrics(base, {label: window_logits(quant, "bf16", bos)}, tokens, window, stride,
                          progress=False)[label]
         tqdm.write(f"{label}: perplexity {m.ppl:.3f}, KL {m.kl:.4g}, top-1 agreement {m.top1_agreement:.1%}")
 

@@ -1,4 +1,5 @@
-"""What a model folder holds, read without loading it: a content key, its size on disk, bits per weight.
+"""What a model folder holds, read without loading it: a content key, its size on disk, bits per weight; and the
+diagnostics' checks that a folder is a quantized copy of a reference (``check_same_model``, ``check_quantized``).
 
 ``content_key`` identifies a folder's model for the eval cache. Hashing 500 MB of weights would cost
 about a second per model on every run, so it hashes what changes whenever the weights do: the bytes of
@@ -54,9 +55,7 @@ def size_on_disk(folder: Path) -> int:
 def effective_bits(folder: Path) -> float:
     """Stored bits per weight over the quantizable linears (see the module docstring)."""
     folder = Path(folder)
-    header: dict[str, dict] = {}
-    for path in weight_files(folder):
-        header.update(safetensors_header(path)[0])
+    header = _header(folder)
     config = ModelConfig.from_folder(folder)
     scheme = QuantScheme.load(folder) if (folder / QUANT_CONFIG_FILE).exists() else None
     prefixes = [f"model.layers.{i}.{name}" for i in range(config.num_layers) for name in config.arch.linear_names]
@@ -89,3 +88,23 @@ def check_same_model(reference: Path, quantized: Path) -> None:
         differ = [f.name for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)]
         raise QinferError(f"{quantized} is not a quantized copy of {reference}: their configs differ in "
                           f"{', '.join(differ)}; give the model it was quantized from")
+
+
+def check_quantized(folder: Path, label: str) -> None:
+    """Refuse a folder that stores no quantized linear (packed integer codes ``P.qweight``, or FP8 weights with
+    their ``P.scale``; see :mod:`qinfer.format`): the reference itself or another unquantized copy, which the
+    diagnostics would find equal to the reference everywhere. ``label`` names it as the user gave it."""
+    header = _header(Path(folder))
+    packed = any(name.endswith(".qweight") or (info["dtype"] == "F8_E4M3" and f"{name.removesuffix('.weight')}.scale"
+                                                in header) for name, info in header.items())
+    if not packed:
+        raise QinferError(f"{label} holds no quantized linear: it is the reference or an unquantized copy; give the "
+                          "model qinfer quantize wrote")
+
+
+def _header(folder: Path) -> dict[str, dict]:
+    """The safetensors headers of the folder's weight files, merged: tensor name -> dtype, shape, offsets."""
+    header: dict[str, dict] = {}
+    for path in weight_files(folder):
+        header.update(safetensors_header(path)[0])
+    return header

@@ -18,7 +18,8 @@ Bytes of a prefill: each weight once, ``T`` embedding rows, and the KV cache it 
 
 :func:`prefill_flops_by_dtype` splits a prefill's FLOPs by the dtype they multiply in, which MFU takes its
 ceilings from: a linear's from the kernel its rows go to (``QLinear.matmul_dtype``: the CPU int4 kernel,
-which takes fewer than 256 rows, multiplies in fp32, a dense or dequantize-then-matmul linear in the
+which takes fewer than ``qinfer.kernels.int4_cpu.max_rows`` rows, 32 where the GEMMs run in bf16 or fp16 and
+128 where they run in fp32, multiplies in fp32, a dense or dequantize-then-matmul linear in the
 activations' dtype, or in fp32 on a CPU without native bf16 GEMMs), attention's in the dtype a dense product
 of the prompt's rows takes (``qinfer.kernels.linear.product_dtype``: on such a CPU, SDPA in bf16 runs at its
 fp32 speed, not at the ~7x slower bf16 GEMM peak).

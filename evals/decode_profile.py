@@ -48,20 +48,24 @@ WARMUP_STEPS = 4
 @click.option("--steps", type=int, default=8, show_default=True, help="Decode steps timed, and then profiled.")
 @click.option("--top", type=int, default=12, show_default=True, help="Ops listed, by self time.")
 @click.option("--min-share", type=float, default=0.01, show_default=True,
-              help="Vocabulary-wide ops taking less of the profiled time than this are left out.")
+              help="Vocabulary-wide ops taking less of the profiled time than this share (0..1) are left out.")
 @click.option("--compile", "compiled", is_flag=True,
               help="Also time a torch.compile'd decode step against the eager one (minutes to compile).")
 @click.option("--rounds", type=int, default=3, show_default=True, help="With --compile: rounds of --steps each.")
 def main(model, prompt_tokens, steps, top, min_share, compiled, rounds):
     if steps < 1 or top < 1 or prompt_tokens < 1 or rounds < 1:
         raise QinferError("--prompt-tokens, --steps, --top and --rounds must be at least 1")
+    if not 0 <= min_share <= 1:
+        raise QinferError(f"--min-share is a share of the profiled time, in 0..1; got {min_share}")
     _report(model, prompt_tokens, steps, top, min_share, rounds if compiled else 0)
 
 
 @torch.no_grad()
 def _report(model_name: str, prompt_tokens: int, steps: int, top: int, min_share: float, rounds: int) -> None:
     model = load_model(resolve_model(model_name), run=True)
-    token, pos, cache = warmed_up(model, prompt_tokens, 2 * steps + (1 + rounds * steps if rounds else 0))
+    n_steps = 2 * steps + (1 + rounds * steps if rounds else 0)  # timed, profiled, then the compile and its rounds
+    check_context(model, prompt_tokens, n_steps, {"--steps": steps, **({"--rounds": rounds} if rounds else {})})
+    token, pos, cache = warmed_up(model, prompt_tokens, n_steps)
     times = []
     for pos in range(pos, pos + steps):
         t0 = time.perf_counter()
@@ -112,6 +116,17 @@ def _compare_compiled(model, token: torch.Tensor, pos: int, cache, steps: int, r
     print(f"torch.compile(decode_step, dynamic=True): {compile_s:.0f} s to compile (the first step); then "
           f"{compiled:.1f} ms a step against {eager:.1f} eager ({eager / compiled:.2f}x; medians of "
           f"{rounds * steps} steps each, alternating rounds); greedy tokens {'the same' if agree else 'differ'}")
+
+
+def check_context(model, prompt_tokens: int, n_steps: int, options: dict[str, int]) -> None:
+    """Refuse, before any work, a ``--prompt-tokens`` that leaves no room in ``model``'s context for the ``n_steps``
+    decode steps that ``options`` (the user's, e.g. {"--steps": 8}) ask for after :func:`warmed_up`'s warm-up."""
+    limit, after = model.config.max_position_embeddings, WARMUP_STEPS + n_steps
+    if prompt_tokens + after > limit:
+        given = ", ".join(f"{name} {value}" for name, value in options.items())
+        fix = f"use --prompt-tokens {limit - after} or fewer" if after < limit else f"lower {' or '.join(options)}"
+        raise QinferError(f"--prompt-tokens {prompt_tokens} with {given} runs past the model's context of {limit} "
+                          f"tokens ({after} decode steps follow the prompt, {WARMUP_STEPS} of them warm-up): {fix}")
 
 
 def warmed_up(model, prompt_tokens: int, n_steps: int) -> tuple[torch.Tensor, int, KVCache]:

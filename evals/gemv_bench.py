@@ -28,7 +28,7 @@ import click
 import torch
 
 from qinfer.errors import Command, QinferError
-from qinfer.evals.decode_profile import alternating_rounds, warmed_up
+from qinfer.evals.decode_profile import alternating_rounds, check_context, warmed_up
 from qinfer.evals.roofline import threads_text
 from qinfer.format import Fp8Weight, QuantizedWeight
 from qinfer.generate import decode_step
@@ -78,6 +78,7 @@ def _timed(fn, calls: int) -> float:
 @torch.no_grad()
 def _report(model_name: str, prompt_tokens: int, steps: int, rounds: int, calls: int) -> None:
     model = load_model(resolve_model(model_name), run=True)
+    check_context(model, prompt_tokens, rounds * steps, {"--steps": steps, "--rounds": rounds})  # before part 1
     print(f"{model_name}: {threads_text(torch.get_num_threads())}; medians over {rounds} alternating rounds")
     weights = {}
     for module in model.modules():

@@ -92,6 +92,12 @@ def _report(model_name: str, prompt_tokens: int, lengths: list[int], rounds: int
             weights.setdefault((_kind(module.weight), tuple(module.weight.shape)), [module.weight, 0])[1] += 1
     if not weights:
         raise QinferError(f"{model_name} has no packed weights: nothing is dequantized in its prefill")
+    four_bit = any(isinstance(w, QuantizedWeight) and w.bits == 4 for w, _ in weights.values())
+    limit = model.config.max_position_embeddings
+    for option, tokens in (("--prompt-tokens", prompt_tokens), ("--rows", max(lengths) if four_bit else 0)):
+        if tokens > limit:  # before part 1, not after it
+            raise QinferError(f"{option} asks for a {tokens}-token prompt, longer than the model's context of "
+                              f"{limit} tokens: lower {option}")
     print(f"{model_name}: {threads_text(torch.get_num_threads())}; medians over {rounds} alternating rounds")
     print(f"{'weight':>12} {'N x K':>13} {'count':>5} {'torch ms':>9} {'C ms':>8} {'ratio':>6}  same bits")
     for (kind, (N, K)), (w, count) in weights.items():
@@ -119,7 +125,7 @@ def _report(model_name: str, prompt_tokens: int, lengths: list[int], rounds: int
     print(f"prefill ({prompt.shape[1]} tokens): {t:.1f} ms dequantizing with PyTorch's ops, {c:.1f} ms in C "
           f"({t / c:.2f}x); last logits {'the same' if torch.equal(logits['torch'], logits['C']) else 'differ'}")
 
-    if not any(isinstance(w, QuantizedWeight) and w.bits == 4 for w, _ in weights.values()):
+    if not four_bit:
         return
     limit = int4_cpu.max_rows(model.dtype)
     print(f"4-bit prompts: the int4 kernel below {limit} rows here, the C dequantize and a GEMM from there on")

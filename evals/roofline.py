@@ -25,7 +25,9 @@ thread count match the current process (any of them changes the roofline) and it
 re-measured with ``force=True``. The machine is more than the CPU's name, which virtual machines often
 shorten ("AMD EPYC" for an AVX-512 part and an AVX2 one alike): its family, model and stepping, CPU count
 and vector extensions (a GPU's compute capability, memory and SM count), so a cache folder carried to other
-hardware is measured again. Two hosts alike in all of these still share a roofline: ``--force`` then.
+hardware is measured again. Two hosts alike in all of these still share a roofline: ``--force`` then. A cache
+of another device, or one that cannot be read, is measured again (with a note); a folder in its place is
+refused before anything is measured.
 """
 
 import argparse
@@ -88,6 +90,9 @@ class Roofline:
                 _positive(f"Roofline.{field}[{dtype!r}]", number)
             # frozen means frozen: a read-only copy, so no caller can change a cached measurement
             object.__setattr__(self, field, MappingProxyType(dict(value)))
+        if set(self.peak_tflops) != set(self.matmul_n):  # each peak was measured on one size
+            raise QinferError(f"Roofline.peak_tflops and Roofline.matmul_n must name the same dtypes; got "
+                              f"{', '.join(self.peak_tflops)} and {', '.join(self.matmul_n)}")
         for field in ("cpu_name", "torch_version", "timestamp", "matmul_op"):
             if not isinstance(getattr(self, field), str) or not getattr(self, field):
                 raise QinferError(f"Roofline.{field} must be a non-empty str; got {getattr(self, field)!r}")
@@ -143,6 +148,14 @@ def roofline_path(device: str) -> Path:
     return cache_dir() / f"roofline-{device}.json"
 
 
+def check_roofline_path(device: str) -> None:
+    """Refuse a folder where ``device``'s roofline is cached, before anything is measured: it could not be saved."""
+    path = roofline_path(device)
+    if path.is_dir():
+        raise QinferError(f"{path} is a folder, where the {device} roofline is cached: move it, or set QINFER_CACHE "
+                          "to another folder")
+
+
 def measure_roofline(device: str = "cpu", seconds: float = 3.0, force: bool = False) -> Roofline:
     """The roofline of ``device``: from the cache when it still describes this process, else measured.
 
@@ -154,10 +167,14 @@ def measure_roofline(device: str = "cpu", seconds: float = 3.0, force: bool = Fa
     if device == "cuda" and not torch.cuda.is_available():
         raise QinferError("device 'cuda' requested but torch sees no CUDA GPU; use device='cpu'")
     _positive("seconds", seconds)
+    check_roofline_path(device)
     path = roofline_path(device)
     if not force:
         cached = load_roofline(path)
-        if cached is not None and _describes_this_process(cached):
+        if cached is not None and cached.device != device:
+            print(f"qinfer: ignoring the roofline cache {path} (it describes device {cached.device!r}, not "
+                  f"{device!r})", file=sys.stderr)
+        elif cached is not None and _describes_this_process(cached):
             return cached
     print(f"qinfer: measuring the {device} roofline (~{seconds:g} s)", file=sys.stderr)
     roofline = _measure(device, seconds)

@@ -29,7 +29,7 @@ from qinfer.evals.bigbench import SUGGESTED
 from qinfer.evals.checkpoint import content_key, effective_bits, size_on_disk
 from qinfer.evals.divergence import SE_BLOCKS, SE_MIN_BLOCK, TextMetrics, text_metrics
 from qinfer.evals.forward import window_logits
-from qinfer.evals.roofline import Roofline, measure_roofline
+from qinfer.evals.roofline import Roofline, check_roofline_path, measure_roofline
 from qinfer.evals.speed import SpeedResult, measure_speeds
 from qinfer.evals.tasks import MCResult, load_task
 from qinfer.kv_cache import KV_DTYPES
@@ -136,6 +136,8 @@ def run_eval(config: EvalConfig) -> list[ModelResult]:
 
         check_writable(config.out, option="--out")  # before the measuring, not after it
         check_out(config.out)
+    if config.speed:
+        check_roofline_path(eval_device())  # its cache could not be written after the text part's minutes
     examples = {task: load_task(task, config.limit) for task in config.tasks}  # unknown task: fails here, early
     models, baseline, tokens, text_desc = comparison(config)
     text_fields = dict(baseline=baseline.key, baseline_kv=BASELINE_KV, kv=config.kv_cache, window=config.window,

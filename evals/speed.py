@@ -16,8 +16,10 @@ Utilisation against the measured roofline (:mod:`qinfer.evals.roofline`):
     MFU = sum over dtypes of prefill FLOPs in that dtype / its peak, over the prefill time: the share of
           the measured ceilings the prefill reaches, each FLOP held to the peak of the dtype it multiplies
           in (qinfer.evals.costs.prefill_flops_by_dtype: the CPU int4 kernel, which takes prompts shorter
-          than 256 tokens, multiplies in fp32 even in a bf16 model, so such a 4-bit prefill is held to the
-          fp32 peak; longer ones, and a bf16 model's, to the bf16 peak)
+          than qinfer.kernels.int4_cpu.max_rows, 32 tokens where the CPU has native bf16 GEMMs and 128
+          where the GEMMs run in fp32, multiplies in fp32 even in a bf16 model, so such a 4-bit prefill is
+          held to the fp32 peak; longer ones, and a bf16 model's, to the peak of the dtype their GEMMs run
+          in: bf16, or fp32 on a CPU without native bf16 GEMMs)
 
 With ``compiled`` the decode steps are also timed through :func:`qinfer.generate.compiled_decode_step`
 (``torch.compile``, what ``qinfer generate --compile`` decodes with): after the eager warm-up, one compiled

@@ -25,6 +25,7 @@ import torch
 
 from qinfer.errors import Command, QinferError
 from qinfer.evals.accuracy import HELDOUT
+from qinfer.evals.checkpoint import check_quantized
 from qinfer.evals.divergence import TokenSeries, se_block, token_series
 from qinfer.evals.forward import window_logits
 from qinfer.evals.runner import EvalConfig, comparison
@@ -53,6 +54,8 @@ def _report(model, quantized, text, max_tokens, segment, window, stride):
     if segment < window:
         raise QinferError(f"--segment ({segment}) must be at least one --window ({window})")
     models, baseline, tokens, _ = comparison(config)
+    for m in models:
+        check_quantized(m.folder, m.spec)
     if tokens.numel() < 2 * segment:
         raise QinferError(f"the text has {tokens.numel()} tokens, fewer than two --segment of {segment}")
     base = window_logits(load_model(baseline.folder), "bf16", baseline.tokenizer.leading_bos)

@@ -1,12 +1,16 @@
 """Offline inputs for eval tests: a tiny model folder, a text file, BIG-bench tasks and a roofline in the cache."""
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from qinfer.evals import bigbench
 from qinfer.evals import roofline as rl
+from qinfer.format import QuantScheme
+from qinfer.quantizers.rtn import rtn_quantize
 from tests.tiny_models import TEXT, make_model
 
 # Short questions the tiny tokenizer (trained on one Austen paragraph) can encode, byte-level.
@@ -20,6 +24,20 @@ def tiny_model(folder: Path, kind: str = "gemma3") -> Path:
     """A tiny random model saved in bf16 (so loading it as bf16 keeps the stored bytes)."""
     make_model(kind, folder, dtype=torch.bfloat16)
     return folder
+
+
+def block_quantized(reference: Path, out: Path, block: int = 1) -> Path:
+    """A copy of ``reference`` with the linears of decoder block ``block`` alone quantized (RTN 2-bit, groups of 32):
+    every other tensor is the reference's, so putting that block back gives the reference exactly."""
+    shutil.copytree(reference, out)
+    scheme = QuantScheme(method="rtn", bits=2, group_size=32)
+    tensors = load_file(out / "model.safetensors")
+    for name in [n for n in tensors if n.startswith(f"model.layers.{block}.") and n.endswith("proj.weight")]:
+        prefix = name.removesuffix(".weight")
+        tensors.update(rtn_quantize(tensors.pop(name).float(), scheme, name=prefix).tensors(prefix))
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    scheme.save(out)
+    return out
 
 
 def text_file(path: Path, repeats: int = 12) -> Path:

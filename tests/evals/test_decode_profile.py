@@ -34,6 +34,25 @@ def test_decode_profile_names_a_bad_model_or_a_long_prompt_in_one_line(tiny, tmp
         assert len(result.output.strip().splitlines()) == 1 and result.output.startswith("Error: ")
 
 
+
+def test_decode_profile_words_a_long_prompt_in_the_options_given(tiny):  # noqa: F811
+    # the tiny model reads 256 positions; --steps 8 times 8 steps and profiles 8 more, after 4 warm-up steps
+    result = CliRunner().invoke(main, [str(tiny), "--prompt-tokens", "250"])
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1
+    assert ("--prompt-tokens 250 with --steps 8 runs past the model's context of 256 tokens (20 decode steps follow "
+            "the prompt, 4 of them warm-up): use --prompt-tokens 236 or fewer") in result.output, result.output
+    result = CliRunner().invoke(main, [str(tiny), "--prompt-tokens", "16", "--steps", "2", "--compile", "--rounds",
+                                       "200"])
+    assert result.exit_code == 1 and "with --steps 2, --rounds 200 runs past" in result.output, result.output
+    assert "lower --steps or --rounds" in result.output
+
+
+def test_decode_profile_refuses_a_min_share_outside_0_to_1(tiny):  # noqa: F811
+    for share in ("-0.5", "1.5", "nan"):
+        result = CliRunner().invoke(main, [str(tiny), "--prompt-tokens", "16", "--steps", "1", "--min-share", share])
+        assert result.exit_code == 1 and "--min-share is a share of the profiled time, in 0..1" in result.output
+
+
 COMPILED = re.compile(r"^torch\.compile\(decode_step, dynamic=True\): (\d+) s to compile \(the first step\); then "
                       r"(\S+) ms a step against (\S+) eager \((\S+)x; medians of (\d+) steps each, alternating "
                       r"rounds\); greedy tokens (the same|differ)$", re.M)

@@ -43,3 +43,13 @@ def test_gemv_bench_names_a_bad_model_in_one_line(tmp_path):
     result = CliRunner().invoke(main, [str(tmp_path / "missing")])
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert len(result.output.strip().splitlines()) == 1 and result.output.startswith("Error: ")
+
+
+@pytest.mark.skipif(not gemv_cpu.available(), reason=f"no C GEMV here: {gemv_cpu.unavailable_reason()}")
+def test_gemv_bench_refuses_a_long_prompt_before_timing_the_linears(tiny):  # noqa: F811
+    # the tiny model reads 256 positions: 250 + 4 warm-up steps + 1 round of 8 steps do not fit
+    result = CliRunner().invoke(main, [str(tiny), "--prompt-tokens", "250", "--rounds", "1", "--calls", "1"])
+    assert result.exit_code == 1 and "medians over" not in result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    assert ("--prompt-tokens 250 with --steps 8, --rounds 1 runs past the model's context of 256 tokens (12 decode "
+            "steps follow the prompt, 4 of them warm-up): use --prompt-tokens 244 or fewer") in result.output

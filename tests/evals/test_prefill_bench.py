@@ -50,3 +50,14 @@ def test_prefill_bench_names_a_model_without_packed_weights_in_one_line(folders)
 def test_prefill_bench_refuses_bad_rows(folders):
     result = CliRunner().invoke(main, [str(folders["rtn"]), "--rows", "16,x"])
     assert result.exit_code == 1 and "--rows takes prompt lengths" in result.output
+
+
+@needs_kernels
+@pytest.mark.parametrize("extra, message", [
+    (["--prompt-tokens", "300"], "--prompt-tokens asks for a 300-token prompt, longer than the model's context of 256"),
+    (["--prompt-tokens", "12", "--rows", "3,300"], "--rows asks for a 300-token prompt, longer than the model's"),
+])
+def test_prefill_bench_refuses_a_long_prompt_before_any_timing(folders, extra, message):
+    result = CliRunner().invoke(main, [str(folders["rtn"]), "--rounds", "1", "--calls", "1", *extra])
+    assert result.exit_code == 1 and "medians over" not in result.output
+    assert len(result.output.strip().splitlines()) == 1 and message in result.output, result.output

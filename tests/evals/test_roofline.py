@@ -154,3 +154,33 @@ def test_table_and_main(capsys):
     save_roofline(r, roofline_path("cpu"))
     rl.main([])
     assert capsys.readouterr().out.strip() == text
+
+
+def test_a_cache_of_another_device_is_measured_again(monkeypatch, capsys):
+    fresh = fake_roofline(bandwidth_gbs=99.0)
+    calls = []
+    monkeypatch.setattr(rl, "_measure", lambda device, seconds: calls.append(device) or fresh)
+    roofline_path("cpu").write_text(json.dumps({**fake_roofline().to_json(), "device": "cuda"}))
+    assert measure_roofline() == fresh and calls == ["cpu"]  # not a look at a GPU torch may not have
+    assert "describes device 'cuda', not 'cpu'" in capsys.readouterr().err
+
+
+def test_a_cache_whose_peaks_and_sizes_name_other_dtypes_is_measured_again(monkeypatch):
+    with pytest.raises(QinferError, match="peak_tflops and Roofline.matmul_n must name the same dtypes"):
+        fake_roofline(matmul_n={"bf16": 2048})
+    fresh = fake_roofline(bandwidth_gbs=99.0)
+    monkeypatch.setattr(rl, "_measure", lambda device, seconds: fresh)
+    roofline_path("cpu").write_text(json.dumps({**fake_roofline().to_json(), "matmul_n": {"bf16": 2048}}))
+    assert load_roofline(roofline_path("cpu")) is None
+    assert format_roofline(measure_roofline()) == format_roofline(fresh)
+
+
+def test_a_folder_where_the_cache_goes_is_refused_before_measuring(monkeypatch, tmp_path):
+    monkeypatch.setenv("QINFER_CACHE", str(tmp_path))  # a cache of its own: the folder stays out of the shared one
+    calls = []
+    monkeypatch.setattr(rl, "_measure", lambda device, seconds: calls.append(device) or fake_roofline())
+    roofline_path("cpu").mkdir()
+    for force in (False, True):
+        with pytest.raises(QinferError, match=r"roofline-cpu\.json is a folder, where the cpu roofline is cached"):
+            measure_roofline(force=force)
+    assert calls == []

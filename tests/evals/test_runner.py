@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 from qinfer.cache import cache_dir
 from qinfer.errors import QinferError
 from qinfer.evals import result_cache, runner
+from qinfer.evals import roofline as rl
 from qinfer.evals.report import SCHEMA_VERSION, format_table
 from qinfer.evals.runner import EvalConfig, ModelResult, run_eval
 from qinfer.kernels import gemv_cpu
@@ -206,6 +207,13 @@ def test_unknown_task_is_a_clear_error_before_any_work(env, count_loads):
     install_tasks()
     with pytest.raises(QinferError, match="unknown BIG-bench task 'nope'"):
         run_eval(EvalConfig(models=(env["model"],), text=env["text"], **{**SMALL, "tasks": ("nope",)}))
+    assert count_loads == []
+
+
+def test_a_folder_where_the_roofline_cache_goes_is_refused_before_any_work(env, count_loads):
+    rl.roofline_path(runner.eval_device()).mkdir()
+    with pytest.raises(QinferError, match="is a folder, where the .* roofline is cached"):
+        run_eval(EvalConfig(models=(env["model"],), text=env["text"], **{**SMALL, **SPEED}))
     assert count_loads == []
 
 

@@ -4,9 +4,7 @@ import re
 import shutil
 
 import pytest
-import torch
 from click.testing import CliRunner
-from safetensors.torch import load_file, save_file
 
 from qinfer.evals.accuracy import load_text, text_tokens
 from qinfer.evals.divergence import text_metrics
@@ -14,23 +12,12 @@ from qinfer.evals.forward import window_logits
 from qinfer.evals.text_spread import main
 from qinfer.loader import load_model
 from qinfer.tokenizer import Tokenizer
+from tests.evals.eval_fixtures import block_quantized
 from tests.test_quantize import calib_file, tiny  # noqa: F401 (fixtures)
 
 WHOLE = re.compile(r"^(\S+): (\d+) scored tokens, perplexity (\S+)% against the reference, KL (\S+)$", re.M)
 SEGMENTS = re.compile(r"^  (\d+) segments of (\d+) tokens: (.*)$", re.M)
 WINDOW = dict(window=32, stride=16)
-
-
-def _perturbed(tiny, tmp_path):  # noqa: F811
-    out = tmp_path / "perturbed"
-    shutil.copytree(tiny, out)
-    tensors = load_file(out / "model.safetensors")
-    for name in [n for n in tensors if n.startswith("model.layers.1.") and n.endswith("proj.weight")]:
-        w = tensors[name].float()
-        noise = torch.randn(w.shape, generator=torch.Generator().manual_seed(0))
-        tensors[name] = (w + 2 * w.std() * noise).to(tensors[name].dtype)
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    return out
 
 
 def _metrics(tiny, other, calib_file, max_tokens, block=None):  # noqa: F811
@@ -41,7 +28,7 @@ def _metrics(tiny, other, calib_file, max_tokens, block=None):  # noqa: F811
 
 
 def test_text_spread_scores_the_whole_text_and_its_segments_as_eval_would(tiny, tmp_path, calib_file):  # noqa: F811
-    other = _perturbed(tiny, tmp_path)
+    other = block_quantized(tiny, tmp_path / "quantized")
     args = [str(tiny), str(other), "--text", str(calib_file), "--max-tokens", "300", "--segment", "64",
             "--window", "32", "--stride", "16"]
     result = CliRunner().invoke(main, args)
@@ -73,7 +60,7 @@ def test_text_spread_scores_the_whole_text_and_its_segments_as_eval_would(tiny, 
                                               "context of 256 tokens"),
                                              (["MODEL", "SMOLLM"], "tokens (config.json vocab_size)")])
 def test_text_spread_bad_input_is_one_line(tiny, tmp_path, calib_file, extra, message):  # noqa: F811
-    models = [str(tiny), str(tiny)]
+    models = [str(tiny), str(block_quantized(tiny, tmp_path / "quantized"))]
     if extra[0] == "MODEL":  # a vocabulary of another size (refused before the weights are read)
         other = shutil.copytree(tiny, tmp_path / "other")
         config = json.loads((other / "config.json").read_text())
@@ -83,3 +70,11 @@ def test_text_spread_bad_input_is_one_line(tiny, tmp_path, calib_file, extra, me
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert len(result.output.strip().splitlines()) == 1 and message in result.output
+
+
+def test_text_spread_refuses_an_unquantized_model(tiny, tmp_path, calib_file):  # noqa: F811
+    args = [str(tiny), str(block_quantized(tiny, tmp_path / "quantized")), str(tiny), "--text", str(calib_file),
+            "--segment", "64", "--window", "32", "--stride", "16"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1
+    assert f"{tiny} holds no quantized linear" in result.output, result.output
