@@ -58,8 +58,8 @@ from qinfer.kernels.prepared import per_weight
 
 SOURCE = Path(__file__).with_name("gemv_cpu.c")
 # read once, with this module: the library is built from (and keyed by) the C this module's calls were written for,
-# even if the file changes while a process runs
-_SOURCE_BYTES = SOURCE.read_bytes()
+# even if the file changes while a process runs (None: unreadable, and the callers keep PyTorch's kernels)
+_SOURCE_BYTES = SOURCE.read_bytes() if SOURCE.is_file() else None
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -76,6 +76,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         return None, "QINFER_CPU_GEMV=0"
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None, f"the CPU's vector capability is {torch.backends.cpu.get_cpu_capability()}, not AVX2"
+    if _SOURCE_BYTES is None:
+        return None, f"{SOURCE} is missing"
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if not cc:
         return None, "no C compiler (gcc or $CC)"

@@ -341,7 +341,8 @@ def test_compiled_calls_are_the_opaque_operators_and_match_eager():
 
 
 def test_without_the_kernels_one_row_takes_pytorchs(monkeypatch, tmp_path):
-    # no compiler, a compiler that fails, or QINFER_CPU_GEMV=0: not available, with the reason; rows still multiply
+    # no compiler, a compiler that fails, QINFER_CPU_GEMV=0 or no C source: not available, with the reason; rows
+    # still multiply
     monkeypatch.setenv("QINFER_CACHE", str(tmp_path))
     try:
         for env, value, reason in (("QINFER_CPU_GEMV", "0", "QINFER_CPU_GEMV=0"), ("CC", "/bin/false", "failed")):
@@ -353,6 +354,9 @@ def test_without_the_kernels_one_row_takes_pytorchs(monkeypatch, tmp_path):
             torch.testing.assert_close(linear(x, packed), dequant_linear_ref(x, packed), rtol=2e-2, atol=2e-2)
             monkeypatch.delenv(env)
         assert not list((tmp_path / "kernels").iterdir())  # the failed build left nothing behind
+        monkeypatch.setattr(gemv_cpu, "_SOURCE_BYTES", None)  # an install without gemv_cpu.c
+        gemv_cpu._library.cache_clear()
+        assert not gemv_cpu.available() and "gemv_cpu.c is missing" in gemv_cpu.unavailable_reason()
     finally:
         gemv_cpu._library.cache_clear()
 
