@@ -19,6 +19,7 @@ from qinfer.calib.capture import embed_samples, run_block
 from qinfer.errors import Command, QinferError
 from qinfer.evals.checkpoint import check_quantized, check_same_model
 from qinfer.loader import load_model
+from qinfer.preflight import check_seq_len
 from qinfer.quantize import CalibConfig, calibration_batch
 from qinfer.sources import resolve_model
 from qinfer.tokenizer import Tokenizer
@@ -52,9 +53,7 @@ def _report(model, quantized, calib, samples, seq_len, seed, pick, blocks, top):
         raise QinferError(f"--pick must be at least 1 and --blocks in 1..{layers} (got {pick}, {blocks})")
     if top < 0:
         raise QinferError(f"--top must be at least 0 (0 lists no tokens); got {top}")
-    if seq_len > config.max_position_embeddings:  # qinfer quantize's check (qinfer.preflight.check_calibration_size)
-        raise QinferError(f"--seq-len {seq_len} is longer than the model's context of {config.max_position_embeddings} "
-                          "tokens: lower --seq-len")
+    check_seq_len(seq_len, config.max_position_embeddings)  # qinfer quantize's check
     ids = calibration_batch(folder, CalibConfig(source=calib, samples=samples, seq_len=seq_len, seed=seed))
     pick = min(pick, samples)
     held = min(HELD, pick // 2)

@@ -63,12 +63,16 @@ def calibration_bytes(model: Transformer, calib: CalibConfig, tune: TuneConfig) 
     return weights + tokens * (streams * c.hidden_size * dtype.itemsize + kept) + masks
 
 
+def check_seq_len(seq_len: int, context: int) -> None:
+    """Refuse calibration windows of ``seq_len`` tokens longer than the model's ``context``."""
+    if seq_len > context:
+        raise QinferError(f"--seq-len {seq_len} is longer than the model's context of {context} tokens: "
+                          "lower --seq-len")
+
+
 def check_calibration_size(model: Transformer, calib: CalibConfig, tune: TuneConfig) -> None:
     """Refuse calibration windows the model cannot read or the machine cannot hold, before any work."""
-    limit = model.config.max_position_embeddings
-    if calib.seq_len > limit:
-        raise QinferError(f"--seq-len {calib.seq_len} is longer than the model's context of {limit} tokens: "
-                          "lower --seq-len")
+    check_seq_len(calib.seq_len, model.config.max_position_embeddings)
     need, free = calibration_bytes(model, calib, tune), available_memory()
     if free is not None and need > free:
         gib = 1 << 30
