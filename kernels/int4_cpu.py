@@ -8,7 +8,9 @@ them in registers, so decode streams half a byte per weight instead of two. qinf
 exactly up to the scales' dtype: ``(q - z) * s = (q - 8) * s + (8 - z) * s``, so ``zero = (8 - z) * s``
 (0 for symmetric weights, whose implicit z is 8). Scales and zeros are cast to the activation dtype
 (bf16 scales carry 8 mantissa bits against fp16's 11: a relative change of at most 2^-9 per group, far
-below 4-bit rounding noise; the tests bound it).
+below 4-bit rounding noise; the tests bound it). With a bias (Qwen2's q/k/v) the same scales multiply fp32
+activations, so the bias is added to the fp32 sum before the one rounding to the activations' dtype, as
+``gemv_cpu``'s C kernel adds it to one row's.
 
 The kernel's layout is converted once per weight at first use (``_convert_weight_to_int4pack_for_cpu``)
 and cached beside the weight; ``int4_linear_ref`` is the plain-torch definition it is tested against.
@@ -97,10 +99,13 @@ def _convert(weight: QuantizedWeight) -> tuple[torch.Tensor, dict[torch.dtype, t
 def int4_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     # x: [..., K] -> [..., N]; caller checked supported(x, weight)
     packed, sz = _packed(weight, x.dtype)
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]).contiguous(), packed,
-                                                   weight.group_size, sz)
-    y = y.reshape(*x.shape[:-1], weight.shape[0])
-    return y if bias is None else y + bias
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    if bias is not None:  # the kernel's fp32 sum, the bias added to it and then one rounding to x's dtype
+        rows, sz = rows.float(), sz.float()  # the same scales and zeros; x.float() is exact
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, weight.group_size, sz)
+    if bias is not None:
+        y = (y + bias.float()).to(x.dtype)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def int4_linear_ref(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

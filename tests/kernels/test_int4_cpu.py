@@ -76,3 +76,17 @@ def test_unsupported_shapes_fall_back_to_reference():
     torch.testing.assert_close(linear(x, weight), dequant_linear_ref(x, weight))
     three_bit = rtn_quantize(torch.randn(32, 96), QuantScheme(method="rtn", bits=3, group_size=32))
     assert not int4_cpu.supported(x, three_bit)
+
+
+def test_bias_is_added_before_the_one_rounding():
+    # bf16 rows with a bias of the product's size: rounding the product to bf16 and then the sum rounds twice,
+    # which parts from the fp32 sum rounded once in over a quarter of the outputs; once, only at near-ties
+    weight = _weight(256, 512, 128, False)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(8, 512, generator=g).bfloat16()
+    bias = (torch.randn(256, generator=g) * 0.3).bfloat16()
+    assert int4_cpu.supported(x, weight)
+    got = int4_cpu.int4_linear(x, weight, bias)
+    assert got.dtype == torch.bfloat16
+    ref = int4_cpu.int4_linear_ref(x, weight, bias)
+    assert float((got != ref).float().mean()) < 0.01
