@@ -53,8 +53,8 @@ import torch
 from torch.autograd import profiler
 
 from qinfer.cache import cache_dir, sha256_file, temp_path, write_atomic
-from qinfer.format import Fp8Weight, QuantizedWeight, unpack
-from qinfer.kernels.prepared import per_weight
+from qinfer.format import Fp8Weight, QuantizedWeight
+from qinfer.kernels.prepared import per_weight, zero_groups
 
 SOURCE = Path(__file__).with_name("gemv_cpu.c")
 # read once, with this module: the library is built from (and keyed by) the C this module's calls were written for,
@@ -363,20 +363,10 @@ def _int_weight(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor |
 
 def _zero_groups_unscaled(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
                           G: int) -> torch.Tensor:
-    """``scale``, or a copy with 0 for each group whose codes all equal its zero point (a group of zero weights).
-    The kernels compute ``s * (sum q x - z * sum x)``: the two sums, taken apart, leave a residue there that a
-    large scale (AutoGPTQ gives such groups 2 / (2^b - 1); older qinfer models gave them 1) makes far larger
-    than the other groups' outputs, where the weights say exactly 0."""
-    N, ng = scale.shape
-    z = (torch.full((N, ng), 1 << (bits - 1), dtype=torch.uint8) if zero is None else zero).to(torch.int16)
-    if bits in (4, 8):  # on the packed bytes: a 4-bit group of zeros is G / 2 bytes of z + 16 z
-        stored = qweight.reshape(N, ng, G * bits // 8)
-        empty = (stored == (z * 17 if bits == 4 else z)[..., None].to(torch.uint8)).all(-1)
-    else:
-        empty = (unpack(qweight, bits, ng * G).view(N, ng, G) == z[..., None]).all(-1)
-    if not bool(empty.any()):
-        return scale
-    return scale.masked_fill(empty, 0)
+    """``scale``, or a copy with 0 for each group of zero weights (``prepared.zero_groups``): the kernels compute
+    ``s * (sum q x - z * sum x)``, whose residue there a large scale makes far larger than the other outputs."""
+    empty = zero_groups(qweight, zero, bits, G)
+    return scale.masked_fill(empty, 0) if bool(empty.any()) else scale
 
 
 def dequantize_supported(weight: QuantizedWeight, dtype: torch.dtype) -> bool:

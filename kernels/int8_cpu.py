@@ -20,7 +20,7 @@ bf16 instead). Prefills, other dtypes and devices take the reference.
 import torch
 
 from qinfer.format import QuantizedWeight
-from qinfer.kernels.prepared import per_weight
+from qinfer.kernels.prepared import per_weight, zero_groups
 
 _BLOCKS: dict[int, tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None, torch.Tensor]] = {}
 
@@ -49,9 +49,9 @@ def _convert(weight: QuantizedWeight) -> tuple[list[torch.Tensor], torch.Tensor,
     scale = weight.scale.float().T.contiguous()  # [K/G, N]: group g's scales are one contiguous row
     zero_terms = None if weight.zero is None else (scale.T * (weight.zero.float() - offset))  # symmetric: none
     if zero_terms is not None:
-        # all-zero groups (codes = zero point) left by quantizers older than the middle zero point: exactly 0 here,
-        # not a bf16 product the zero term cancels (their scale was 1, far above the other groups')
-        empty = (raw.view(N, K // G, G) == weight.zero[..., None]).all(-1)  # [N, K/G]
+        # groups of zero weights (prepared.zero_groups; quantizers older than the middle zero point gave them scale
+        # 1, far above the other groups'): exactly 0 here, not a bf16 product the zero term cancels
+        empty = zero_groups(weight.qweight, weight.zero, weight.bits, G)  # [N, K/G]
         codes.view(N, K // G, G)[empty] = 0
         zero_terms[empty] = 0.0
     blocks = [codes[:, g : g + G].contiguous() for g in range(0, K, G)]
