@@ -50,11 +50,11 @@ def _weight_tile(qw_ptr, s_ptr, z_ptr, rn, rk, N, K, stride_qn, stride_sn,
                  G: tl.constexpr, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, FP8: tl.constexpr):
     """W[rn, rk] in fp32, ``[BLOCK_N, BLOCK_K]``; 0 outside ``N x K``."""
     inside = (rn[:, None] < N) & (rk[None, :] < K)
-    row = qw_ptr + rn[:, None] * stride_qn
+    row = qw_ptr + rn[:, None].to(tl.int64) * stride_qn  # offsets in 64 bits, as x's and y's
     if FP8:  # one byte per weight; stride_sn is 0 for a per-tensor scale
         c = tl.load(row + rk[None, :], mask=inside, other=0).to(tl.int32)
         half = (((c & 0x80) << 8) | ((c & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True)
-        scale = tl.load(s_ptr + rn * stride_sn, mask=rn < N, other=0).to(tl.float32)
+        scale = tl.load(s_ptr + rn.to(tl.int64) * stride_sn, mask=rn < N, other=0).to(tl.float32)
         w = half.to(tl.float32) * (scale * 256.0)[:, None]
     else:
         bit = rk * BITS  # [BLOCK_K] the stream bit where each code starts
@@ -65,9 +65,10 @@ def _weight_tile(qw_ptr, s_ptr, z_ptr, rn, rk, N, K, stride_qn, stride_sn,
             lo = lo | (hi.to(tl.int32) << 8)
         q = (lo >> (bit % 8)[None, :]) & ((1 << BITS) - 1)
         group = (rk // G)[None, :]
-        scale = tl.load(s_ptr + rn[:, None] * stride_sn + group, mask=inside, other=0).to(tl.float32)
+        at = rn[:, None].to(tl.int64) * stride_sn + group
+        scale = tl.load(s_ptr + at, mask=inside, other=0).to(tl.float32)
         if HAS_ZERO:
-            zero = tl.load(z_ptr + rn[:, None] * stride_sn + group, mask=inside, other=0).to(tl.int32)
+            zero = tl.load(z_ptr + at, mask=inside, other=0).to(tl.int32)
         else:
             zero = 1 << (BITS - 1)
         w = (q - zero).to(tl.float32) * scale
@@ -80,7 +81,7 @@ def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, stride_
                  INPUT_PRECISION: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """y[rm, rn] for one ``BLOCK_M x BLOCK_N`` tile: x rows times dequantized W tiles, summed over K."""
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # M x N outputs may pass 2^31
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -98,7 +99,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, stride_
                  G: tl.constexpr, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, FP8: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """y[m, rn] for one row m and ``BLOCK_N`` outputs: sum over K of W tiles times the row, in fp32."""
-    m = tl.program_id(0)
+    m = tl.program_id(0).to(tl.int64)  # M x N outputs may pass 2^31 (a full-logits lm_head: 8193 rows of 2^18)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):

@@ -166,6 +166,11 @@ _COMPILE = textwrap.dedent("""
             where = {(list(sig).index(k),): v for k, v in consts.items()}
             kernel = triton.compile(ASTSource(fn, sig, constexprs=where), target=GPUTarget("cuda", cap, 32))
             assert kernel.asm["cubin"], (cap, x, bits, fn)
+            # every offset a stride makes is 64-bit: rows x stride passes 2^31 (a full-logits quantized lm_head
+            # of 2^18 outputs from 8193 rows on), where 32-bit offsets wrap to a write outside y
+            uses = [line.split(" loc(")[0] for line in kernel.asm["ttir"].splitlines()
+                    if "%stride" in line and "tt.func" not in line]
+            assert uses and all("arith.extsi" in line for line in uses), (fn.__name__, uses)
             print(cap, x, bits, fn.__name__, "shared", kernel.metadata.shared)
 """)
 # (compute capability, x, bits or "fp8", G, asymmetric): Turing, Ampere, Hopper; each width once, and on
