@@ -275,6 +275,8 @@ def export(model, out, fmt, force):
         click.echo(f"note: {len(report.dropped) - len(bos)} KV-cache scales are not part of the {fmt} layout and were left out")
     if bos:
         click.echo(f"note: the stored BOS position (keys, values, output) is not part of the {fmt} layout and was left out")
+    for note in report.notes:
+        click.echo(f"note: {note}")
 
 
 @cli.command(name="eval")

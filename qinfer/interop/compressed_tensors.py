@@ -86,8 +86,9 @@ def compressed_tensors_config(scheme: QuantScheme) -> dict:
     """The ``quantization_config`` entry of ``config.json`` for ``scheme``'s weights."""
     if scheme.quantize_lm_head and scheme.lm_head_bits != scheme.bits:
         raise QinferError(
-            f"compressed-tensors export writes one weight scheme, but lm_head_bits={scheme.lm_head_bits} != "
-            f"bits={scheme.bits}; set lm_head_bits equal to bits or leave the lm_head unquantized"
+            f"a compressed-tensors export writes one weight scheme, but the lm_head has {scheme.lm_head_bits} bits "
+            f"and the other linears {scheme.bits}: quantize with --lm-head-bits {scheme.bits}, or without "
+            "--quantize-lm-head"
         )
     if scheme.format == "fp8":
         fmt = FLOAT

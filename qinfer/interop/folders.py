@@ -61,6 +61,7 @@ class ConvertReport:
     out: Path
     linears: int = 0
     dropped: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # for the user: what a reader of the output should know
 
 
 def foreign_quant_config(folder: Path, config: dict | None = None) -> dict | None:
@@ -148,6 +149,11 @@ def export_folder(src: Path, out: Path, fmt: str, force: bool = False) -> Conver
         quantization_config["desc_act"] = True
     config["quantization_config"] = quantization_config
     _write(src, out, result, config, force)
+    if fmt != "gptq" and scheme.format == "int" and scheme.bits not in (4, 8):
+        report.notes.append(
+            f"vLLM runs compressed-tensors integer weights of 4 and 8 bits only (its GPTQ kernels also 2 and 3): "
+            f"this {scheme.bits}-bit checkpoint is for the compressed-tensors library (llm-compressor, transformers)"
+        )
     return report
 
 

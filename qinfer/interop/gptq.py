@@ -78,8 +78,8 @@ def gptq_quantization_config(scheme: QuantScheme) -> dict:
         raise QinferError(f"GPTQ checkpoints hold integer weights; scheme format is {scheme.format!r}")
     if scheme.quantize_lm_head and scheme.lm_head_bits != scheme.bits:
         raise QinferError(
-            f"GPTQ config has one bit width, but lm_head_bits={scheme.lm_head_bits} != bits={scheme.bits}; "
-            "set lm_head_bits equal to bits or leave the lm_head unquantized"
+            f"a GPTQ config has one bit width, but the lm_head has {scheme.lm_head_bits} bits and the other linears "
+            f"{scheme.bits}: quantize with --lm-head-bits {scheme.bits}, or without --quantize-lm-head"
         )
     return {
         "quant_method": "gptq",

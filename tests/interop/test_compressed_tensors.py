@@ -196,7 +196,7 @@ def test_config_and_scheme_round_trip():
     assert cfg["config_groups"]["group_0"]["weights"] == {
         "num_bits": 4, "type": "int", "symmetric": True, "group_size": 128, "strategy": "group", "dynamic": False,
     }
-    with pytest.raises(QinferError, match="lm_head_bits=8 != bits=4"):
+    with pytest.raises(QinferError, match="lm_head has 8 bits and the other linears 4: quantize with --lm-head-bits 4"):
         compressed_tensors_config(QuantScheme(quantize_lm_head=True))
 
 

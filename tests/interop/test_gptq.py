@@ -238,7 +238,7 @@ def test_config_errors(cfg, match):
 def test_export_errors():
     with pytest.raises(QinferError, match="integer weights"):
         gptq_quantization_config(QuantScheme(method="fp8", format="fp8", bits=8, group_size=-1))
-    with pytest.raises(QinferError, match="lm_head_bits=8 != bits=4"):
+    with pytest.raises(QinferError, match="lm_head has 8 bits and the other linears 4: quantize with --lm-head-bits 4"):
         gptq_quantization_config(QuantScheme(quantize_lm_head=True))
     asym = QuantScheme(bits=4, group_size=32, symmetric=False)
     W = _weight(N=32, K=64)
