@@ -18,11 +18,20 @@ this one's: an int8 cache given FP8 scales as they are would clip everything pas
 import torch
 
 from qinfer.arch import ModelConfig
+from qinfer.errors import QinferError
 from qinfer.format import e4m3_times
 
 KV_DTYPES = {"bf16": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 QMAX = {"int8": 127.0, "fp8": 448.0}
 UNCALIBRATED_HEADROOM = 2.0
+
+
+def check_scale(where, name: str, scale: torch.Tensor, fix: str) -> None:
+    """Refuse a stored KV-cache scale that is not finite and positive: NaN or infinity reads every cached key
+    back as NaN, and 0 as 0, without a word."""
+    bad = ~(torch.isfinite(scale) & (scale > 0))
+    if bool(bad.any()):
+        raise QinferError(f"{where}: {name} holds {float(scale[bad][0]):g}, not a finite positive scale: {fix}")
 
 
 class KVCache:

@@ -26,6 +26,7 @@ from qinfer.arch import ModelConfig
 from qinfer.cache import cache_root
 from qinfer.errors import QinferError
 from qinfer.format import QUANT_CONFIG_FILE, QuantScheme, packed_weight
+from qinfer.kv_cache import check_scale
 from qinfer.model import BosState, QLinear, RMSNorm, Transformer, fuse_linears
 
 BOS_HIDDEN = "model.bos_hidden"  # the stored BOS position's output; its keys and values: self_attn.bos_k / bos_v
@@ -384,13 +385,19 @@ def _take_packed(folder: Path, model: Transformer, tensors: dict, device: str) -
     n_kv = model.config.num_kv_heads
     for i in range(model.config.num_layers):
         k, v = (tensors.pop(f"model.layers.{i}.self_attn.{n}_scale", None) for n in "kv")
-        if k is None or v is None:
+        if k is None and v is None:
             continue
+        if k is None or v is None:
+            have, lack = ("k", "v") if v is None else ("v", "k")
+            raise QinferError(f"{folder}: layer {i} has a {have}_scale but no {lack}_scale: the checkpoint is "
+                              "incomplete; quantize again with --kv-cache")
         if scheme.kv_cache == "none":
             raise QinferError(f"{folder}: layer {i} has KV-cache scales but {QUANT_CONFIG_FILE} says kv_cache none, so "
                               "which cache dtype they scale is unknown: quantize again with --kv-cache int8|fp8")
         if tuple(k.shape) != (n_kv,) or tuple(v.shape) != (n_kv,):
             raise QinferError(f"{folder}: layer {i}'s KV-cache scales have shapes {tuple(k.shape)} and "
                               f"{tuple(v.shape)}, not one per KV head ({n_kv},): quantize again with --kv-cache")
+        for n, t in (("k", k), ("v", v)):
+            check_scale(folder, f"model.layers.{i}.self_attn.{n}_scale", t.float(), "quantize again with --kv-cache")
         model.kv_scales[i] = (k.float().to(device), v.float().to(device))
     return packed

@@ -38,6 +38,7 @@ from qinfer.errors import QinferError
 from qinfer.format import QUANT_CONFIG_FILE, QuantScheme, packed_weight
 from qinfer.interop import compressed_tensors as ct
 from qinfer.interop import gptq
+from qinfer.kv_cache import check_scale
 
 EXPORT_FORMATS = ("gptq", "compressed-tensors")
 AUTOGPTQ_CONFIG_FILE = "quantize_config.json"
@@ -223,6 +224,10 @@ def _kv_scales_per_head(src: Path, tensors: dict[str, torch.Tensor], kv: str, n_
         if t.numel() not in (1, n_kv):
             raise QinferError(f"{src}: {name} has {t.numel()} values; qinfer reads one per tensor or one per KV "
                               f"head ({n_kv})")
+        partner = name[: -len("k_scale")] + ("v_scale" if name.endswith("k_scale") else "k_scale")
+        if partner not in tensors:
+            raise QinferError(f"{src}: {name} has no {partner.rsplit('.', 1)[1]} beside it: the checkpoint is incomplete")
+        check_scale(src, name, t, "the checkpoint's KV-cache scales are damaged; calibrate them again")
         tensors[name] = t.expand(n_kv).clone()
 
 

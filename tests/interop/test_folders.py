@@ -319,6 +319,18 @@ def test_compressed_tensors_kv_cache_scales_are_imported_per_head(quantized, tmp
     with pytest.raises(QinferError, match="no static kv_cache_scheme saying which cache dtype they scale"):
         import_folder(without_scheme, tmp_path / "refused")
     assert not (tmp_path / "refused").exists()
+    # scales that would read every cached key back as NaN or 0, and a k_scale without its v_scale: refused
+    for bad in (float("nan"), float("inf"), 0.0, -1.0, None):
+        damaged = dict(tensors)
+        if bad is None:
+            del damaged["model.layers.1.self_attn.v_scale"]
+        else:
+            damaged["model.layers.1.self_attn.k_scale"] = torch.tensor([bad])
+        save_file(damaged, tmp_path / "ct" / "model.safetensors")
+        want = "k_scale has no v_scale beside it" if bad is None else f"k_scale holds {bad:g}, not a finite positive"
+        with pytest.raises(QinferError, match=want):
+            import_folder(tmp_path / "ct", tmp_path / "refused")
+        assert not (tmp_path / "refused").exists()
 
 
 def test_kv_cache_scales_the_format_cannot_place_are_refused_on_load(quantized, tmp_path):
@@ -334,4 +346,14 @@ def test_kv_cache_scales_the_format_cannot_place_are_refused_on_load(quantized, 
     tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(1.0)
     save_file(tensors, folder / "model.safetensors")
     with pytest.raises(QinferError, match=r"shapes \(\) and .*not one per KV head"):
+        load_model(folder)
+    for value in (float("nan"), float("inf"), 0.0, -0.5):  # NaN reads every key back as NaN, 0 as 0
+        tensors["model.layers.0.self_attn.k_scale"] = torch.full((n_kv,), value)
+        tensors["model.layers.0.self_attn.v_scale"] = torch.ones(n_kv)
+        save_file(tensors, folder / "model.safetensors")
+        with pytest.raises(QinferError, match=rf"model.layers.0.self_attn.k_scale holds {value:g}, not a finite"):
+            load_model(folder)
+    del tensors["model.layers.0.self_attn.k_scale"]  # a lone v_scale was dropped without a word
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(QinferError, match="layer 0 has a v_scale but no k_scale"):
         load_model(folder)
