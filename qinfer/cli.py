@@ -268,13 +268,6 @@ def export(model, out, fmt, force):
         check_output(Path(out), force, source=Path(model).expanduser())
     report = export_folder(resolve_model(model), out, fmt, force=force)
     click.echo(f"wrote {report.out} ({fmt}, {report.linears} quantized linears)")
-    from qinfer.loader import is_bos_tensor
-
-    bos = [n for n in report.dropped if is_bos_tensor(n)]
-    if len(bos) < len(report.dropped):
-        click.echo(f"note: {len(report.dropped) - len(bos)} KV-cache scales are not part of the {fmt} layout and were left out")
-    if bos:
-        click.echo(f"note: the stored BOS position (keys, values, output) is not part of the {fmt} layout and was left out")
     for note in report.notes:
         click.echo(f"note: {note}")
 

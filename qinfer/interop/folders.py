@@ -150,6 +150,13 @@ def export_folder(src: Path, out: Path, fmt: str, force: bool = False) -> Conver
         quantization_config["desc_act"] = True
     config["quantization_config"] = quantization_config
     _write(src, out, result, config, force)
+    bos = [n for n in report.dropped if is_bos_tensor(n)]
+    if len(bos) < len(report.dropped):
+        report.notes.append(f"{len(report.dropped) - len(bos)} KV-cache scales are not part of the {fmt} layout and "
+                            "were left out")
+    if bos:
+        report.notes.append(f"the stored BOS position (keys, values, output) is not part of the {fmt} layout and was "
+                            "left out")
     if fmt != "gptq" and scheme.format == "int" and scheme.bits not in (4, 8):
         report.notes.append(
             f"vLLM runs compressed-tensors integer weights of 4 and 8 bits only (its GPTQ kernels also 2 and 3): "

@@ -225,12 +225,17 @@ def test_a_damaged_imported_copy_is_made_again(quantized, tmp_path):
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors"])
-def test_export_leaves_the_stored_bos_position_out(src, tmp_path, fmt):
-    quantize_model(src, tmp_path / "q", SCHEMES["int4-sym"], CalibConfig(samples=2, seq_len=16))
+def test_export_leaves_the_stored_bos_position_and_kv_scales_out(src, tmp_path, fmt):
+    scheme = dataclasses.replace(SCHEMES["int4-sym"], kv_cache="int8")
+    quantize_model(src, tmp_path / "q", scheme, CalibConfig(samples=2, seq_len=16))
     assert load_model(tmp_path / "q").bos_hidden is not None
     report = export_folder(tmp_path / "q", tmp_path / "out", fmt)
     assert not [k for k in read_folder_tensors(tmp_path / "out") if "bos" in k]
     assert "model.bos_hidden" in report.dropped and "model.layers.2.self_attn.bos_v" in report.dropped
+    assert "model.layers.2.self_attn.k_scale" in report.dropped
+    assert report.notes == [f"6 KV-cache scales are not part of the {fmt} layout and were left out",
+                            f"the stored BOS position (keys, values, output) is not part of the {fmt} layout and was "
+                            "left out"]
     assert load_model(resolve_model(str(tmp_path / "out"))).bos_hidden is None
 
 
