@@ -397,7 +397,8 @@ def _take_packed(folder: Path, model: Transformer, tensors: dict, device: str) -
         if tuple(k.shape) != (n_kv,) or tuple(v.shape) != (n_kv,):
             raise QinferError(f"{folder}: layer {i}'s KV-cache scales have shapes {tuple(k.shape)} and "
                               f"{tuple(v.shape)}, not one per KV head ({n_kv},): quantize again with --kv-cache")
+        k, v = k.float(), v.float()
         for n, t in (("k", k), ("v", v)):
-            check_scale(folder, f"model.layers.{i}.self_attn.{n}_scale", t.float(), "quantize again with --kv-cache")
-        model.kv_scales[i] = (k.float().to(device), v.float().to(device))
+            check_scale(folder, f"model.layers.{i}.self_attn.{n}_scale", t, "quantize again with --kv-cache")
+        model.kv_scales[i] = (k.to(device), v.to(device))
     return packed
