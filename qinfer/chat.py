@@ -28,30 +28,32 @@ class ChatSession:
             first = len(_encoded(tokenizer, hello))
         except QinferError as e:
             raise QinferError(f"this model cannot take a first chat turn: {e}") from None
-        if first + params.max_tokens > context:  # nor could a one-word turn
-            raise QinferError(f"--max-tokens {params.max_tokens} leaves no room for a first turn: the template and "
-                              f"a word take {first} tokens of the model's context of {context}: lower --max-tokens")
-        if system:  # likewise a template that takes no system message
+        if system is not None:  # likewise a template that takes no system message ("" is a message too)
             try:
                 tokenizer.encode(system, add_bos=False)
             except QinferError as e:
                 raise QinferError(f"--system: {e}") from None
             try:
-                _encoded(tokenizer, [{"role": "system", "content": system}, *hello])
+                first = len(_encoded(tokenizer, [{"role": "system", "content": system}, *hello]))
             except QinferError as e:
                 raise QinferError(f"--system: {e}; this model's template may take no system message: drop --system") \
                     from None
+        if first + params.max_tokens > context:  # nor could a one-word turn
+            took = "the template, --system and a word take" if system is not None else "the template and a word take"
+            fix = "shorten --system or lower --max-tokens" if system is not None else "lower --max-tokens"
+            raise QinferError(f"--max-tokens {params.max_tokens} leaves no room for a first turn: {took} {first} "
+                              f"tokens of the model's context of {context}: {fix}")
         self.model, self.tokenizer, self.params, self.system = model, tokenizer, params, system
         self.compiled = compiled  # decode through torch.compile (qinfer.generate.generate)
         self.messages: list[dict] = []
         self.reset()
 
     def reset(self) -> None:
-        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.messages = [{"role": "system", "content": self.system}] if self.system is not None else []
 
     @property
     def has_history(self) -> bool:
-        return len(self.messages) > bool(self.system)
+        return len(self.messages) > (self.system is not None)
 
     def reply(self, text: str, stats: GenerationStats | None = None) -> Iterator[str]:
         """Stream the assistant's answer to ``text`` as text pieces; the answer joins the history."""

@@ -238,6 +238,31 @@ def test_chat_refuses_max_tokens_that_leave_no_room_for_a_first_turn(tmp_path):
     assert_one_line_error(proc, "--max-tokens 252 leaves no room for a first turn", "lower --max-tokens")
 
 
+def test_chat_refuses_a_system_message_that_leaves_no_room_for_a_first_turn(tmp_path):
+    make_model("llama", tmp_path)  # a context of 256 positions: every turn after this system message would fail
+    proc = subprocess.run([sys.executable, "-m", "qinfer", "chat", str(tmp_path), "--max-tokens", "4",
+                           "--system", " ".join(["word"] * 300)], input="hello\n", capture_output=True, text=True,
+                          timeout=300)
+    assert_one_line_error(proc, "leaves no room for a first turn: the template, --system and a word take",
+                          "shorten --system")
+
+
+def test_an_empty_system_message_is_sent_as_one(tmp_path):
+    from qinfer.chat import ChatSession
+    from qinfer.tokenizer import Tokenizer
+
+    make_model("llama", tmp_path)
+    tok = Tokenizer.from_folder(tmp_path)
+    session = ChatSession(load_model(tmp_path, dtype=torch.float32), tok, SamplingParams(max_tokens=2), system="")
+    assert session.messages == [{"role": "system", "content": ""}] and not session.has_history
+    "".join(session.reply("hi"))
+    assert session.has_history
+    prompt = tok.apply_chat_template(session.messages[:2], add_generation_prompt=True)
+    assert prompt.startswith("<s>system\n</s>\n<s>user\nhi</s>\n")  # as transformers renders it
+    session.reset()
+    assert session.messages == [{"role": "system", "content": ""}]
+
+
 def test_chat_says_reset_only_when_there_is_a_conversation_to_clear(tmp_path):
     make_model("llama", tmp_path)
     long = " ".join(["word"] * 300)
