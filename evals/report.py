@@ -25,7 +25,8 @@ infinite (a model that produced NaN; the table shows ``nan``)::
         "size_bytes": <int, safetensors bytes>, "effective_bits": <float, bits per linear weight>,
         "text": {"ppl", "nll", "kl", "top1_agreement": <float>, "tokens", "window", "stride": <int>,
                  "nll_delta", "nll_delta_se", "kl_se": <float, or null with fewer than two blocks of text>},
-        "tasks": {"<task>": {"accuracy": <float>, "accuracy_norm": <float>, "n": <int>}, ...},
+        "tasks": {"<task>": {"accuracy", "accuracy_norm": <float>, "n": <int>,
+                             "accuracy_se", "accuracy_norm_se": <float, or null for one example>}, ...},
         "speed": null | {
           "prompt_tokens", "decode_steps", "repeats": <int>, "kv_cache",
           "compute_dtype": <str, the dtype most prefill FLOPs multiply in>,
@@ -43,7 +44,9 @@ infinite (a model that produced NaN; the table shows ``nan``)::
 nll(model) - nll(baseline) per token, so ppl / ppl_baseline = exp(nll_delta); ``nll_delta_se`` and ``kl_se`` are
 standard errors over the text (:mod:`qinfer.evals.divergence`); ``effective_bits`` counts scales and zeros.
 The tables show ``vs base %`` = 100 (exp(nll_delta) - 1) and, after ``±``, one standard error of it and of
-KL. ``pareto.png`` plots perplexity (lower is better) against decode tokens/s (against size on disk when
+KL. ``accuracy`` is BIG-bench's ``multiple_choice_grade`` (:mod:`qinfer.evals.tasks`), ``accuracy_se`` its standard
+error over the examples; ``acc %`` in the tables is the mean over tasks, ± one standard error of that mean.
+``pareto.png`` plots perplexity (lower is better) against decode tokens/s (against size on disk when
 speed was not measured); ``roofline.png`` places each model's decode and prefill on the measured roofline
 (only with speed).
 """
@@ -98,13 +101,17 @@ def results_json(config, results, roofline: Roofline | None, text_description: s
     }
 
 
-def _mean(values) -> float | None:
-    values = list(values)
-    return sum(values) / len(values) if values else None
-
-
 def _with_se(value: str, se: float | None, fmt: str) -> str:
     return value if se is None else f"{value} ±{se:{fmt}}"
+
+
+def _acc(tasks: list, field: str) -> str:
+    """The mean of ``field`` over ``tasks`` in percent, ± one standard error of that mean (tasks independent)."""
+    if not tasks:
+        return "-"
+    value = 100 * sum(getattr(t, field) for t in tasks) / len(tasks)
+    se = 100 * math.sqrt(sum(getattr(t, field + "_se") ** 2 for t in tasks)) / len(tasks)
+    return _with_se(f"{value:.1f}", se if math.isfinite(se) else None, ".1f")
 
 
 def _vs_base(text) -> str:
@@ -121,15 +128,13 @@ def _rows(results) -> tuple[list[str], list[list[str]]]:
         header += ["compiled tok/s", "compiled MBU %"]
     rows = []
     for r in results:
-        acc = _mean(t.accuracy for t in r.tasks.values())
-        acc_norm = _mean(t.accuracy_norm for t in r.tasks.values())
         s = r.speed
         rows.append([
             r.label + (" (baseline)" if r.is_baseline else ""),
             f"{r.size_bytes / _MIB:.1f}", f"{r.effective_bits:.3f}", f"{r.text.ppl:.3f}", _vs_base(r.text),
             _with_se(f"{r.text.kl:.4f}", r.text.kl_se, ".4f"),
             f"{100 * r.text.top1_agreement:.1f}",
-            "-" if acc is None else f"{100 * acc:.1f}", "-" if acc_norm is None else f"{100 * acc_norm:.1f}",
+            _acc(list(r.tasks.values()), "accuracy"), _acc(list(r.tasks.values()), "accuracy_norm"),
             *(["-"] * 6 if s is None else [
                 f"{s.prefill_tok_s:.1f}", f"{s.ttft_s:.3f}", f"{s.decode_tok_s:.2f}", f"{1e3 * s.tpot_s:.1f}",
                 f"{100 * s.mbu:.1f}", f"{100 * s.mfu_prefill:.1f}",
@@ -169,8 +174,11 @@ def results_markdown(data: dict, results) -> str:
         "text a floor, as passages differ over longer spans; it covers the choice of text, not of calibration samples; "
         f"none below {2 * SE_MIN_BLOCK} scored tokens); "
         f"models run with a {s['kv_cache']} KV cache. "
-        + (f"Tasks: {', '.join(s['tasks'])}, at most {s['limit']} examples each (n below), zero-shot; acc is the mean "
-           "over tasks. " if s["tasks"] else "Tasks: none. ")
+        + (f"Tasks: {', '.join(s['tasks'])}, at most {s['limit']} examples each (n below), zero-shot, scored by "
+           "log-likelihood with the models run in bf16: acc is BIG-bench's multiple_choice_grade (the choice with the "
+           "highest log-likelihood earns its target score), acc_norm the same for the highest log-likelihood per "
+           "character; the summary's acc is the mean over tasks; ± is one standard error over the examples. "
+           if s["tasks"] else "Tasks: none. ")
         + (f"Speed at batch 1: {s['prompt_tokens']}-token prompt, {s['decode_steps']} decode steps, median of "
            f"{s['repeats']} runs, {threads_text(s['threads'])}"
            + (f"; decode rows through {s['decode_kernels']}, weights in {s.get('weight_pages', '4 KiB pages')}."
@@ -184,7 +192,7 @@ def results_markdown(data: dict, results) -> str:
     tasks = list(s["tasks"])
     if tasks:
         header = ["model"] + [f"{t} acc / acc_norm %" for t in tasks]
-        rows = [[r.label] + [f"{100 * r.tasks[t].accuracy:.1f} / {100 * r.tasks[t].accuracy_norm:.1f}"
+        rows = [[r.label] + [f"{_acc([r.tasks[t]], 'accuracy')} / {_acc([r.tasks[t]], 'accuracy_norm')}"
                              for t in tasks] for r in results]
         parts += ["", "Per task (n = examples scored):", "",
                   _md_table(header, rows), "", ", ".join(f"{t}: n = {results[0].tasks[t].n}" for t in tasks)]

@@ -4,8 +4,9 @@ Layout: ``qinfer.cache.cache_dir() / "eval" / <part> / <key>.json`` where ``part
 "speed" and ``key`` is the sha256 of the JSON of the key fields (the model's content key, the baseline's,
 every setting, :data:`CACHE_VERSION`, the torch version, and a fingerprint of the runtime code that produces
 the numbers: the decoder, KV cache, loader, format and every kernel, and whether the C kernels are in use, so a
-kernel change re-measures; a speed key also holds :func:`speed_fingerprint`, so a change to how speed is timed
-re-measures speed). Keying each part on its own settings lets a run with more tasks, or with ``--speed`` after
+kernel change re-measures; a text or task key also holds the fingerprint of the code that measures that part,
+:data:`MEASURE_MODULES`, and a speed key :func:`speed_fingerprint`, so a change to how a part is measured
+re-measures it). Keying each part on its own settings lets a run with more tasks, or with ``--speed`` after
 ``--no-speed``, reuse everything it shares with earlier runs.
 Files are written atomically; an unreadable one counts as a miss and is overwritten.
 """
@@ -46,6 +47,22 @@ def code_fingerprint() -> str:
     return hashlib.sha256((_runtime_source() + gemv_cpu.describe()).encode()).hexdigest()
 
 
+# Modules whose code decides how the text (perplexity, KL) and the tasks are measured: a text or task key's own part.
+MEASURE_MODULES = {
+    "text": ("qinfer.evals.accuracy", "qinfer.evals.divergence", "qinfer.evals.perplexity", "qinfer.evals.forward",
+             "qinfer.tokenizer"),
+    "task": ("qinfer.evals.accuracy", "qinfer.evals.tasks", "qinfer.evals.bigbench", "qinfer.evals.forward",
+             "qinfer.tokenizer"),
+}
+
+
+@functools.cache
+def measure_fingerprint(part: str) -> str:
+    """sha256 over the source of ``MEASURE_MODULES[part]`` (and ``qinfer.kernels``, which source_fingerprint
+    reads); "" for a part without its own modules."""
+    return source_fingerprint(MEASURE_MODULES[part], "qinfer.kernels") if part in MEASURE_MODULES else ""
+
+
 # Modules whose code decides how speed is timed and what a step's bytes and FLOPs are: a speed key's own part.
 SPEED_MODULES = ("qinfer.evals.speed", "qinfer.evals.costs")
 
@@ -61,7 +78,8 @@ def speed_fingerprint() -> str:
 
 def cache_key(part: str, **fields) -> str:
     payload = {
-        "part": part, "cache_version": CACHE_VERSION, "torch": torch.__version__, "code": code_fingerprint(), **fields
+        "part": part, "cache_version": CACHE_VERSION, "torch": torch.__version__, "code": code_fingerprint(),
+        "measure": measure_fingerprint(part), **fields,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 

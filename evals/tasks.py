@@ -14,9 +14,11 @@ the choice instead, as lm-eval-harness does: BPE tokenizers attach a space to th
 therefore stripped and given one leading space, unless the prompt ends in a newline (9 of BIG-bench's
 multiple-choice tasks put the answer on a line of its own).
 
-The correct choice is the one with the highest ``target_scores`` value. Examples are skipped as data
-noise, not errors, when they have no ``target_scores``, fewer than two choices, a tie for the highest
-score, or two choices that are equal once stripped; exact duplicates are dropped as BIG-bench drops them.
+Scoring is BIG-bench's ``multiple_choice_grade``: the model's choice (the highest log-likelihood) earns its
+``target_scores`` value, so a question with two right answers ("3" and "three") credits either, and graded
+scores (emojis_emotion_prediction) credit in part. Examples are skipped as data noise, not errors, when they have
+no ``target_scores``, fewer than two choices, a score outside [0, 1] (BIG-bench 1.0.0 has none), or two choices
+that are equal once stripped; exact duplicates are dropped as BIG-bench drops them.
 """
 
 import json
@@ -39,11 +41,12 @@ _BIGBENCH_SEED = 42  # JsonTask's default random_seed: the choice listing order 
 
 @dataclass(frozen=True)
 class MCExample:
-    """One question: score ``context + choices[i]`` for each ``i``; ``choices[answer]`` is correct."""
+    """One question: score ``context + choices[i]`` for each ``i``; choosing ``choices[i]`` earns ``scores[i]``
+    (BIG-bench's ``target_scores``: 1 for a right answer, 0 for a wrong one, between them for a graded one)."""
 
     context: str
     choices: tuple[str, ...]
-    answer: int
+    scores: tuple[float, ...]
 
     def __post_init__(self):
         if not isinstance(self.context, str):
@@ -52,27 +55,32 @@ class MCExample:
             raise QinferError(f"MCExample.choices must be a tuple of non-empty str; got {self.choices!r}")
         if len(self.choices) < 2 or len(set(self.choices)) != len(self.choices):
             raise QinferError(f"MCExample needs at least two distinct choices; got {self.choices!r}")
-        if type(self.answer) is not int or not 0 <= self.answer < len(self.choices):
+        if (not isinstance(self.scores, tuple) or len(self.scores) != len(self.choices)
+                or not all(type(v) in (int, float) and 0 <= v <= 1 for v in self.scores)):
             n = len(self.choices)
-            raise QinferError(f"MCExample.answer must be an index into its {n} choices; got {self.answer!r}")
+            raise QinferError(f"MCExample.scores must be a tuple of {n} numbers in [0, 1], one per choice; "
+                              f"got {self.scores!r}")
 
 
 @dataclass(frozen=True)
 class MCResult:
-    """``accuracy``: the choice with the highest total log-likelihood is right. ``accuracy_norm``: the one
-    with the highest log-likelihood per character of the continuation (leading space included), which does
-    not favour short answers and does not depend on the tokenizer, so it compares across model families;
-    it is lm-eval-harness's ``acc_norm`` up to that one space. ``n`` examples were scored. Both accuracies are
-    NaN for a model that produced NaN."""
+    """``accuracy``: the mean score of the choice with the highest total log-likelihood (BIG-bench's
+    ``multiple_choice_grade``). ``accuracy_norm``: the same for the choice with the highest log-likelihood per
+    character of the continuation (leading space included), which does not favour short answers and does not
+    depend on the tokenizer, so it compares across model families; it is lm-eval-harness's ``acc_norm`` up to
+    that one space. ``n`` examples were scored. ``accuracy_se`` and ``accuracy_norm_se`` are standard errors of
+    the mean over the examples (NaN for one example). All four are NaN for a model that produced NaN."""
 
     accuracy: float
     accuracy_norm: float
     n: int
+    accuracy_se: float
+    accuracy_norm_se: float
 
     def __post_init__(self):
         if type(self.n) is not int or self.n < 1:
             raise QinferError(f"MCResult.n must be a positive int; got {self.n!r}")
-        for field in ("accuracy", "accuracy_norm"):
+        for field in ("accuracy", "accuracy_norm", "accuracy_se", "accuracy_norm_se"):
             value = getattr(self, field)
             if not (0.0 <= value <= 1.0 or math.isnan(value)):  # NaN: a model that produced NaN
                 raise QinferError(f"MCResult.{field} must be in [0, 1] or NaN; got {value!r}")
@@ -90,7 +98,9 @@ def load_task(name: str, limit: int | None = None) -> list[MCExample]:
     """
     if limit is not None and (type(limit) is not int or limit < 1):
         raise QinferError(f"limit must be a positive integer or None; got {limit!r}")
-    task, _, subtask = name.partition(":")
+    task, colon, subtask = name.partition(":")
+    if colon and not subtask:
+        raise QinferError(f"BIG-bench task {name}: name a subtask after the ':', or drop the ':'")
     data = task_json(task)
     parts = _select_subtasks(name, task, subtask, data)
     examples: list[MCExample | None] = []
@@ -98,8 +108,8 @@ def load_task(name: str, limit: int | None = None) -> list[MCExample]:
         examples.extend(_format_examples(part))
     if not any(examples):
         raise QinferError(
-            f"BIG-bench task {name} has no usable multiple-choice examples (none has target_scores with one "
-            f"best choice); qinfer scores multiple-choice tasks only, e.g. {', '.join(SUGGESTED)}"
+            f"BIG-bench task {name} has no usable multiple-choice examples (none has target_scores for two or "
+            f"more choices); qinfer scores multiple-choice tasks only, e.g. {', '.join(SUGGESTED)}"
         )
     order = np.random.RandomState(_BIGBENCH_SEED).permutation(len(examples))
     chosen = [examples[i] for i in order if examples[i] is not None]
@@ -111,15 +121,15 @@ def score_mc(
 ) -> MCResult:
     """Score ``examples`` with ``loglik(context, continuations) -> [(sum of log-probs, n tokens), ...]``.
 
-    A tie for the best score earns ``1 / (number tied)`` when the answer is among the tied choices, the
-    expected accuracy of breaking the tie at random: a model that cannot tell choices apart (constant
-    logits, a quantization gone wrong) then scores chance, where "first index wins" would score however
-    often the answer sits first. A NaN log-likelihood (a broken model) makes both accuracies NaN, as it
+    A tie for the best log-likelihood earns the mean score of the tied choices, the expected score of breaking
+    the tie at random: a model that cannot tell choices apart (constant logits, a quantization gone wrong) then
+    scores chance, where "first index wins" (BIG-bench's argmax) would score however often the answer sits
+    first. A NaN log-likelihood (a broken model) makes both accuracies NaN, as it
     makes the model's perplexity: reported as such, not a silently wrong number, and scoring stops there.
     """
     if not examples:
         raise QinferError("score_mc got no examples; load a task with load_task() first")
-    hits = hits_norm = 0.0
+    credits, credits_norm = [], []
     for i, ex in enumerate(examples):
         scores = loglik(ex.context, list(ex.choices))
         if len(scores) != len(ex.choices):
@@ -128,11 +138,12 @@ def score_mc(
         if any(int(n) < 1 for _, n in scores):
             raise QinferError(f"example {i}: loglik returned {scores}; a choice scored no tokens")
         if any(math.isnan(ll) for ll in lls):
-            return MCResult(accuracy=math.nan, accuracy_norm=math.nan, n=len(examples))
-        hits += _credit(lls, ex.answer)
-        hits_norm += _credit([ll / len(choice) for ll, choice in zip(lls, ex.choices)], ex.answer)
-    n = len(examples)
-    return MCResult(accuracy=hits / n, accuracy_norm=hits_norm / n, n=n)
+            nan = math.nan
+            return MCResult(accuracy=nan, accuracy_norm=nan, n=len(examples), accuracy_se=nan, accuracy_norm_se=nan)
+        credits.append(_credit(lls, ex.scores))
+        credits_norm.append(_credit([ll / len(choice) for ll, choice in zip(lls, ex.choices)], ex.scores))
+    (acc, se), (acc_norm, se_norm) = _mean_and_se(credits), _mean_and_se(credits_norm)
+    return MCResult(accuracy=acc, accuracy_norm=acc_norm, n=len(examples), accuracy_se=se, accuracy_norm_se=se_norm)
 
 
 @torch.no_grad()
@@ -145,7 +156,10 @@ def continuation_loglik(
 ) -> list[tuple[float, int]]:
     """``[(log p(continuation | context), n continuation tokens)]`` for each continuation.
 
-    Tokenized as lm-eval-harness does: trailing whitespace of ``context`` moves onto the continuation,
+    Tokenized as lm-eval-harness does: trailing whitespace of ``context`` moves onto the continuation (a
+    trailing newline too, whose log-probability, the same for every choice, is then part of each score: a
+    tokenizer may merge it with whitespace before it, GPT-2's BPE ": \n" at the end of a text but not before a
+    word),
     ``tokenizer_encode`` (which adds BOS) encodes ``context`` and ``context + continuation``, and the tokens
     past the context's count are the continuation. Encoding the two halves apart would score a token split
     the model never sees at the boundary.
@@ -184,9 +198,18 @@ def continuation_loglik(
     return out
 
 
-def _credit(values: list[float], answer: int) -> float:
+def _credit(values: list[float], scores: tuple[float, ...]) -> float:
     best = [i for i, v in enumerate(values) if v == max(values)]
-    return 1.0 / len(best) if answer in best else 0.0
+    return sum(scores[i] for i in best) / len(best)
+
+
+def _mean_and_se(values: list[float]) -> tuple[float, float]:
+    """The mean of ``values`` and its standard error (sample standard deviation / sqrt(n); NaN for n = 1)."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, math.nan
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
 
 
 def _select_subtasks(name: str, task: str, subtask: str, data: dict) -> list[dict]:
@@ -238,8 +261,7 @@ def _format_example(ex, task_prefix, input_prefix, output_prefix, choice_prefix,
     scores = ex.get("target_scores") if isinstance(ex, dict) else None
     if not isinstance(scores, dict) or len(scores) < 2 or not isinstance(ex.get("input"), str):
         return None
-    values = list(scores.values())
-    if not all(isinstance(v, (int, float)) for v in values) or values.count(max(values)) > 1:
+    if not all(type(v) in (int, float) and 0 <= v <= 1 for v in scores.values()):
         return None
     # A fresh RandomState per example, as in BIG-bench: the order depends only on the number of choices.
     # The choices keep this order in MCExample too: authors often list the right answer first, and a model
@@ -254,6 +276,6 @@ def _format_example(ex, task_prefix, input_prefix, output_prefix, choice_prefix,
     choices = tuple(sep + choice.strip() for choice in listed)
     if len(set(choices)) != len(choices) or any(not c.strip() for c in choices):
         return None
-    return MCExample(context=context, choices=choices, answer=listed.index(max(scores, key=scores.get)))
+    return MCExample(context=context, choices=choices, scores=tuple(scores[key] for key in listed))
 
 

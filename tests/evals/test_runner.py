@@ -132,6 +132,18 @@ def test_a_runtime_code_change_is_a_cache_miss(env, count_loads, monkeypatch):
     monkeypatch.setattr(result_cache, "speed_fingerprint", lambda: "another way of timing")
     run_eval(config)
     assert timed == [1]  # a change to how speed is timed measures the speed again
+    # a change to how tasks are scored (qinfer.evals.tasks, ...) scores the tasks again, and only them
+    calls = []
+
+    def counted(name, real):
+        return lambda *a, **k: calls.append(name) or real(*a, **k)
+
+    monkeypatch.setattr(runner, "task_accuracy", counted("task", runner.task_accuracy))
+    monkeypatch.setattr(runner, "text_metrics", counted("text", runner.text_metrics))
+    measure = result_cache.measure_fingerprint
+    monkeypatch.setattr(result_cache, "measure_fingerprint", lambda part: "other" if part == "task" else measure(part))
+    run_eval(config)
+    assert calls == ["task"]
 
 
 def test_cached_results_of_the_wrong_shape_are_measured_again(env, count_loads):
@@ -177,7 +189,12 @@ def test_results_json_follows_the_documented_schema(env):
                       "tasks", "speed"}
     assert set(m["text"]) == {"ppl", "nll", "kl", "top1_agreement", "tokens", "window", "stride", "nll_delta",
                               "nll_delta_se", "kl_se"}
-    assert set(m["tasks"]["truths"]) == {"accuracy", "accuracy_norm", "n"}
+    assert set(m["tasks"]["truths"]) == {"accuracy", "accuracy_norm", "n", "accuracy_se", "accuracy_norm_se"}
+    truths = result.tasks["truths"]
+    assert truths.n >= 2 and truths.accuracy_se > 0  # the table's "acc %" cell: the mean ± its standard error
+    (row,) = [line for line in format_table([result]).splitlines() if line.startswith("m (baseline)")]
+    assert f"{100 * truths.accuracy:.1f} ±{100 * truths.accuracy_se:.1f}" in row
+    assert "multiple_choice_grade" in (out / "results.md").read_text()
     assert set(m["speed"]) == {
         "prompt_tokens", "decode_steps", "repeats", "kv_cache", "compute_dtype", "ttft_s", "prefill_tok_s", "tpot_s",
         "decode_tok_s", "decode_context", "decode_bytes", "decode_flops", "prefill_bytes", "prefill_flops", "mbu",
@@ -410,3 +427,16 @@ def test_a_model_with_another_vocabulary_size_is_refused_before_any_work(env, co
                                           f"{config['vocab_size']}: KL and agreement need the same vocabulary"):
         run_eval(EvalConfig(models=(env["model"], str(padded)), text=env["text"], **SMALL))
     assert count_loads == []
+
+
+def test_the_mean_accuracy_over_tasks_carries_their_standard_errors():
+    from qinfer.evals.report import _acc
+    from qinfer.evals.tasks import MCResult
+
+    a = MCResult(accuracy=0.5, accuracy_norm=0.5, n=10, accuracy_se=0.1, accuracy_norm_se=0.2)
+    b = MCResult(accuracy=0.3, accuracy_norm=0.1, n=1, accuracy_se=float("nan"), accuracy_norm_se=float("nan"))
+    c = MCResult(accuracy=0.3, accuracy_norm=0.1, n=10, accuracy_se=0.05, accuracy_norm_se=0.0)
+    assert _acc([a, c], "accuracy") == "40.0 ±5.6"  # sqrt(0.1^2 + 0.05^2) / 2 = 0.0559: tasks independent
+    assert _acc([a, c], "accuracy_norm") == "30.0 ±10.0"
+    assert _acc([a, b], "accuracy") == "40.0"  # a task of one example has no spread: no ± for the mean
+    assert _acc([], "accuracy") == "-"

@@ -27,7 +27,9 @@ NUMBERED = [{"input": f"question {i}", "target_scores": {f"right {i}": 1, f"wron
 FILES = {
     "legs/task.json": _task("legs", [
         {"input": "How many legs does an insect have?", "target_scores": {"six": 1, "four": 0, "two": 0, "eight": 0}},
-        {"input": "Tie?", "target_scores": {"a": 1, "b": 1, "c": 0}},  # skipped: two best choices
+        {"input": "Two right?", "target_scores": {"3": 1, "three": 1, "4": 0}},  # kept: either earns 1
+        {"input": "Graded?", "target_scores": {"joy": 0.75, "fear": 0.25, "anger": 0}},  # kept: partial credit
+        {"input": "Out of range?", "target_scores": {"a": 2, "b": 0}},  # skipped: a score above 1
         {"input": "One choice?", "target_scores": {"yes": 1}},  # skipped: nothing to choose between
         {"input": "Free text?", "target": "no choices"},  # skipped: generative
         {"input": "Equal once stripped?", "target_scores": {"yes": 1, " yes ": 0}},  # skipped
@@ -79,29 +81,34 @@ def sdist(tmp_path, monkeypatch):
 
 def test_default_prefixes_list_choices_in_bigbench_order(sdist):
     ex = load_task("legs")
-    assert len(ex) == 2  # the tie, the lone choice, the generative, the strip clash and the duplicate are out
+    assert len(ex) == 4  # the score of 2, the lone choice, the generative, the strip clash and the duplicate are out
     insect = next(e for e in ex if "insect" in e.context)
     # BIG-bench lists RandomState(42).permutation(sorted choices): [1, 3, 0, 2] of (eight, four, six, two)
     assert insect == MCExample(
         context="\nQ: How many legs does an insect have?\n  choice: four\n  choice: two\n  choice: eight\n"
         "  choice: six\nA:",
         choices=(" four", " two", " eight", " six"),
-        answer=3,
+        scores=(0, 0, 0, 1),
     )
     listed = np.random.RandomState(42).permutation(sorted(["six", "four", "two", "eight"]))  # BIG-bench's own line
     assert [c.strip() for c in insect.choices] == list(listed)
+    # each choice keeps its own target score: two right answers, or graded ones
+    two = next(e for e in ex if "Two right" in e.context)
+    assert dict(zip(two.choices, two.scores)) == {" 3": 1, " three": 1, " 4": 0}
+    graded = next(e for e in ex if "Graded" in e.context)
+    assert dict(zip(graded.choices, graded.scores)) == {" joy": 0.75, " fear": 0.25, " anger": 0}
 
 
 def test_task_prefix_and_custom_prefixes(sdist):
     (ex,) = load_task("reasoning")
     assert ex.context == "Judge the reasoning.\n\nThe 'he' refers to Bob.\nThe above reasoning is"
-    assert ex.choices == (" incorrect", " correct") and ex.answer == 0
+    assert ex.choices == (" incorrect", " correct") and ex.scores == (1, 0)
 
 
 def test_answer_on_its_own_line_gets_no_leading_space(sdist):
     (ex,) = load_task("newline_answer")
     assert ex.context == "\nQ: Pick a colour\nAnswer:\n"
-    assert ex.choices == ("blue", "red") and ex.choices[ex.answer] == "red"
+    assert ex.choices == ("blue", "red") and ex.scores == (0, 1)
 
 
 def test_limit_is_a_fixed_sample_of_the_whole_task(sdist):
@@ -122,11 +129,13 @@ def test_container_task_and_one_subtask(sdist):
     listed = "\n  choice: y\n  choice: x\nA:"  # each subtask formatted with its own prefixes
     assert sorted(e.context for e in both) == ["\nQ: l" + listed, "S: s" + listed]
     (small,) = load_task("box:small")
-    assert small.context == "S: s" + listed and small.choices[small.answer] == " x"
+    assert small.context == "S: s" + listed and small.choices == (" y", " x") and small.scores == (0, 1)
     with pytest.raises(QinferError, match="box:large, box:small"):
         load_task("box:medium")
     with pytest.raises(QinferError, match="has no subtasks"):
         load_task("legs:small")
+    with pytest.raises(QinferError, match="name a subtask after the ':'"):
+        load_task("box:")
 
 
 def test_mixed_container_names_its_multiple_choice_subtasks(sdist):
@@ -180,7 +189,7 @@ def test_download_runs_pip_and_keeps_the_sdist(sdist, monkeypatch):
         return subprocess.CompletedProcess(cmd, 0, stderr="")
 
     monkeypatch.setattr(bigbench.subprocess, "run", fake_pip)
-    assert len(load_task("legs")) == 2
+    assert len(load_task("legs")) == 4
     assert calls[0][1:6] == ["-m", "pip", "download", "--no-deps", "--no-binary=:all:"]
     assert "bigbench==1.0.0" in calls[0] and sdist.read_bytes() == blob
 
@@ -202,7 +211,8 @@ def test_failed_download_says_to_check_pypi_access(sdist, monkeypatch):
 
 
 def _example(answer, *choices):
-    return MCExample(context="Q:", choices=tuple(choices), answer=answer)
+    """One right choice, ``choices[answer]``."""
+    return MCExample(context="Q:", choices=tuple(choices), scores=tuple(int(i == answer) for i in range(len(choices))))
 
 
 def test_accuracy_and_per_character_accuracy_differ_as_expected():
@@ -216,6 +226,23 @@ def test_accuracy_and_per_character_accuracy_differ_as_expected():
     assert result.n == 3
     assert result.accuracy == pytest.approx(1 / 3)  # only the short right answer
     assert result.accuracy_norm == pytest.approx(2 / 3)  # only the long right answers
+    # standard errors of the mean over the three examples: credits (0, 0, 1) and (1, 1, 0)
+    assert result.accuracy_se == result.accuracy_norm_se == pytest.approx(1 / 3)  # sqrt((2/3) / 2 / 3)
+
+
+def test_a_choice_earns_its_target_score():
+    # BIG-bench's multiple_choice_grade: the chosen continuation's score, so either of two right answers earns 1
+    # and a graded one its part; tied best choices earn their mean
+    examples = [MCExample("Q:", (" 3", " three", " 4"), (1, 1, 0)), MCExample("Q:", (" joy", " fear"), (0.75, 0.25))]
+
+    def loglik(best):
+        return lambda context, conts: [(-1.0 if c in best else -5.0, 1) for c in conts]
+
+    assert score_mc(examples, loglik({" 3", " fear"})).accuracy == pytest.approx((1 + 0.25) / 2)
+    assert score_mc(examples, loglik({" three", " joy"})).accuracy == pytest.approx((1 + 0.75) / 2)
+    assert score_mc(examples, loglik({" 4", " joy", " fear"})).accuracy == pytest.approx((0 + 0.5) / 2)
+    one = score_mc(examples[:1], loglik({" 4"}))
+    assert one.accuracy == 0 and math.isnan(one.accuracy_se)  # no spread from one example
 
 
 def test_ties_earn_chance_credit():
@@ -228,7 +255,7 @@ def test_ties_earn_chance_credit():
 def test_score_mc_reports_nan_and_rejects_wrong_counts():
     # a model producing NaN gets NaN accuracy (as its perplexity is NaN), not an error that stops the whole eval
     nan = score_mc([_example(0, " a", " b")] * 3, lambda c, conts: [(float("nan"), 1), (-1.0, 1)])
-    assert math.isnan(nan.accuracy) and math.isnan(nan.accuracy_norm) and nan.n == 3
+    assert math.isnan(nan.accuracy) and math.isnan(nan.accuracy_norm) and math.isnan(nan.accuracy_se) and nan.n == 3
     with pytest.raises(QinferError, match="scored no tokens"):
         score_mc([_example(0, " a", " b")], lambda c, conts: [(-1.0, 0), (-1.0, 1)])
     with pytest.raises(QinferError, match="1 scores for 2 choices"):
@@ -238,8 +265,9 @@ def test_score_mc_reports_nan_and_rejects_wrong_counts():
 
 
 def test_mc_example_is_validated():
-    with pytest.raises(QinferError, match="index"):
-        _example(2, " a", " b")
+    for scores in [(1,), (1, 0, 0), (2, 0), (-0.5, 1), (1, None), (True, False)]:
+        with pytest.raises(QinferError, match=r"scores must be a tuple of 2 numbers in \[0, 1\]"):
+            MCExample("Q:", (" a", " b"), scores)
     with pytest.raises(QinferError, match="two distinct"):
         _example(0, " a", " a")
 
@@ -290,6 +318,13 @@ def test_trailing_space_moves_onto_the_continuation():
     assert moved == continuation_loglik(_causal_model, _encode, "Q: hi\nA:", [" yes", " no way"])
 
 
+def test_a_trailing_newline_moves_onto_the_continuation_too():
+    # a tokenizer may merge trailing whitespace, newline included, with what precedes it only at the end of a text
+    moved = continuation_loglik(_causal_model, _encode, "Q: hi\n", ["yes", "A:"])
+    assert moved == continuation_loglik(_causal_model, _encode, "Q: hi", ["\nyes", "\nA:"])
+    assert [n for _, n in moved] == [2, 2]
+
+
 def test_right_padded_batches_give_the_same_scores():
     conts = [" yes", " no way", " no", " yes no way"]
     one = continuation_loglik(_causal_model, _encode, "Q: hi\nA:", conts)
@@ -311,8 +346,8 @@ def test_real_bigbench_sdist_through_pip(tmp_path, monkeypatch):
     for name in bigbench.SUGGESTED:
         examples = load_task(name)
         sizes[name] = (len(examples), Counter(len(e.choices) for e in examples))
-        assert all(0 <= e.answer < len(e.choices) and e.context.endswith(("A:", "is")) for e in examples)
-    assert sizes["general_knowledge"][0] == 69  # 70 in the JSON, one with two right answers
+        assert all(max(e.scores) == 1 and e.context.endswith(("A:", "is")) for e in examples)
+    assert sizes["general_knowledge"][0] == 70  # one with two right answers ("red", "pink")
     assert sizes["social_iqa"] == (1935, Counter({3: 1931, 2: 4}))  # 19 duplicates dropped
     assert sizes["strategyqa"] == (2289, Counter({2: 2289}))
     assert sizes["winowhy"] == (2862, Counter({2: 2862}))
@@ -334,7 +369,7 @@ def test_a_choice_scores_the_same_whatever_choices_run_beside_it(tmp_path, monke
     scores = []
     real = accuracy.continuation_loglik
     monkeypatch.setattr(accuracy, "continuation_loglik", lambda *a, **k: scores.append(real(*a, **k)) or scores[-1])
-    examples = [MCExample("It is a truth", (" universally", " a"), 0),
-                MCExample("It is a truth", (" universally", " acknowledged, that a single man in possession"), 0)]
+    examples = [MCExample("It is a truth", (" universally", " a"), (1, 0)),
+                MCExample("It is a truth", (" universally", " acknowledged, that a single man in possession"), (1, 0))]
     accuracy.task_accuracy(model, tok, examples, kv, "t", progress=False)
     assert scores[0][0] == scores[1][0]
