@@ -100,7 +100,8 @@ def load_task(name: str, limit: int | None = None) -> list[MCExample]:
         raise QinferError(f"limit must be a positive integer or None; got {limit!r}")
     task, colon, subtask = name.partition(":")
     if colon and not subtask:
-        raise QinferError(f"BIG-bench task {name}: name a subtask after the ':', or drop the ':'")
+        raise QinferError(f"BIG-bench task name {name!r} ends in ':' without a subtask: name one after it, or drop "
+                          "the ':'")
     data = task_json(task)
     parts = _select_subtasks(name, task, subtask, data)
     examples: list[MCExample | None] = []
