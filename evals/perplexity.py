@@ -1,9 +1,12 @@
 """Perplexity over a long token stream with a sliding window.
 
 Windows of ``window`` tokens advance by ``stride``; each window scores only the tokens no earlier window
-scored (a window never scores its own first token, which has no context inside it), so every scored
-token sees at least ``window - stride`` tokens of context and no token is scored twice. With
-``stride < window`` every token but the very first is scored.
+scored (a window never scores its own first token, which has no context inside it), so no token is scored
+twice, and every token a later window scores sees at least ``window - stride`` tokens of context; the first
+window scores all of its tokens but the first, from one token of context up. With ``stride < window``
+every token but the very first is scored. This is Hugging Face's strided perplexity; llama.cpp's
+``llama-perplexity`` instead cuts the text into non-overlapping chunks and scores each chunk's second half,
+so the two give different numbers on the same text.
 """
 
 import math

@@ -51,7 +51,7 @@ class EvalConfig:
     text: str = HELDOUT  # "heldout" or a UTF-8 file
     max_tokens: int = 2048  # tokens of the text used (~8 windows at the default window/stride)
     window: int = 512
-    stride: int | None = None  # None: half the window (llama.cpp's perplexity scores each window's second half)
+    stride: int | None = None  # None: half the window (each later window scores its second half)
     tasks: tuple[str, ...] = DEFAULT_TASKS
     limit: int = 25  # examples per task
     speed: bool = True
