@@ -58,9 +58,9 @@ MEASURE_MODULES = {
 
 @functools.cache
 def measure_fingerprint(part: str) -> str:
-    """sha256 over the source of ``MEASURE_MODULES[part]`` (and ``qinfer.kernels``, which source_fingerprint
-    reads); "" for a part without its own modules."""
-    return source_fingerprint(MEASURE_MODULES[part], "qinfer.kernels") if part in MEASURE_MODULES else ""
+    """sha256 over the source of ``MEASURE_MODULES[part]`` (the kernels are in :func:`code_fingerprint`); "" for a
+    part without its own modules."""
+    return source_fingerprint(MEASURE_MODULES[part]) if part in MEASURE_MODULES else ""
 
 
 # Modules whose code decides how speed is timed and what a step's bytes and FLOPs are: a speed key's own part.

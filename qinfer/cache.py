@@ -296,12 +296,13 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def source_fingerprint(modules: tuple[str, ...], package: str) -> str:
+def source_fingerprint(modules: tuple[str, ...], package: str | None = None) -> str:
     """sha256 over the source files of ``modules`` and of every module in ``package`` (by file name and bytes):
     a cached result keyed on it is redone after any change to the code that produced it."""
-    folder = Path(importlib.import_module(package).__file__).parent
-    files = [Path(importlib.import_module(m).__file__) for m in modules] + sorted(folder.glob("*.py"))
-    files += sorted(folder.glob("*.c"))  # C kernels built at first use
+    files = [Path(importlib.import_module(m).__file__) for m in modules]
+    if package is not None:
+        folder = Path(importlib.import_module(package).__file__).parent
+        files += sorted(folder.glob("*.py")) + sorted(folder.glob("*.c"))  # C kernels built at first use
     h = hashlib.sha256()
     for f in files:
         h.update(f.name.encode() + b"\0" + f.read_bytes())
