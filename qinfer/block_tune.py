@@ -160,7 +160,7 @@ def tune_block(
             best_val, best_step, best = mean_loss(val), 0, [t.detach().clone() for t in state()]
             checks.append((0, best_val))
         opt = torch.optim.Adam([*logs.values(), *norms.values()], lr=config.lr)
-        gen = torch.Generator().manual_seed(config.seed + layer_idx)
+        gen = torch.Generator().manual_seed((config.seed + layer_idx) % 2**64)
         every = max(1, config.steps // 10)
         for step in range(config.steps):
             opt.zero_grad()

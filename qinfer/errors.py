@@ -21,6 +21,12 @@ class QinferError(Exception):
     """A problem with the user's input or environment, explained in one line."""
 
 
+def check_seed(seed: int | None) -> None:
+    """Refuse a ``--seed`` that ``torch.Generator.manual_seed`` cannot take (it reads a negative one modulo 2**64)."""
+    if seed is not None and not -(2**63) <= seed < 2**64:
+        raise QinferError(f"--seed must be in [-2**63, 2**64 - 1] (got {seed})")
+
+
 class _OneLineErrors:
     """Turns user-facing failures raised while a click command runs into one ``Error: ...`` line; ``-h`` is
     ``--help``."""

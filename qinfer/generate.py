@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch._dynamo.utils import counters
 
-from qinfer.errors import QinferError
+from qinfer.errors import QinferError, check_seed
 from qinfer.kv_cache import KVCache
 from qinfer.model import Transformer
 
@@ -39,8 +39,7 @@ class SamplingParams:
             raise QinferError(f"--top-p must be in (0, 1] (got {self.top_p})")
         if self.top_k < 0:
             raise QinferError(f"--top-k must be >= 0 (got {self.top_k})")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**64:  # what torch.Generator takes
-            raise QinferError(f"--seed must be in [-2**63, 2**64 - 1] (got {self.seed})")
+        check_seed(self.seed)
 
 
 @dataclass

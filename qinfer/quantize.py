@@ -57,7 +57,7 @@ from qinfer.calib.capture import (
 )
 from qinfer.calib.sampling import repeat_note, sample_windows_from_stream
 from qinfer.calib.sources import load_calibration_documents
-from qinfer.errors import QinferError
+from qinfer.errors import QinferError, check_seed
 from qinfer.format import Fp8Weight, QuantScheme
 from qinfer.interop.folders import SIDE_FILES
 from qinfer.loader import bos_tensors, drop_pages, load_model, weight_files
@@ -114,6 +114,7 @@ class CalibConfig:
             raise QinferError(f"--samples must be >= 1 and --seq-len >= 2 (got {self.samples}, {self.seq_len})")
         if not self.fp_target_damp > 0:
             raise QinferError(f"--fp-target-damp must be > 0 (got {self.fp_target_damp}); the default is 0.3")
+        check_seed(self.seed)
 
 
 @dataclass

@@ -63,6 +63,7 @@ def test_cli_quantize_then_generate(tiny, tmp_path, calib_file):  # noqa: F811
     "args,needle",
     [
         (["--bits", "5"], "bits"),
+        (["--seed", str(2**64), "--group-size", "32"], r"--seed must be in [-2**63, 2**64 - 1] (got 18446744073709551616)"),
         (["--group-size", "100"], "group"),
         (["--format", "fp8"], "bits"),
         (["--bits", "8", "--format", "fp8", "--method", "awq"], "AWQ produces integer weights"),
