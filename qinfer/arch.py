@@ -188,7 +188,7 @@ class ModelConfig:
             layer_types, window = _layer_types(raw, model_type, n_layers)
             rope_global, rope_local = _rope_configs(raw, model_type)
             eos = raw.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             return cls(
                 model_type=model_type,
                 vocab_size=int(raw["vocab_size"]),
@@ -201,7 +201,10 @@ class ModelConfig:
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope=tuple(rope_local if t == "sliding_attention" else rope_global for t in layer_types),
                 sliding_window=tuple(int(window) if t == "sliding_attention" and window else None for t in layer_types),
-                attn_scale=float(raw.get("query_pre_attn_scalar") or head_dim) ** -0.5,
+                # Gemma 3 scales by query_pre_attn_scalar (transformers' default 256, not head_dim); the others
+                # by head_dim, whatever the config holds
+                attn_scale=float((raw.get("query_pre_attn_scalar") or 256) if model_type == "gemma3_text"
+                                 else head_dim) ** -0.5,
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type == "gemma3_text")),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
                 activation=_activation(raw, ARCHS[model_type]),

@@ -73,6 +73,9 @@ VARIANTS = {
     "qwen2-max-window-layers": ("qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}, ["layer_types"]),
     "qwen3-max-window-layers": ("qwen3", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 2}, ["layer_types"]),
     "llama-gelu": ("llama", {"hidden_act": "gelu"}, []),
+    # transformers' Gemma 3 defaults query_pre_attn_scalar to 256 (not head_dim); Llama scales by head_dim always
+    "gemma3-default-query-pre-attn-scalar": ("gemma3", {}, ["query_pre_attn_scalar"]),
+    "llama-ignores-query-pre-attn-scalar": ("llama", {"query_pre_attn_scalar": 7}, []),
     "gemma3-silu": ("gemma3", {"hidden_activation": "silu"}, []),
     # a legacy rope_scaling added beside transformers 5's rope_parameters (as older guides say to) wins over it
     "llama-rope-scaling-beside-parameters": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 8.0}}, []),
