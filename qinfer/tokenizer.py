@@ -197,8 +197,11 @@ class Tokenizer:
         for source in (generation.get("eos_token_id"), model_config.get("eos_token_id"),
                        backend.token_to_id(eos_token) if eos_token else None):
             for i in source if isinstance(source, list) else [source]:
-                if i is not None and int(i) not in eos_ids:
-                    eos_ids.append(int(i))
+                if i is not None and not isinstance(i, int):
+                    raise QinferError(f"{path}: eos_token_id {source!r} is not a token id or a list of them; fix "
+                                      "it in config.json or generation_config.json")
+                if i is not None and i not in eos_ids:
+                    eos_ids.append(i)
         if bos_token is None and bos_id is not None:
             bos_token = backend.id_to_token(bos_id)
         if eos_token is None and eos_ids:

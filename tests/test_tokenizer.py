@@ -120,6 +120,14 @@ def test_another_models_tokenizer_is_refused(tmp_path, rows):
     assert Tokenizer.from_folder(folder).model_vocab_size == n + 64
 
 
+@pytest.mark.parametrize("eos", [["x"], "2", 2.5])
+def test_an_eos_token_id_that_is_no_id_is_refused(tmp_path, eos):
+    folder = _folder(tmp_path, sp_vocab_metadata())
+    (folder / "config.json").write_text(json.dumps({"eos_token_id": eos}))
+    with pytest.raises(QinferError, match=r"eos_token_id .* is not a token id or a list of them; fix it in config.json"):
+        Tokenizer.from_folder(folder)
+
+
 def test_gguf_bos_eos_resolved_by_text(tmp_path):
     tok = Tokenizer.from_folder(_folder(tmp_path, sp_vocab_metadata(bos_id=1, eos_id=1)))
     assert tok.bos_id == 2 and tok.eos_ids == (1, 5)
