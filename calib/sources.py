@@ -34,10 +34,11 @@ def load_calibration_documents(source: str = DEFAULT_SOURCE) -> list[str]:
     path = Path(source).expanduser()
     if path.is_dir():
         raise QinferError(f"calibration source {source} is a directory; give a .txt or .jsonl file")
-    if path.is_file():
-        if path.suffix == ".jsonl":
+    suffix = path.suffix.lower()
+    if path.exists():  # a regular file, or a named pipe such as mkfifo corpus.txt
+        if suffix == ".jsonl":
             docs = _jsonl_documents(path)
-        elif path.suffix == ".txt":
+        elif suffix == ".txt":
             docs = _text_documents(path)
         else:
             raise QinferError(
@@ -47,7 +48,7 @@ def load_calibration_documents(source: str = DEFAULT_SOURCE) -> list[str]:
         if not docs:
             raise QinferError(f"calibration file {source} holds no text")
         return docs
-    if path.suffix in _PATH_SUFFIXES or source.startswith(("/", "./", "../", "~")):
+    if suffix in _PATH_SUFFIXES or source.startswith(("/", "./", "../", "~")):
         raise QinferError(f"calibration file {source} does not exist")
     return _dataset_documents(source)
 

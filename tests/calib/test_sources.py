@@ -1,6 +1,8 @@
 import json
 import logging
+import os
 import sys
+import threading
 import types
 
 import pytest
@@ -59,6 +61,19 @@ def test_directory_and_unsupported_suffix(tmp_path):
     (tmp_path / "data.csv").write_text("a,b\n")
     with pytest.raises(QinferError, match=r"unsupported type \.csv: use \.txt"):
         load_calibration_documents(str(tmp_path / "data.csv"))
+
+
+def test_suffixes_in_capitals_and_named_pipes_are_files(tmp_path):
+    (tmp_path / "CALIB.TXT").write_text("One.\n\nTwo.\n")
+    (tmp_path / "calib.JSONL").write_text('{"text": "One."}\n')
+    assert load_calibration_documents(str(tmp_path / "CALIB.TXT")) == ["One.", "Two."]
+    assert load_calibration_documents(str(tmp_path / "calib.JSONL")) == ["One."]
+    fifo = tmp_path / "fifo.txt"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=fifo.write_text, args=("Piped.\n\nIn.\n",))
+    writer.start()
+    assert load_calibration_documents(str(fifo)) == ["Piped.", "In."]
+    writer.join()
 
 
 def test_files_without_text(tmp_path):
