@@ -68,9 +68,6 @@ from qinfer.quantizers.gptq import fp_target, gptq_quantize_ex
 from qinfer.quantizers.rtn import rtn_quantize
 from qinfer.tokenizer import Tokenizer
 
-# Files copied unchanged from the source folder so the output is a complete model folder.
-COPIED_FILES = ("config.json", *SIDE_FILES)
-
 # Output rows of the lm_head quantized at a time (gemma3's 262144 x 640 in 8 slices of 84 MB in fp32).
 LM_HEAD_ROWS = 32768
 
@@ -344,7 +341,8 @@ def quantize_model(
     del X
     with atomic_dir(out, force=force) as tmp:
         save_tensors(tensors, tmp / "model.safetensors")
-        for name in COPIED_FILES:
+        _write_config(folder, tmp, model.dtype)
+        for name in SIDE_FILES:  # unchanged, so OUT is a complete model folder
             if (folder / name).exists():
                 shutil.copy2(folder / name, tmp / name)
         scheme.save(tmp)
@@ -354,6 +352,15 @@ def quantize_model(
         # inside the temp folder: OUT appears with its report, never without
         (tmp / "quantize_report.json").write_text(json.dumps(_report_json(report, scheme, calib, tune), indent=2))
     return report
+
+
+def _write_config(folder: Path, out: Path, dtype: torch.dtype) -> None:
+    """``folder``'s config.json in ``out``, its ``dtype`` / ``torch_dtype`` saying ``dtype`` (the embedding's and
+    the other unquantized tensors', whatever the source held: an fp32 model is stored in bf16)."""
+    config = json.loads((folder / "config.json").read_text())
+    for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]:
+        config[key] = str(dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _own_bos(model: Transformer, ids: torch.Tensor | None) -> BosState | None:

@@ -174,6 +174,9 @@ def test_output_folder_is_complete_and_loads_packed(tiny, tmp_path, calib_file, 
     assert 4.0 < report.effective_bits < 8.5
     assert report.bytes_after < report.bytes_before
     assert json.loads((out / "quantize_report.json").read_text())["lm_head_method"] == "gptq"
+    # the fp32 source's config.json, saying the dtype its unquantized tensors are now stored in
+    source, config = json.loads((tiny / "config.json").read_text()), json.loads((out / "config.json").read_text())
+    assert source["dtype"] == "float32" and config == {**source, "dtype": "bfloat16"}
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))
