@@ -13,6 +13,9 @@ from qinfer.generate import ContextFull, GenerationStats, SamplingParams, compil
 from qinfer.model import Transformer
 from qinfer.tokenizer import StreamDecoder, Tokenizer
 
+# What the chat's commands and keys do (one line; /help shows it again).
+COMMANDS = "/reset clears the conversation, /exit or Ctrl-D quits, Ctrl-C stops a reply, /help shows this"
+
 
 class ChatSession:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, params: SamplingParams, system: str | None = None,
@@ -113,7 +116,7 @@ def repl(session: ChatSession, stdin=None, stdout=None) -> None:
         stdin.reconfigure(errors="surrogateescape")
     noted = False  # the note that --compile failed, written once
     if interactive:
-        stdout.write("qinfer chat: /reset clears the conversation, /exit or Ctrl-D quits, Ctrl-C stops a reply\n")
+        stdout.write(f"qinfer chat: {COMMANDS}\n")
     while True:
         try:
             line = _read_line(stdin, stdout, terminal)
@@ -132,6 +135,12 @@ def repl(session: ChatSession, stdin=None, stdout=None) -> None:
         if text == "/reset":
             session.reset()
             stdout.write("(conversation cleared)\n")
+            continue
+        if text in ("/help", "/?"):
+            stdout.write(f"({COMMANDS})\n")
+            continue
+        if text.startswith("/") and len(text.split()) == 1:  # a mistyped command is not sent as a turn
+            stdout.write(f"(unknown command {text}: {COMMANDS})\n")
             continue
         try:
             for piece in session.reply(text):

@@ -295,6 +295,16 @@ repl(Echo())
 """
 
 
+def test_chat_answers_its_commands_and_sends_no_mistyped_one_to_the_model():
+    proc = subprocess.run([sys.executable, "-c", ECHO_CHAT], capture_output=True, text=True, timeout=60,
+                          input="/help\n/rest\n/usr/bin is a folder\nhi\n/exit\nnot read\n")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("(/reset clears the conversation") and "/help" in lines[0]
+    assert lines[1].startswith("(unknown command /rest: /reset clears")
+    assert lines[2:] == ["[/usr/bin is a folder]", "[hi]"]  # a line that is more than one word is a turn
+
+
 def test_chat_at_a_terminal_edits_the_line():
     # typed "ab", left arrow, "X", Enter: the turn is "aXb", as in any readline prompt
     master, slave = os.openpty()
