@@ -31,11 +31,10 @@ from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile
 
 from qinfer.errors import Command, QinferError
-from qinfer.evals.forward import make_cache
 from qinfer.evals.roofline import threads_text
 from qinfer.evals.speed import checked_prompt
 from qinfer.generate import compiled_decode_step, decode_step, greedy, prefill
-from qinfer.kv_cache import KVCache
+from qinfer.kv_cache import KVCache, make_cache
 from qinfer.loader import load_model
 from qinfer.sources import resolve_model
 

@@ -14,22 +14,11 @@ from collections.abc import Callable
 
 import torch
 
-from qinfer.errors import QinferError
-from qinfer.kv_cache import KV_DTYPES, KVCache
+from qinfer.kv_cache import make_cache
 from qinfer.model import Transformer
 
 # (ids [T], first) -> logits [T - first, V]: the logits at positions first..T-1 of one sequence
 LogitsFn = Callable[[torch.Tensor, int], torch.Tensor]
-
-
-def make_cache(model: Transformer, batch: int, max_len: int, kv_dtype: str) -> KVCache:
-    if kv_dtype not in KV_DTYPES:
-        raise QinferError(f"unknown KV-cache dtype {kv_dtype!r}; use one of {', '.join(KV_DTYPES)}")
-    if kv_dtype == "bf16":
-        return KVCache(model.config, batch, max_len, model.dtype, model.device)
-    scales = getattr(model, "kv_scales", None) or None  # calibrated by `qinfer quantize --kv-cache`, if present
-    return KVCache(model.config, batch, max_len, model.dtype, model.device, kv_dtype=kv_dtype, scales=scales,
-                   scales_for=getattr(model, "kv_scales_dtype", None))
 
 
 def _hidden(model: Transformer, ids: torch.Tensor, kv_dtype: str) -> torch.Tensor:

@@ -44,10 +44,9 @@ from tqdm import tqdm
 
 from qinfer.errors import QinferError
 from qinfer.evals.costs import decode_bytes, decode_flops, prefill_bytes, prefill_flops, prefill_flops_by_dtype
-from qinfer.evals.forward import make_cache
 from qinfer.evals.roofline import DTYPES, Roofline, mbu, mfu
 from qinfer.generate import compile_failure_reason, compiled_decode_step, decode_step, greedy, prefill
-from qinfer.kv_cache import KVCache
+from qinfer.kv_cache import KVCache, make_cache
 from qinfer.model import Transformer
 
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}

@@ -19,7 +19,7 @@ COMMANDS = "/reset clears the conversation, /exit or Ctrl-D quits, Ctrl-C stops 
 
 class ChatSession:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, params: SamplingParams, system: str | None = None,
-                 compiled: bool = False):
+                 compiled: bool = False, kv_dtype: str = "bf16"):
         if not tokenizer.chat_template:
             raise QinferError("this model has no chat template (a base model?): use `qinfer generate` instead")
         context = model.config.max_position_embeddings
@@ -48,6 +48,7 @@ class ChatSession:
                               f"tokens of the model's context of {context}: {fix}")
         self.model, self.tokenizer, self.params, self.system = model, tokenizer, params, system
         self.compiled = compiled  # decode through torch.compile (qinfer.generate.generate)
+        self.kv_dtype = kv_dtype
         self.messages: list[dict] = []
         self.reset()
 
@@ -65,7 +66,7 @@ class ChatSession:
         try:
             ids = _encoded(self.tokenizer, self.messages)
             tokens = generate(self.model, ids, self.params, stop_ids=self.tokenizer.eos_ids, stats=stats,
-                              compiled=self.compiled)
+                              compiled=self.compiled, kv_dtype=self.kv_dtype)
         except QinferError:  # the template refused the turn, or the conversation no longer fits: not kept
             self.messages.pop()
             raise

@@ -40,6 +40,13 @@ def _sampling_options(f):
     return f
 
 
+def _kv_cache_option(f):
+    return click.option(
+        "--kv-cache", type=click.Choice(["bf16", "int8", "fp8"]), default="bf16", show_default=True,
+        help="KV-cache dtype; int8 and fp8 use the scales `quantize --kv-cache` stored, else the prompt's range.",
+    )(f)
+
+
 def _compile_option(f):
     return click.option(
         "--compile", "compiled", is_flag=True,
@@ -88,8 +95,9 @@ def list_models():
 @click.argument("model")
 @click.argument("prompt")
 @_sampling_options
+@_kv_cache_option
 @_compile_option
-def generate(model, prompt, dtype, max_tokens, temperature, top_p, top_k, seed, compiled):
+def generate(model, prompt, dtype, max_tokens, temperature, top_p, top_k, seed, kv_cache, compiled):
     """Continue PROMPT with MODEL, streaming tokens to stdout; a timing line goes to stderr."""
     from qinfer.generate import GenerationStats, SamplingParams, compile_failure_note
     from qinfer.generate import generate as run
@@ -99,7 +107,8 @@ def generate(model, prompt, dtype, max_tokens, temperature, top_p, top_k, seed, 
     lm, tok = _open(model, dtype)
     stats = GenerationStats()
     stream = StreamDecoder(tok)
-    tokens = run(lm, tok.encode(prompt), params, stop_ids=tok.eos_ids, stats=stats, compiled=compiled)  # checked
+    tokens = run(lm, tok.encode(prompt), params, stop_ids=tok.eos_ids, stats=stats, compiled=compiled,  # checked
+                 kv_dtype=kv_cache)
     sys.stdout.write(prompt)
     try:
         for token in tokens:
@@ -121,8 +130,9 @@ def generate(model, prompt, dtype, max_tokens, temperature, top_p, top_k, seed, 
 @click.argument("model")
 @click.option("--system", default=None, help="System prompt.")
 @_sampling_options
+@_kv_cache_option
 @_compile_option
-def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed, compiled):
+def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed, kv_cache, compiled):
     """Chat with MODEL in the terminal using its chat template. /reset clears, /exit (or EOF) quits."""
     from qinfer.chat import ChatSession, repl
     from qinfer.generate import SamplingParams
@@ -132,7 +142,7 @@ def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed, comp
     if compiled:
         click.echo("note: --compile: the first reply pauses after its first token while the decode step compiles "
                    "(about a minute on 2 CPU cores)", err=True)
-    repl(ChatSession(lm, tok, params, system=system, compiled=compiled))
+    repl(ChatSession(lm, tok, params, system=system, compiled=compiled, kv_dtype=kv_cache))
 
 
 @cli.command()
@@ -283,7 +293,7 @@ def export(model, out, fmt, force):
               help="Comma-separated BIG-bench multiple-choice tasks, or none.")
 @click.option("--limit", type=int, default=25, show_default=True, help="Examples per task.")
 @click.option("--speed/--no-speed", default=True, show_default=True, help="Measure prefill/decode speed, MBU, MFU.")
-@click.option("--kv-cache", type=click.Choice(["bf16", "int8", "fp8"]), default="bf16", show_default=True)
+@_kv_cache_option
 @click.option("--prompt-tokens", type=int, default=512, show_default=True, help="Prompt length for prefill speed.")
 @click.option("--decode-steps", type=int, default=16, show_default=True, help="Decode steps per speed run.")
 @click.option("--repeats", type=int, default=3, show_default=True, help="Speed runs (medians are reported).")

@@ -9,7 +9,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from qinfer.errors import QinferError, check_seed
-from qinfer.kv_cache import KVCache
+from qinfer.kv_cache import KVCache, make_cache
 from qinfer.model import Transformer
 
 
@@ -165,10 +165,12 @@ def generate(
     stats: GenerationStats | None = None,
     should_stop: Callable[[], bool] = lambda: False,
     compiled: bool = False,
+    kv_dtype: str = "bf16",
 ) -> Iterator[int]:
-    """Generated token ids one by one (stop ids are not yielded). ``compiled``: decode through
-    :func:`compiled_decode_step` from the second step on (the first, eager, builds the kernels' weight layouts,
-    which must not be made inside a traced step). A request that cannot run (an empty prompt, or one too long
+    """Generated token ids one by one (stop ids are not yielded), attending over a KV cache of ``kv_dtype``
+    (qinfer.kv_cache: "int8" and "fp8" use the scales ``qinfer quantize --kv-cache`` stored, if any).
+    ``compiled``: decode through :func:`compiled_decode_step` from the second step on (the first, eager, builds
+    the kernels' weight layouts, which must not be made inside a traced step). A request that cannot run (an empty prompt, or one too long
     for the model's context) is refused here, before any token: the caller has written nothing yet."""
     if not prompt_ids:
         raise QinferError("the prompt is empty after tokenization")
@@ -177,17 +179,17 @@ def generate(
             f"prompt ({len(prompt_ids)} tokens) + --max-tokens ({params.max_tokens}) exceeds the model's context "
             f"of {model.config.max_position_embeddings} tokens: shorten the prompt or lower --max-tokens"
         )
+    cache = make_cache(model, 1, len(prompt_ids) + params.max_tokens, kv_dtype)
     return _tokens(model, prompt_ids, params, stop_ids, stats if stats is not None else GenerationStats(),
-                   should_stop, compiled)
+                   should_stop, compiled, cache)
 
 
-def _tokens(model, prompt_ids, params, stop_ids, stats, should_stop, compiled) -> Iterator[int]:
+def _tokens(model, prompt_ids, params, stop_ids, stats, should_stop, compiled, cache) -> Iterator[int]:
     max_len = len(prompt_ids) + params.max_tokens
     generator = None
     if params.seed is not None:
         generator = torch.Generator(device=model.device).manual_seed(params.seed)
     # the last step writes position max_len - 2: a spare position, so no step's keys fill the cache (one graph)
-    cache = KVCache(model.config, 1, max_len, model.dtype, model.device)
     ids = torch.tensor([prompt_ids], device=model.device)
     stats.prompt_tokens = len(prompt_ids)
     t0 = time.perf_counter()

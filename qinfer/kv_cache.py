@@ -94,3 +94,15 @@ class KVCache:
         if q.dtype == torch.float8_e4m3fn:  # the same numbers as q.float() * scale, without float8's slow cast
             return e4m3_times(q, scale[None, :, None, None]).to(self.dtype)
         return (q.float() * scale[None, :, None, None]).to(self.dtype)
+
+
+def make_cache(model, batch: int, max_len: int, kv_dtype: str = "bf16") -> KVCache:
+    """A cache for ``model`` (a ``Transformer``) of ``kv_dtype``, with the scales ``qinfer quantize --kv-cache``
+    stored in its folder, if any (else each layer's first write sets them)."""
+    if kv_dtype not in KV_DTYPES:
+        raise QinferError(f"unknown KV-cache dtype {kv_dtype!r}; use one of {', '.join(KV_DTYPES)}")
+    if kv_dtype == "bf16":
+        return KVCache(model.config, batch, max_len, model.dtype, model.device)
+    scales = getattr(model, "kv_scales", None) or None
+    return KVCache(model.config, batch, max_len, model.dtype, model.device, kv_dtype=kv_dtype, scales=scales,
+                   scales_for=getattr(model, "kv_scales_dtype", None))

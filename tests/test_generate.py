@@ -10,8 +10,9 @@ import torch
 
 from qinfer.errors import QinferError
 from qinfer.generate import GenerationStats, SamplingParams, generate, greedy, prefill, sample
-from qinfer.kv_cache import KVCache
+from qinfer.kv_cache import KVCache, make_cache
 from qinfer.loader import load_model
+from qinfer.tokenizer import Tokenizer
 from tests.test_cli_errors import assert_one_line_error, run_qinfer
 from tests.tiny_models import make_model
 
@@ -33,6 +34,22 @@ def test_greedy_generation_matches_uncached_argmax(tiny):
         for _ in range(12):
             ids.append(int(tiny(torch.tensor([ids]))[0, -1].argmax()))
     assert got == ids[len(prompt):]
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_generation_attends_over_a_quantized_cache_with_the_stored_scales(tiny, monkeypatch, kv_dtype):
+    # scales far too small (as if calibrated on other text) clip every key and value: the continuation changes,
+    # and is the one a single forward through a cache of that dtype scores (as `qinfer eval --kv-cache` does)
+    tiny_scale = torch.full([2], 1e-3)
+    monkeypatch.setattr(tiny, "kv_scales", {i: (tiny_scale, tiny_scale) for i in range(3)})
+    monkeypatch.setattr(tiny, "kv_scales_dtype", kv_dtype)
+    prompt = [5, 17, 3, 42]
+    plain = list(generate(tiny, prompt, SamplingParams(max_tokens=8)))
+    got = list(generate(tiny, prompt, SamplingParams(max_tokens=8), kv_dtype=kv_dtype))
+    ids = torch.tensor([prompt + got])
+    with torch.no_grad():
+        logits = tiny(ids, torch.arange(ids.shape[1]), make_cache(tiny, 1, ids.shape[1], kv_dtype))
+    assert logits[0, len(prompt) - 1:-1].argmax(-1).tolist() == got != plain
 
 
 def test_stop_ids_end_generation(tiny):
@@ -247,9 +264,45 @@ def test_chat_refuses_a_system_message_that_leaves_no_room_for_a_first_turn(tmp_
                           "shorten --system")
 
 
+def test_generate_and_chat_run_over_the_kv_cache_asked_for_with_the_stored_scales(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from qinfer.format import QuantScheme
+    from qinfer.quantize import CalibConfig, quantize_model
+    from tests.tiny_models import TEXT
+
+    make_model("llama", tmp_path / "src")
+    (tmp_path / "calib.txt").write_text(TEXT * 8)
+    out = tmp_path / "q"
+    quantize_model(tmp_path / "src", out, QuantScheme(method="rtn", group_size=32, kv_cache="int8"),
+                   CalibConfig(source=str(tmp_path / "calib.txt"), samples=4, seq_len=32))
+    tensors = load_file(out / "model.safetensors")  # scales far too small: an int8 cache clips everything
+    small = {k: torch.full_like(t, 1e-3) for k, t in tensors.items() if k.endswith(("k_scale", "v_scale"))}
+    assert len(small) == 6
+    save_file({**tensors, **small}, out / "model.safetensors", metadata={"format": "pt"})
+
+    def generate_cli(kv):
+        proc = run_qinfer("generate", str(out), "It is a truth", "--max-tokens", "8", "--dtype", "fp32",
+                          "--kv-cache", kv)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    model, tok = load_model(out, dtype=torch.float32), Tokenizer.from_folder(out)
+    ids = list(generate(model, tok.encode("It is a truth"), SamplingParams(max_tokens=8), kv_dtype="int8"))
+    assert generate_cli("int8") == "It is a truth" + tok.decode(ids) + "\n" != generate_cli("bf16")
+
+    def chat_cli(kv):
+        proc = subprocess.run([sys.executable, "-m", "qinfer", "chat", str(out), "--max-tokens", "12", "--dtype",
+                               "fp32", "--kv-cache", kv], input="hello\n", capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    assert chat_cli("int8") != chat_cli("bf16")
+
+
 def test_an_empty_system_message_is_sent_as_one(tmp_path):
     from qinfer.chat import ChatSession
-    from qinfer.tokenizer import Tokenizer
 
     make_model("llama", tmp_path)
     tok = Tokenizer.from_folder(tmp_path)

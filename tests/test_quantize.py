@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from qinfer.block_tune import TuneConfig
 from qinfer.errors import QinferError
-from qinfer.evals.forward import make_cache
 from qinfer.format import QuantScheme
+from qinfer.kv_cache import make_cache
 from qinfer.loader import load_model
 from qinfer.calib.capture import calibrate_in_stages, capture_block, embed_samples, run_block
 import qinfer.quantize

@@ -9,10 +9,10 @@ from safetensors import safe_open
 
 from qinfer.evals.checkpoint import content_key, effective_bits, size_on_disk
 from qinfer.evals.costs import decode_bytes, decode_flops, prefill_flops, prefill_flops_by_dtype, weight_bytes
-from qinfer.evals.forward import make_cache
 from qinfer.evals.report import REPORT_FILES
 from qinfer.format import QuantScheme
 from qinfer.kernels import int4_cpu
+from qinfer.kv_cache import make_cache
 from qinfer.loader import is_bos_tensor, load_model
 from qinfer.model import QLinear
 from qinfer.quantize import CalibConfig, quantize_model
