@@ -70,10 +70,10 @@ class TuneConfig:
     holdout: int = 0  # block stage: calibration samples kept out of the steps to pick the best check; 0 = none
 
     def __post_init__(self):
-        if self.steps < 0 or self.e2e_steps < 0 or self.batch < 1 or not self.lr > 0 or self.holdout < 0:
+        if self.steps < 0 or self.e2e_steps < 0 or self.batch < 1 or not 0 < self.lr < math.inf or self.holdout < 0:
             raise QinferError(
                 "tuning needs --tune-steps >= 0, --e2e-steps >= 0, --tune-batch >= 1, --tune-holdout >= 0 and a "
-                f"positive --tune-lr (got {self.steps}, {self.e2e_steps}, {self.batch}, {self.holdout}, {self.lr})"
+                f"finite positive --tune-lr (got {self.steps}, {self.e2e_steps}, {self.batch}, {self.holdout}, {self.lr})"
             )
         if self.rounding and not self.steps:
             raise QinferError("--tune-rounding learns the rounding in the block tuning stage: add --tune-steps N (e.g. 200)")
@@ -89,7 +89,7 @@ class TuneConfig:
 class TuneResult:
     loss_before: float  # block stage: mean squared output error over every calibration sample;
     loss_after: float  # end-to-end stage: mean per-token KL over the first E2E_EVAL_SAMPLES samples
-    discarded: bool = False  # block stage: tuning raised the error, so the quantizer's weights were kept
+    discarded: bool = False  # tuning raised the error (or the KL), so the weights and norms before it were kept
     best_step: int | None = None  # block stage with a holdout: the step whose parameters were kept (0 = none)
     held_out: tuple[tuple[int, float], ...] = ()  # block stage with a holdout: (step, held-out loss) at each check
 
@@ -188,8 +188,9 @@ def tune_block(
             for n, w in tuned.items():
                 block.get_submodule(n).weight.data = w.dequantize(torch.float32)
             after = mean_loss(torch.arange(S))
-            # noisy minibatch steps can end worse: keep the quantizer's own (with a holdout: where no check beat it)
-            discarded = best_step == 0 if held else after > before
+            # noisy minibatch steps can end worse (or, at a rate far too high, at NaN): keep the quantizer's own
+            # (with a holdout: where no check beat it)
+            discarded = best_step == 0 if held else not after <= before
             if discarded:
                 tuned, norms, after = weights, untuned, before
                 for n, w in weights.items():
@@ -227,6 +228,7 @@ def tune_end_to_end(
     levels = {n: _levels(w) for n, w in weights.items()}
     logs = {n: torch.zeros(w.scale.shape, requires_grad=True) for n, w in weights.items()}
     norms = {n: p.detach().float().clone().requires_grad_(True) for n, p in model.model.named_parameters() if _is_norm(n)}
+    untuned = {n: p.detach().clone() for n, p in norms.items()}
 
     def block_params(i: int) -> dict[str, torch.Tensor]:
         prefix = f"layers.{i}."
@@ -283,11 +285,16 @@ def tune_end_to_end(
             for n, w in tuned.items():
                 model.get_submodule(n).weight.data = w.dequantize(torch.float32)
             after = eval_kl()
+            discarded = not after <= before  # as for a block: a tuning that ends worse, or at NaN, is undone
+            if discarded:
+                tuned, norms, after = weights, untuned, before
+                for n, w in weights.items():
+                    model.get_submodule(n).weight.data = w.dequantize(torch.float32)
     finally:
         for part in tuned_parts:
             part.to(dtype)
     _keep_norms(model.model, norms, dtype)
-    return tuned, TuneResult(before, after)
+    return tuned, TuneResult(before, after, discarded)
 
 
 def _keep_norms(root: torch.nn.Module, norms: dict[str, torch.Tensor], dtype: torch.dtype) -> None:

@@ -109,8 +109,9 @@ class CalibConfig:
     def __post_init__(self):
         if self.samples < 1 or self.seq_len < 2:
             raise QinferError(f"--samples must be >= 1 and --seq-len >= 2 (got {self.samples}, {self.seq_len})")
-        if not self.fp_target_damp > 0:
-            raise QinferError(f"--fp-target-damp must be > 0 (got {self.fp_target_damp}); the default is 0.3")
+        if not 0 < self.fp_target_damp < float("inf"):
+            raise QinferError(f"--fp-target-damp must be a finite number > 0 (got {self.fp_target_damp}); the "
+                              "default is 0.3")
         check_seed(self.seed)
 
 
@@ -130,6 +131,7 @@ class QuantizeReport:
     tune_held_out: dict[str, list] = field(default_factory=dict)  # --tune-holdout: block -> [(step, loss)] checks
     e2e_kl: tuple[float, float] | None = None  # end-to-end tuning: KL to the unquantized model (before, after)
     e2e_samples: int = 0  # ... over this many calibration samples
+    e2e_discarded: bool = False  # end-to-end tuning raised that KL (or reached NaN): undone
     compute_dtype: str = "bfloat16"  # what the blocks ran in during calibration
     embedding_bits: int | None = None  # a tied embedding read from the quantized lm_head: its bits
     lm_head_method: str | None = None  # how a quantized lm_head was quantized: gptq, or rtn / fp8 (to nearest)
@@ -163,6 +165,8 @@ class QuantizeReport:
         if self.e2e_kl is not None:
             text += (f"\nend-to-end tuning: KL to the unquantized model {self.e2e_kl[0]:.4f} -> {self.e2e_kl[1]:.4f} "
                      f"(first {self.e2e_samples} calibration samples)")
+            if self.e2e_discarded:
+                text += "; undone: it raised the KL (a lower --tune-lr may help)"
         return text
 
 
@@ -316,6 +320,7 @@ def quantize_model(
     if tune.e2e_steps:
         quantized, result = tune_end_to_end(model, quantized, ids, model.model.norm(X_ref), tune)
         report.e2e_kl, report.e2e_samples = (result.loss_before, result.loss_after), min(len(ids), E2E_EVAL_SAMPLES)
+        report.e2e_discarded = result.discarded
         for i in range(model.config.num_layers):
             _block_tensors(tensors, model, i)
         if scheme.kv_cache != "none" or scheme.quantize_lm_head:
@@ -470,6 +475,7 @@ def _report_json(report: QuantizeReport, scheme: QuantScheme, calib: CalibConfig
         "tune_best_steps": report.tune_best_steps,
         "tune_held_out": report.tune_held_out,
         "e2e_kl": report.e2e_kl,
+        "e2e_discarded": report.e2e_discarded,
         "embedding_bits": report.embedding_bits,
         "lm_head_method": report.lm_head_method,
         "compute_dtype": report.compute_dtype,

@@ -110,8 +110,8 @@ def test_zero_steps_change_nothing(tiny):  # noqa: F811
     assert torch.equal(tuned[name].scale, w.scale) and result.loss_after == pytest.approx(result.loss_before, rel=1e-6)
 
 
-@pytest.mark.parametrize("rounding,holdout", [(False, 0), (True, 0), (True, 2)])
-def test_tuning_that_raises_the_error_is_undone(tiny, rounding, holdout):  # noqa: F811
+@pytest.mark.parametrize("rounding,holdout,lr", [(False, 0, 3.0), (True, 0, 3.0), (True, 2, 3.0), (False, 0, 1e6)])
+def test_tuning_that_raises_the_error_is_undone(tiny, rounding, holdout, lr):  # noqa: F811
     model = load_model(tiny, dtype=torch.bfloat16)
     block = model.model.layers[1]
     X = (torch.randn(4, 16, model.config.hidden_size, generator=torch.Generator().manual_seed(2)) * 2).to(torch.bfloat16)
@@ -119,7 +119,8 @@ def test_tuning_that_raises_the_error_is_undone(tiny, rounding, holdout):  # noq
     packed, residuals = rtn_block(model, 1, QuantScheme(method="rtn", bits=3, group_size=32))
     before = {n: p.detach().clone() for n, p in block.named_parameters()}
     # a rate this large throws the scales and norms far off: the tuned block is worse than the quantizer's
-    config = TuneConfig(steps=5, lr=3.0, batch=2, rounding=rounding, holdout=holdout)
+    # (at 1e6 its error is NaN, which compares as no worse unless asked the right way round)
+    config = TuneConfig(steps=5, lr=lr, batch=2, rounding=rounding, holdout=holdout)
     tuned, result = tune_block(model, 1, packed, X, Y, config, residuals if rounding else None)
     assert result.discarded and result.loss_after == result.loss_before
     assert result.best_step == (0 if holdout else None)
@@ -183,6 +184,8 @@ def test_bad_config_is_refused():
         TuneConfig(steps=-1)
     with pytest.raises(QinferError, match="tune-steps"):
         TuneConfig(steps=3, lr=0.0)
+    with pytest.raises(QinferError, match="finite positive --tune-lr"):
+        TuneConfig(steps=3, lr=float("inf"))
     with pytest.raises(QinferError, match="e2e-steps >= 0"):
         TuneConfig(e2e_steps=-2)
     with pytest.raises(QinferError, match="add --tune-steps"):
@@ -264,6 +267,24 @@ def test_end_to_end_tuning_lowers_kl_and_keeps_codes(tiny):  # noqa: F811
     with torch.no_grad():
         own = kl_to(ref_logits[:E2E_EVAL_SAMPLES], model(ids[:E2E_EVAL_SAMPLES]))
     assert own == pytest.approx(result.loss_after, rel=1e-3)
+
+
+def test_end_to_end_tuning_that_raises_the_kl_is_undone(tiny):  # noqa: F811
+    model = load_model(tiny, dtype=torch.float32)
+    ids = torch.randint(0, model.config.vocab_size, (4, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        target = model.hidden_states(ids, torch.arange(24))
+    packed = {}
+    for i, layer in enumerate(model.model.layers):
+        for name in model.config.arch.linear_names:
+            module = layer.get_submodule(name)
+            packed[f"model.layers.{i}.{name}"] = rtn_quantize(module.weight.data, QuantScheme(method="rtn", bits=3, group_size=32))
+            module.weight.data = packed[f"model.layers.{i}.{name}"].dequantize(torch.float32)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tuned, result = tune_end_to_end(model, packed, ids, target, TuneConfig(e2e_steps=3, lr=1e6))  # to NaN
+    assert result.discarded and result.loss_after == result.loss_before and tuned is packed
+    for n, p in model.named_parameters():
+        assert p.dtype == before[n].dtype and torch.equal(p, before[n]), n
 
 
 def test_pipeline_end_to_end_tuning_brings_the_model_closer(tiny, tmp_path, calib_file):  # noqa: F811
