@@ -118,6 +118,9 @@ def read_config(folder: Path) -> dict:
                           "config.json again") from None
     except UnicodeDecodeError:
         raise QinferError(f"{path} is not UTF-8 text: copy the model's config.json again") from None
+    except OSError as e:  # a directory, a file this user may not read, an I/O error
+        raise QinferError(f"{path} cannot be read ({e.strerror or e}): make it a readable file (copy the model's "
+                          "config.json again)") from None
     if not isinstance(raw, dict):
         raise QinferError(f"{path} is not a JSON object: copy the model's config.json again")
     return raw

@@ -104,6 +104,15 @@ def test_config_that_is_not_json(tmp_path):
                           "at line 2", "copy the model's config.json again")
 
 
+def test_config_that_is_a_folder(tmp_path):
+    make_model("llama", tmp_path)
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").mkdir()
+    for command in (("generate", str(tmp_path), "hi"), ("quantize", str(tmp_path), "-o", str(tmp_path / "q"))):
+        assert_one_line_error(run_qinfer(*command), "config.json cannot be read (Is a directory)",
+                              "make it a readable file")
+
+
 def test_no_network_while_pulling(tmp_path):
     # pip pointed at nothing stands in for a machine without network.
     env = {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(tmp_path), "PIP_EXTRA_INDEX_URL": "", "PIP_CONSTRAINT": ""}
