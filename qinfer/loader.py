@@ -226,8 +226,11 @@ def load_model(
     for name, t in tensors.items():
         if tuple(t.shape) != shapes[name]:
             raise QinferError(f"{folder}: {name} has shape {tuple(t.shape)}, config.json implies {shapes[name]}")
+        if not t.is_floating_point():  # every unquantized tensor of the model holds real numbers
+            raise QinferError(f"{folder}: {name} holds {str(t.dtype).removeprefix('torch.')} values, not floating "
+                              "point ones: the checkpoint is damaged; download or convert it again")
         want = norms[name].weight_dtype(dtype, t.dtype) if name in norms else dtype
-        state[name] = t.to(device=device, dtype=want if t.is_floating_point() else t.dtype)
+        state[name] = t.to(device=device, dtype=want)
     model.load_state_dict(state, assign=True, strict=False)
     for name, weight in packed.items():
         module: QLinear = model.get_submodule(name.removesuffix(".weight"))

@@ -123,6 +123,17 @@ def test_an_untied_model_without_its_lm_head_is_refused(tmp_path):
         load_model(tmp_path)
 
 
+def test_a_weight_of_integers_is_refused_in_one_line(tmp_path):
+    make_model("llama", tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name] = (tensors[name] * 100).to(torch.int32)
+    save_file(tensors, tmp_path / "model.safetensors")
+    message = f"{name} holds int32 values, not floating point ones: the checkpoint is damaged"
+    assert_one_line_error(run_qinfer("generate", str(tmp_path), "hi"), message)
+    assert_one_line_error(run_qinfer("quantize", str(tmp_path), "-o", str(tmp_path / "q"), "--method", "rtn"), message)
+
+
 def test_a_tokenizer_with_ids_past_the_models_vocabulary_is_one_line(tmp_path):
     """Another model's tokenizer: the first id without an embedding row is named, not an IndexError (one far
     larger than the model is refused as it loads)."""
