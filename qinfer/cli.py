@@ -226,6 +226,8 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
             raise QinferError("--format fp8 scales each output channel, not groups: drop --group-size")
         if "lm_head_bits" in given and lm_head_bits != 8:
             raise QinferError("--format fp8 quantizes the lm_head to FP8 (8 bits): drop --lm-head-bits")
+        if act_order and method != "gptq":  # named as given, before rtn becomes the scheme's method "fp8"
+            raise QinferError(f"--act-order applies only to --method gptq, not {method}: drop --act-order")
         method, group_size, lm_head_bits = ("gptq" if method == "gptq" else "fp8"), -1, 8
     if act_order is None:
         act_order = method == "gptq"

@@ -120,7 +120,7 @@ def _choice(field: str, value, allowed: tuple, fix: str = "") -> None:
     if not any(type(value) is type(a) and value == a for a in allowed):
         expected = repr(allowed[0]) if len(allowed) == 1 else f"one of {', '.join(map(repr, allowed))}"
         flag = f" ({_FLAGS[field]})" if field in _FLAGS else ""
-        raise QinferError(f"QuantScheme.{field}{flag} must be {expected}; got {value!r}{fix}")
+        raise QinferError(f"{field}{flag} must be {expected}; got {value!r}{fix}")
 
 
 @dataclass(frozen=True)
@@ -159,10 +159,10 @@ class QuantScheme:
         if type(self.damp) is int:  # JSON writes 1.0 back as 1
             object.__setattr__(self, "damp", float(self.damp))
         if type(self.damp) is not float or not 0.0 < self.damp <= 1.0:
-            raise QinferError(f"QuantScheme.damp must be a float in (0, 1]; got {self.damp!r}")
+            raise QinferError(f"damp must be a float in (0, 1]; got {self.damp!r}")
         if (self.format == "fp8" and self.method not in ("fp8", "gptq")) or (self.format == "int" and self.method == "fp8"):
             raise QinferError(
-                f"QuantScheme: method {self.method!r} with format {self.format!r}; format 'fp8' goes with method "
+                f"method {self.method!r} with format {self.format!r}; format 'fp8' goes with method "
                 "'fp8' (round to nearest) or 'gptq' (error feedback), format 'int' with rtn, gptq or awq"
             )
         if self.format == "fp8":
@@ -170,17 +170,17 @@ class QuantScheme:
             _choice("bits", self.bits, (8,), fix)
             _choice("lm_head_bits", self.lm_head_bits, (8,), fix)
             if self.group_size != -1:
-                raise QinferError("QuantScheme: fp8 has no groups; set group_size=-1 and choose fp8_granularity")
+                raise QinferError("fp8 has no groups; set group_size=-1 and choose fp8_granularity")
             if not self.symmetric:
-                raise QinferError("QuantScheme: fp8 is symmetric (no zero point): drop --asym (symmetric=True)")
+                raise QinferError("fp8 is symmetric (no zero point): drop --asym (symmetric=True)")
             if self.mse_clip:
-                raise QinferError("QuantScheme: the clip search (--mse-clip) is for integer formats; fp8 keeps the full range: "
+                raise QinferError("the clip search (--mse-clip) is for integer formats; fp8 keeps the full range: "
                                  "drop --mse-clip")
         else:
             _choice("bits", self.bits, INT_BITS)
             _choice("lm_head_bits", self.lm_head_bits, INT_BITS)
         if self.act_order and self.method != "gptq":
-            raise QinferError(f"QuantScheme: act_order (--act-order) applies only to --method gptq, not {self.method!r}: "
+            raise QinferError(f"act_order (--act-order) applies only to --method gptq, not {self.method!r}: "
                               "drop --act-order")
 
     @property
@@ -217,7 +217,10 @@ class QuantScheme:
         unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise QinferError(f"{source} has unknown keys {unknown}")
-        return cls(**data)
+        try:
+            return cls(**data)
+        except QinferError as e:
+            raise QinferError(f"{source} is damaged: {e}; quantize the model again") from None
 
     def save(self, folder: str | Path) -> Path:
         path = Path(folder) / QUANT_CONFIG_FILE

@@ -116,8 +116,8 @@ def test_pack_errors():
         (dict(method="fp8", format="fp8", bits=8, group_size=-1, fp8_granularity="block"), "fp8_granularity"),
         (dict(method="fp8", format="fp8", bits=8, group_size=-1, mse_clip=True), "clip search"),
         (dict(mse_clip=1), "mse_clip"),
-        (dict(bits=5), r"QuantScheme.bits \(--bits\) must be one of 2, 3, 4, 8; got 5"),
-        (dict(group_size=48), r"QuantScheme.group_size \(--group-size\) must be one of 32, 64, 128, -1; got 48"),
+        (dict(bits=5), r"^bits \(--bits\) must be one of 2, 3, 4, 8; got 5"),
+        (dict(group_size=48), r"^group_size \(--group-size\) must be one of 32, 64, 128, -1; got 48"),
     ],
 )
 def test_scheme_validation(kwargs, match):
@@ -158,6 +158,9 @@ def test_scheme_from_json_errors(tmp_path):
         QuantScheme.from_json(good.replace('"bits"', '"bitz"'))
     with pytest.raises(QinferError, match="not valid JSON"):
         QuantScheme.from_json("{")
+    with pytest.raises(QinferError, match=r"^quant_config.json is damaged: bits \(--bits\) must be one of 2, 3, 4, 8; "
+                                          r"got 5; quantize the model again$"):
+        QuantScheme.from_json(good.replace('"bits": 4', '"bits": 5'))
     with pytest.raises(QinferError, match="not found"):
         QuantScheme.load(tmp_path)
     # JSON writers may drop the ".0" of a float; damp stays a float
