@@ -15,7 +15,7 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
-from qinfer.errors import QinferError
+from qinfer.errors import TERMINATING, QinferError
 
 
 # The cache folders qinfer alone writes (pulled built-ins, GGUF and foreign-format conversions): never an -o.
@@ -160,13 +160,13 @@ def atomic_dir(target: Path, force: bool = False):
 
 @contextmanager
 def _signals_held():
-    """Hold SIGINT and SIGTERM back for a few system calls that must not be parted, then deliver them."""
+    """Hold SIGINT, SIGTERM and SIGHUP back for a few system calls that must not be parted, then deliver them."""
     if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
         yield
         return
     caught: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
+                for sig in (signal.SIGINT, *TERMINATING)}
     try:
         yield
     finally:

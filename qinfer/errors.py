@@ -36,15 +36,19 @@ class _OneLineErrors:
         super().__init__(*args, context_settings=settings, **kwargs)
 
     def invoke(self, ctx):
-        with _sigterm_unwinds():
+        with _termination_unwinds():
             return self._invoke(ctx)
 
     def _invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except Terminated:
-            click.echo("Error: terminated (SIGTERM); nothing half-written was kept", err=True)
-            raise SystemExit(128 + signal.SIGTERM) from None
+        except Terminated as e:
+            try:  # after a SIGHUP the terminal may be gone: the exit status still says it
+                click.echo(f"Error: terminated ({signal.Signals(e.code - 128).name}); nothing half-written was kept",
+                           err=True)
+            except OSError:
+                pass
+            raise SystemExit(e.code) from None
         except KeyboardInterrupt:
             raise _Interrupted("interrupted; nothing half-written was kept") from None
         except QinferError as e:
@@ -65,8 +69,12 @@ class _OneLineErrors:
             raise
 
 
+# The signals that end a command by unwinding it: `kill`, and SIGHUP (its terminal closed, its ssh dropped).
+TERMINATING = (signal.SIGTERM, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else []))
+
+
 class Terminated(SystemExit):
-    """Raised by SIGTERM while a command runs: unwinds like Ctrl-C (every temp folder is removed on the way out)
+    """Raised by SIGTERM or SIGHUP while a command runs: unwinds like Ctrl-C (every temp folder is removed on the way out)
     but is not taken for a Ctrl-C where one only stops the current reply (``qinfer chat``)."""
 
 
@@ -82,7 +90,7 @@ class _Interrupted(click.ClickException):
 
 
 @contextmanager
-def _sigterm_unwinds():
+def _termination_unwinds():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -90,11 +98,12 @@ def _sigterm_unwinds():
     def terminate(signum, frame):
         raise Terminated(128 + signum)
 
-    previous = signal.signal(signal.SIGTERM, terminate)
+    previous = {sig: signal.signal(sig, terminate) for sig in TERMINATING}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 class Command(_OneLineErrors, click.Command):

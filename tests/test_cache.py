@@ -193,20 +193,22 @@ def test_a_manifest_names_a_missing_or_resized_file(tmp_path):
 def _writer(target, how):
     with atomic_dir(Path(target)) as tmp:
         (tmp / "config.json").write_text("{}")
-        if how == "term":
-            os.kill(os.getpid(), signal.SIGTERM)
+        if how in ("term", "hup"):
+            os.kill(os.getpid(), signal.SIGTERM if how == "term" else signal.SIGHUP)
             time.sleep(10)
         raise KeyboardInterrupt
 
 
 @pytest.mark.parametrize("how, code, message", [("term", 143, "Error: terminated (SIGTERM)"),
+                                                ("hup", 129, "Error: terminated (SIGHUP)"),
                                                 ("int", 130, "Error: interrupted")])
-def test_sigterm_and_ctrl_c_unwind_and_leave_nothing_half_written(tmp_path, how, code, message):
-    previous = signal.getsignal(signal.SIGTERM)
+def test_sigterm_sighup_and_ctrl_c_unwind_and_leave_nothing_half_written(tmp_path, how, code, message):
+    previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)
     result = CliRunner().invoke(_writer, [str(tmp_path / "out"), how])
     assert result.exit_code == code and message in result.output, result.output
     assert list(tmp_path.iterdir()) == []
-    assert signal.getsignal(signal.SIGTERM) is previous  # the handler is the command's only
+    # the handlers are the command's only
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)) == previous
 
 
 @pytest.mark.parametrize("where", ["file", "file/below"])
