@@ -215,6 +215,7 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
     from qinfer.quantize import CalibConfig, quantize_model, uses_calibration
     from qinfer.sources import resolve_model
 
+    _check_out_name(out)
     ctx = click.get_current_context()
     given = {name for name in ctx.params if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE}
     if "lm_head_bits" in given and not quantize_lm_head:
@@ -276,6 +277,7 @@ def export(model, out, fmt, force):
     from qinfer.interop.folders import export_folder
     from qinfer.sources import resolve_model
 
+    _check_out_name(out)
     if Path(model).expanduser().exists():  # the path given, not only its converted copy in the cache
         check_output(Path(out), force, source=Path(model).expanduser())
     report = export_folder(resolve_model(model), out, fmt, force=force)

@@ -113,6 +113,8 @@ class CalibConfig:
             raise QinferError(f"--fp-target-damp must be a finite number > 0 (got {self.fp_target_damp}); the "
                               "default is 0.3")
         check_seed(self.seed)
+        if not self.source.strip():
+            raise QinferError("--calib is empty: name austen (the default), a .txt or .jsonl file, or a dataset")
 
 
 @dataclass

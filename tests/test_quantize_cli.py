@@ -99,6 +99,7 @@ def test_cli_quantize_then_generate(tiny, tmp_path, calib_file):  # noqa: F811
         (["--tune-lr", "0.5", "--group-size", "32"], "--tune-lr is the rate of the tuning stages"),
         (["--method", "rtn", "--tune-lr", "0.5"], "add --tune-steps N or --e2e-steps N"),
         (["--tune-batch", "3", "--e2e-steps", "2", "--group-size", "32"], "--tune-batch is the block tuning stage's"),
+        (["--calib", "", "--group-size", "32"], "--calib is empty: name austen (the default)"),
     ],
 )
 def test_cli_bad_options(tiny, tmp_path, args, needle):  # noqa: F811
@@ -108,6 +109,13 @@ def test_cli_bad_options(tiny, tmp_path, args, needle):  # noqa: F811
     proc = run_qinfer("quantize", str(tiny), "-o", str(tmp_path / "out"), *args)
     assert_one_line_error(proc, needle)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["quantize", "export"])
+def test_an_empty_output_name_is_refused(tiny, tmp_path, command):  # noqa: F811
+    # not taken for "." (this folder) and refused as one that exists
+    extra = ["--format", "gptq"] if command == "export" else []
+    assert_one_line_error(run_qinfer(command, str(tiny), "-o", " ", *extra), "--out is empty: name a folder")
 
 
 def test_cli_says_when_rtn_reads_no_calibration_text(tiny, tmp_path):  # noqa: F811
