@@ -201,7 +201,8 @@ class QuantScheme:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise QinferError(f"{source} is not valid JSON: {e}") from None
+            raise QinferError(f"{source} is not valid JSON ({e}): the folder is damaged; quantize the model again") \
+                from None
         if not isinstance(data, dict):
             raise QinferError(f"{source} must hold a JSON object, not {type(data).__name__}")
         version = data.pop("format_version", None)

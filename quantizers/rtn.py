@@ -40,7 +40,8 @@ def _groups(W: torch.Tensor, group_size: int) -> torch.Tensor:
 
 def _fp16_scale_up(scale: torch.Tensor, name: str) -> torch.Tensor:
     if not bool((scale <= FP16_MAX).all()):
-        raise QinferError(f"{name}: weights too large for a float16 scale (max scale {scale.max().item():.3g})")
+        raise QinferError(f"{name}: weights too large for a float16 scale (max scale {scale.max().item():.3g}): "
+                          "weights this large are no trained model's; check the checkpoint")
     s16 = scale.half()
     short = s16.float() < scale
     return torch.where(short, torch.nextafter(s16, torch.full_like(s16, float("inf"))), s16)

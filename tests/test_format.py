@@ -156,7 +156,7 @@ def test_scheme_from_json_errors(tmp_path):
         QuantScheme.from_json(good.replace(f'"format_version": {FORMAT_VERSION}', '"format_version": 99'))
     with pytest.raises(QinferError, match="unknown keys"):
         QuantScheme.from_json(good.replace('"bits"', '"bitz"'))
-    with pytest.raises(QinferError, match="not valid JSON"):
+    with pytest.raises(QinferError, match=r"not valid JSON \(.*\): the folder is damaged; quantize the model again"):
         QuantScheme.from_json("{")
     with pytest.raises(QinferError, match=r"^quant_config.json is damaged: bits \(--bits\) must be one of 2, 3, 4, 8; "
                                           r"got 5; quantize the model again$"):

@@ -114,7 +114,7 @@ def test_errors_name_the_layer():
     W[0, 0] = float("nan")
     with pytest.raises(QinferError, match="q_proj: weight contains NaN or Inf"):
         rtn_quantize(W, QuantScheme(group_size=32), name="q_proj")
-    with pytest.raises(QinferError, match="too large for a float16 scale"):
+    with pytest.raises(QinferError, match="too large for a float16 scale .*: .*check the checkpoint"):
         rtn_quantize(torch.full((2, 32), 1e6), QuantScheme(group_size=32))
     with pytest.raises(QinferError, match="integer scheme"):
         rtn_quantize(torch.randn(2, 32), QuantScheme(method="fp8", format="fp8", bits=8, group_size=-1))
