@@ -73,7 +73,8 @@ class TuneConfig:
         if self.steps < 0 or self.e2e_steps < 0 or self.batch < 1 or not 0 < self.lr < math.inf or self.holdout < 0:
             raise QinferError(
                 "tuning needs --tune-steps >= 0, --e2e-steps >= 0, --tune-batch >= 1, --tune-holdout >= 0 and a "
-                f"finite positive --tune-lr (got {self.steps}, {self.e2e_steps}, {self.batch}, {self.holdout}, {self.lr})"
+                f"finite positive --tune-lr (got {self.steps}, {self.e2e_steps}, {self.batch}, {self.holdout}, "
+                f"{self.lr})"
             )
         if self.rounding and not self.steps:
             raise QinferError("--tune-rounding learns the rounding in the block tuning stage: add --tune-steps N (e.g. 200)")

@@ -16,6 +16,9 @@ from pathlib import Path
 
 import click
 
+# The signals that end a command by unwinding it: `kill`, and SIGHUP (its terminal closed, its ssh dropped).
+TERMINATING = (signal.SIGTERM, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else []))
+
 
 class QinferError(Exception):
     """A problem with the user's input or environment, explained in one line."""
@@ -69,13 +72,9 @@ class _OneLineErrors:
             raise
 
 
-# The signals that end a command by unwinding it: `kill`, and SIGHUP (its terminal closed, its ssh dropped).
-TERMINATING = (signal.SIGTERM, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else []))
-
-
 class Terminated(SystemExit):
-    """Raised by SIGTERM or SIGHUP while a command runs: unwinds like Ctrl-C (every temp folder is removed on the way out)
-    but is not taken for a Ctrl-C where one only stops the current reply (``qinfer chat``)."""
+    """Raised by SIGTERM or SIGHUP while a command runs: unwinds like Ctrl-C (every temp folder is removed on the
+    way out) but is not taken for a Ctrl-C where one only stops the current reply (``qinfer chat``)."""
 
 
 class _Interrupted(click.ClickException):

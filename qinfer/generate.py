@@ -170,8 +170,9 @@ def generate(
     """Generated token ids one by one (stop ids are not yielded), attending over a KV cache of ``kv_dtype``
     (qinfer.kv_cache: "int8" and "fp8" use the scales ``qinfer quantize --kv-cache`` stored, if any).
     ``compiled``: decode through :func:`compiled_decode_step` from the second step on (the first, eager, builds
-    the kernels' weight layouts, which must not be made inside a traced step). A request that cannot run (an empty prompt, or one too long
-    for the model's context) is refused here, before any token: the caller has written nothing yet."""
+    the kernels' weight layouts, which must not be made inside a traced step). A request that cannot run (an
+    empty prompt, or one too long for the model's context) is refused here, before any token: the caller has
+    written nothing yet."""
     if not prompt_ids:
         raise QinferError("the prompt is empty after tokenization")
     if len(prompt_ids) + params.max_tokens > model.config.max_position_embeddings:

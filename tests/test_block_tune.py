@@ -278,7 +278,8 @@ def test_end_to_end_tuning_that_raises_the_kl_is_undone(tiny):  # noqa: F811
     for i, layer in enumerate(model.model.layers):
         for name in model.config.arch.linear_names:
             module = layer.get_submodule(name)
-            packed[f"model.layers.{i}.{name}"] = rtn_quantize(module.weight.data, QuantScheme(method="rtn", bits=3, group_size=32))
+            scheme = QuantScheme(method="rtn", bits=3, group_size=32)
+            packed[f"model.layers.{i}.{name}"] = rtn_quantize(module.weight.data, scheme)
             module.weight.data = packed[f"model.layers.{i}.{name}"].dequantize(torch.float32)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     tuned, result = tune_end_to_end(model, packed, ids, target, TuneConfig(e2e_steps=3, lr=1e6))  # to NaN
