@@ -74,6 +74,14 @@ ARCHS: dict[str, ArchSpec] = {
 }
 # config.json model_type values that are the same decoder under another name.
 MODEL_TYPE_ALIASES = {"gemma3": "gemma3_text"}
+# The transformers classes (config.json "architectures", case aside) each model type's decoder computes.
+CAUSAL_LM_CLASSES = {
+    "llama": ("LlamaForCausalLM", "MistralForCausalLM"),
+    "mistral": ("MistralForCausalLM", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2ForCausalLM",),
+    "qwen3": ("Qwen3ForCausalLM",),
+    "gemma3_text": ("Gemma3ForCausalLM",),
+}
 ROPE_TYPES = ("default", "linear", "llama3")
 # transformers' activation names (ACT2FN) -> the gate activation the decoder computes.
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
@@ -222,10 +230,20 @@ class ModelConfig:
 
 def _check_supported(raw: dict, model_type: str) -> None:
     architectures = raw.get("architectures") or []
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise QinferError(f"config.json's architectures is {json.dumps(architectures)}, not a list of class names; "
+                          "copy the model's config.json again")
     if raw.get("vision_config") or any("ConditionalGeneration" in a for a in architectures):
         raise QinferError(
             f"config.json describes a multimodal model ({', '.join(architectures) or 'vision_config'}); qinfer runs "
             "text-only decoders: use the text-only checkpoint (e.g. a *ForCausalLM one)"
+        )
+    known = {name.lower() for name in CAUSAL_LM_CLASSES[model_type]}
+    if architectures and not any(a.lower() in known for a in architectures):
+        raise QinferError(
+            f"config.json's architectures ({', '.join(architectures)}) is not the {model_type} decoder its model_type "
+            f"names ({' or '.join(CAUSAL_LM_CLASSES[model_type])}), so qinfer would compute another model: use a "
+            "checkpoint of an architecture qinfer runs, with its own config.json"
         )
     for types, key, what in UNSUPPORTED:
         if model_type in types and raw.get(key):

@@ -29,6 +29,9 @@ REFUSED = [
     ("gemma3", {"hidden_activation": "quick_gelu"}, "hidden_activation 'quick_gelu' is not supported"),
     ("gemma3", {"layer_types": ["chunked_attention"] * 3}, "layer_types 'chunked_attention'"),
     ("gemma3", {"architectures": ["Gemma3ForConditionalGeneration"]}, "multimodal model"),
+    ("llama", {"architectures": ["Phi3ForCausalLM"]}, "architectures (Phi3ForCausalLM) is not the llama decoder"),
+    ("qwen2", {"architectures": ["Qwen2ForSequenceClassification"]}, "not the qwen2 decoder"),
+    ("gemma3", {"architectures": ["Gemma3Model"]}, "not the gemma3_text decoder its model_type names"),
 ]
 
 
@@ -43,11 +46,25 @@ def test_settings_the_decoder_does_not_implement_are_refused(kind, overrides, me
 @pytest.mark.parametrize("overrides, message", [
     ({"model_type": ["llama"]}, 'model_type is ["llama"], not a string'),
     ({"text_config": "x"}, 'text_config is "x", not an object'),
-    ({"architectures": [1]}, "config.json has a malformed value"),
+    ({"architectures": [1]}, "architectures is [1], not a list of class names"),
+    ({"architectures": "LlamaForCausalLM"}, 'architectures is "LlamaForCausalLM", not a list'),
 ])
 def test_malformed_config_values_are_one_line(overrides, message):
     with pytest.raises(QinferError, match=re.escape(message)):
         ModelConfig.from_dict({**CONFIGS["llama"]().to_dict(), **overrides})
+
+
+@pytest.mark.parametrize("kind, architectures", [
+    ("llama", ["LLaMAForCausalLM"]),  # early Llama checkpoints' spelling
+    ("llama", ["MistralForCausalLM"]),
+    ("mistral", ["LlamaForCausalLM"]),
+    ("qwen3", ["Qwen3ForCausalLM"]),
+    ("gemma3", ["Gemma3ForCausalLM"]),
+    ("llama", []),
+])
+def test_the_causal_lm_classes_of_a_model_type_are_read(kind, architectures):
+    raw = {**CONFIGS[kind]().to_dict(), "architectures": architectures}
+    assert ModelConfig.from_dict(raw).model_type == CONFIGS[kind]().model_type
 
 
 def _shard(folder, extra: dict | None = None):
