@@ -15,7 +15,7 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
-from qinfer.errors import TERMINATING, QinferError
+from qinfer.errors import TERMINATING, QinferError, finished
 
 
 # The cache folders qinfer alone writes (pulled built-ins, GGUF and foreign-format conversions): never an -o.
@@ -126,6 +126,7 @@ def atomic_dir(target: Path, force: bool = False):
     complete.
     """
     target = Path(target)
+    finished(None)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(target.parent, f".{target.name}.tmp-", folder=True)
     umask = os.umask(0)
@@ -140,6 +141,7 @@ def atomic_dir(target: Path, force: bool = False):
             with _signals_held():
                 target.rename(old)
                 tmp.rename(target)
+                finished(target)
                 if old.is_dir() and not old.is_symlink():
                     shutil.rmtree(old, ignore_errors=True)
                 else:
@@ -148,7 +150,9 @@ def atomic_dir(target: Path, force: bool = False):
             if target.exists() or target.is_symlink():
                 raise _appeared(target)
             try:
-                tmp.rename(target)  # an empty folder made meanwhile is replaced; a non-empty one raises
+                with _signals_held():  # a Ctrl-C right after the rename is told OUT is complete
+                    tmp.rename(target)  # an empty folder made meanwhile is replaced; a non-empty one raises
+                    finished(target)
             except OSError as e:
                 if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
                     raise _appeared(target) from None

@@ -20,6 +20,19 @@ import click
 TERMINATING = (signal.SIGTERM, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else []))
 
 
+# The output the running command last finished (renamed into place): an interruption after it says it is whole.
+_finished: list[Path] = []
+
+
+def finished(path: Path | None) -> None:
+    """Record ``path`` as the command's last finished output (None: one is being written)."""
+    _finished[:] = [] if path is None else [Path(path)]
+
+
+def _kept() -> str:
+    return "nothing half-written was kept" + (f" ({_finished[0]} is complete)" if _finished else "")
+
+
 class QinferError(Exception):
     """A problem with the user's input or environment, explained in one line."""
 
@@ -39,6 +52,7 @@ class _OneLineErrors:
         super().__init__(*args, context_settings=settings, **kwargs)
 
     def invoke(self, ctx):
+        finished(None)
         with _termination_unwinds():
             return self._invoke(ctx)
 
@@ -47,13 +61,12 @@ class _OneLineErrors:
             return super().invoke(ctx)
         except Terminated as e:
             try:  # after a SIGHUP the terminal may be gone: the exit status still says it
-                click.echo(f"Error: terminated ({signal.Signals(e.code - 128).name}); nothing half-written was kept",
-                           err=True)
+                click.echo(f"Error: terminated ({signal.Signals(e.code - 128).name}); {_kept()}", err=True)
             except OSError:
                 pass
             raise SystemExit(e.code) from None
         except KeyboardInterrupt:
-            raise _Interrupted("interrupted; nothing half-written was kept") from None
+            raise _Interrupted(f"interrupted; {_kept()}") from None
         except QinferError as e:
             raise click.ClickException(str(e)) from None
         except (MemoryError, RuntimeError) as e:

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from qinfer import registry
 from qinfer.cache import atomic_dir, check_output, damage, source_fingerprint, temp_path, write_manifest
-from qinfer.errors import Command, QinferError
+from qinfer.errors import Command, QinferError, _kept
 from tests.test_cli_errors import assert_one_line_error, run_qinfer
 
 
@@ -59,6 +59,7 @@ def test_ctrl_c_between_the_renames_of_a_replace_waits_for_both(tmp_path, monkey
         signal.signal(signal.SIGINT, previous)
     assert (target / "config.json").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert "(out is complete)" in _kept().replace(str(tmp_path) + os.sep, "")  # what the Ctrl-C line will say
 
 
 def test_atomic_dir_replacing_a_file_leaves_nothing_behind(tmp_path):
@@ -196,7 +197,10 @@ def _writer(target, how):
         if how in ("term", "hup"):
             os.kill(os.getpid(), signal.SIGTERM if how == "term" else signal.SIGHUP)
             time.sleep(10)
-        raise KeyboardInterrupt
+        if how != "term after":
+            raise KeyboardInterrupt
+    os.kill(os.getpid(), signal.SIGTERM)  # once OUT is whole
+    time.sleep(10)
 
 
 @pytest.mark.parametrize("how, code, message", [("term", 143, "Error: terminated (SIGTERM)"),
@@ -209,6 +213,15 @@ def test_sigterm_sighup_and_ctrl_c_unwind_and_leave_nothing_half_written(tmp_pat
     assert list(tmp_path.iterdir()) == []
     # the handlers are the command's only
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)) == previous
+
+
+def test_a_signal_after_the_output_is_whole_says_it_is_kept(tmp_path):
+    result = CliRunner().invoke(_writer, [str(tmp_path / "out"), "term after"])
+    assert result.exit_code == 143, result.output
+    assert f"Error: terminated (SIGTERM); nothing half-written was kept ({tmp_path / 'out'} is complete)" in result.output
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and (tmp_path / "out" / "config.json").exists()
+    result = CliRunner().invoke(_writer, [str(tmp_path / "again"), "int"])  # the next command starts afresh
+    assert "Error: interrupted; nothing half-written was kept\n" in result.output
 
 
 @pytest.mark.parametrize("where", ["file", "file/below"])
