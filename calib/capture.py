@@ -89,11 +89,12 @@ class _StatsCache:
         self.k_absmax = torch.zeros(n_kv_heads)
         self.v_absmax = torch.zeros(n_kv_heads)
 
-    def update(self, layer, input_pos, k, v, start=0, end=None):
-        # k, v: [B, Hkv, T, D], a whole sample's (input_pos 0..T-1), of which positions start.. are returned
+    def store(self, layer, input_pos, k, v, start=0, end=None):
+        # k, v: [B, Hkv, T, D], a whole sample's (input_pos 0..T-1), of which positions start.. are returned, as
+        # a bf16 KV cache returns them (no scales)
         self.k_absmax = torch.maximum(self.k_absmax, k.detach().abs().amax(dim=(0, 2, 3)).float().cpu())
         self.v_absmax = torch.maximum(self.v_absmax, v.detach().abs().amax(dim=(0, 2, 3)).float().cpu())
-        return k[:, :, start:], v[:, :, start:]
+        return k[:, :, start:], v[:, :, start:], None
 
 
 def embed_samples(model: Transformer, samples: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """Attention over the KV cache: ``softmax(q k^T * scale + mask) v`` with grouped-query heads.
 
 ``attention_ref`` is the plain-torch definition; ``attention`` is the entry point the model calls (today
-PyTorch's fused SDPA, which on CPU is a flash-attention style kernel). A mask whose query rows see only a
+PyTorch's fused SDPA, which on CPU is a flash-attention style kernel). A quantized KV cache hands over its int8
+or E4M3 codes and per-KV-head scales: a decode step's C loop (below) reads the codes, other steps attend over
+``dequantize_kv`` of the slice. A mask whose query rows see only a
 band of the keys (a sliding window, or a decode step past the window) is run in chunks of ``CHUNK`` query
 rows, each against only the keys its rows can see: SDPA with an explicit mask computes every [T, S] product,
 where a window of W needs about T * (W + CHUNK). A decode step (one query row, every key visible: the model
@@ -18,6 +20,7 @@ keys (ad hoc timings: evals/RESULTS-LOG.md).
 import torch
 import torch.nn.functional as F
 
+from qinfer.format import e4m3_times
 from qinfer.kernels import gemv_cpu
 
 CHUNK = 256  # query rows per chunk; 128-256 were fastest at gemma3's shapes (window 512, 1-4k tokens)
@@ -38,11 +41,25 @@ def attention_ref(
     return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)
 
 
+def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A quantized KV cache's int8 or E4M3 ``codes`` [B, Hkv, S, D] times their per-KV-head ``scale`` [Hkv] (fp32
+    products), in ``dtype``."""
+    if codes.dtype == torch.float8_e4m3fn:  # the same numbers as codes.float() * scale, without float8's slow cast
+        return e4m3_times(codes, scale[None, :, None, None]).to(dtype)
+    return (codes.float() * scale[None, :, None, None]).to(dtype)
+
+
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    # mask None: every query sees every key
+    # mask None: every query sees every key. kv_scales: k and v are a quantized cache's codes, and these their
+    # per-KV-head scales (k_scale, v_scale), [Hkv] each
     T, S = q.shape[2], k.shape[2]
+    if kv_scales is not None:
+        if T == 1 and (mask is None or bool(mask.all())) and gemv_cpu.attention_supported(q, k, v, quantized=True):
+            return gemv_cpu.decode_attention(q, k, v, scale, *kv_scales)  # reads the codes, scales folded in
+        k, v = dequantize_kv(k, kv_scales[0], q.dtype), dequantize_kv(v, kv_scales[1], q.dtype)
     if mask is None and T > 1:
         return _sdpa(q, k, v, None, scale)
     if T == 1 and (mask is None or bool(mask.all())):  # a decode step that sees every cached key needs no mask

@@ -4,7 +4,8 @@
  *
  * Every product and sum is fp32 (the 4-bit VNNI loop's: exact integers, scaled once a group); each output is
  * rounded once to the activations' dtype.
- * dtype codes: 0 = fp32, 1 = bf16, 2 = fp16. Each entry point but the norm (which allocates nothing) returns
+ * dtype codes: 0 = fp32, 1 = bf16, 2 = fp16; a quantized KV cache's keys and values also 3 = int8, 4 = E4M3
+ * (read as 2^-8 times their value: e4m3x8). Each entry point but the norm (which allocates nothing) returns
  * 0, or 1 when it could not allocate its fp32 scratch (a row's copy, a head's scores).
  */
 #include <float.h>
@@ -118,11 +119,24 @@ static inline __m256 bf16x8(const uint16_t *p) { /* 8 bf16 -> fp32: the bits mov
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
 
+/* 8 E4M3 codes -> fp32, each 2^-8 times its value: sign-extended to 16 bits and shifted up by 7, the code's
+ * exponent and mantissa sit in an fp16's (exponent bias 15 against E4M3's 7; subnormals too), its sign in
+ * the fp16's sign; the AND drops the sign extension's copy at bit 14. */
+static inline __m256 e4m3x8(const uint8_t *p) {
+    __m128i c = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(c, 7), _mm_set1_epi16((short)0xBF80)));
+}
+
 static inline __m256 load8(const void *p, int dtype, int64_t i) { /* 8 elements of dtype from p[i] as fp32 */
     if (dtype == 1) return bf16x8((const uint16_t *)p + i);
     if (dtype == 2) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+    if (dtype == 3)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)p + i))));
+    if (dtype == 4) return e4m3x8((const uint8_t *)p + i);
     return _mm256_loadu_ps((const float *)p + i);
 }
+
+static inline size_t esize(int dtype) { return dtype == 0 ? 4 : dtype <= 2 ? 2 : 1; }
 
 /* e^x for 8 lanes of x <= 0 (scores less their max), as Cephes' expf computes it: x = n ln2 + r with |r| <=
  * ln2 / 2, e^r by a degree-6 polynomial (within 1.3 ulp of e^x), times 2^n through the exponent bits. Below
@@ -150,7 +164,7 @@ static inline __m256 exp8(__m256 x) {
 static inline __attribute__((always_inline)) void scores_of(
         const char *kh0, int64_t ks, const char *vh0, int64_t vs, int dtype, const float *qf, int64_t D, int64_t j0,
         int64_t j1, float *sc, int64_t n, float scale, const int M, float *top) {
-    const size_t esz = dtype == 0 ? 4 : 2;
+    const size_t esz = esize(dtype);
     for (int i = 0; i < M; i++) top[i] = -INFINITY;
     const int64_t ahead = AHEAD / (D * esz) > 1 ? AHEAD / (D * esz) : 1;  /* rows, AHEAD bytes of a cache's rows */
     for (int64_t j = j0; j < j1; j++) {
@@ -177,7 +191,7 @@ static inline __attribute__((always_inline)) void scores_of(
 static inline __attribute__((always_inline)) void weighted_sum(
         const char *vh0, int64_t vs, int dtype, const float *p, int64_t n, int64_t j0, int64_t D, float *acc,
         const int M) {
-    const size_t esz = dtype == 0 ? 4 : 2;
+    const size_t esz = esize(dtype);
     int64_t d = 0;
     for (; d + 16 <= D; d += 16) {
         __m256 lo[4], hi[4];
@@ -206,7 +220,9 @@ static inline __attribute__((always_inline)) void weighted_sum(
 /* One query row's attention over S cached positions, as qinfer.kernels.attention's decode step computes it:
  * per query head h (its KV head g = h / (H / Hkv)), scores s_j = (q . k_j) * scale in fp32, p = softmax(s),
  * out = sum_j p_j v_j, rounded once to dtype. q: [B, H] rows of D at q + b * qb + h * qh; k, v: [B, Hkv] heads
- * of S rows of D at k + b * kb + g * kh + j * ks (strides in elements: a KV cache's slice). D % 8 == 0.
+ * of S rows of D at k + b * kb + g * kh + j * ks (strides in elements: a KV cache's slice), of kv_dtype. D % 8
+ * == 0. A quantized cache's per-KV-head scales (k_scale, v_scale: fp32 [Hkv], or NULL for 1) are not applied to
+ * each key and value: k_scale[g] joins the score's scale, and v_scale[g] multiplies the head's sums once.
  *
  * Split over the keys (as flash-decoding does): OpenMP takes (batch, KV head, chunk of keys) tasks; a task
  * reads each key and value row of its chunk once for all the query heads that share it, and keeps per head
@@ -218,9 +234,10 @@ static inline __attribute__((always_inline)) void weighted_sum(
  * its sums in registers. Both loops run in one parallel region. */
 int qinfer_decode_attention(const void *q, const void *k, const void *v, void *out, int64_t B, int64_t H,
                             int64_t Hkv, int64_t S, int64_t D, int64_t qb, int64_t qh, int64_t kb, int64_t kh,
-                            int64_t ks, int64_t vb, int64_t vh, int64_t vs, float scale, int dtype) {
+                            int64_t ks, int64_t vb, int64_t vh, int64_t vs, float scale, int dtype, int kv_dtype,
+                            const float *k_scale, const float *v_scale) {
     const int64_t G = H / Hkv, per_task = G * (D + 2);  /* a task's partials: per head acc[D], max, sum */
-    const size_t esz = dtype == 0 ? 4 : 2;
+    const size_t esz = esize(dtype), kvsz = esize(kv_dtype);
     int64_t chunks = (S + 1023) / 1024;
     if (chunks < omp_get_max_threads()) chunks = S < omp_get_max_threads() ? S : omp_get_max_threads();
     const int64_t tasks = B * Hkv * chunks, len = (S + chunks - 1) / chunks;
@@ -245,14 +262,18 @@ int qinfer_decode_attention(const void *q, const void *k, const void *v, void *o
             const char *qrow = (const char *)q + (b * qb + (g * G + i) * qh) * esz;
             for (int64_t d = 0; d < D; d++) qf[i * D + d] = load_one(qrow, dtype, d);
         }
-        const char *kh0 = (const char *)k + (b * kb + g * kh) * esz, *vh0 = (const char *)v + (b * vb + g * vh) * esz;
+        const char *kh0 = (const char *)k + (b * kb + g * kh) * kvsz, *vh0 = (const char *)v + (b * vb + g * vh) * kvsz;
+        const float s = k_scale ? scale * k_scale[g] : scale;
         for (int64_t i0 = 0; i0 < G; i0 += 4) {  /* up to 4 heads at a time, their sums in registers */
             const int m = G - i0 < 4 ? (int)(G - i0) : 4;
+            const char *vpre = i0 ? NULL : vh0;  /* the first heads' pass sends the value rows to L2 */
+            const float *qi = qf + i0 * D;
+            float *si = sc + i0 * n;
             switch (m) {
-                case 4: scores_of(kh0, ks, i0 ? NULL : vh0, vs, dtype, qf + i0 * D, D, j0, j1, sc + i0 * n, n, scale, 4, top + i0); break;
-                case 3: scores_of(kh0, ks, i0 ? NULL : vh0, vs, dtype, qf + i0 * D, D, j0, j1, sc + i0 * n, n, scale, 3, top + i0); break;
-                case 2: scores_of(kh0, ks, i0 ? NULL : vh0, vs, dtype, qf + i0 * D, D, j0, j1, sc + i0 * n, n, scale, 2, top + i0); break;
-                default: scores_of(kh0, ks, i0 ? NULL : vh0, vs, dtype, qf + i0 * D, D, j0, j1, sc + i0 * n, n, scale, 1, top + i0);
+                case 4: scores_of(kh0, ks, vpre, vs, kv_dtype, qi, D, j0, j1, si, n, s, 4, top + i0); break;
+                case 3: scores_of(kh0, ks, vpre, vs, kv_dtype, qi, D, j0, j1, si, n, s, 3, top + i0); break;
+                case 2: scores_of(kh0, ks, vpre, vs, kv_dtype, qi, D, j0, j1, si, n, s, 2, top + i0); break;
+                default: scores_of(kh0, ks, vpre, vs, kv_dtype, qi, D, j0, j1, si, n, s, 1, top + i0);
             }
         }
         for (int64_t i = 0; i < G; i++) {
@@ -272,12 +293,14 @@ int qinfer_decode_attention(const void *q, const void *k, const void *v, void *o
         for (int64_t i0 = 0; i0 < G; i0 += 4) {
             const int m = G - i0 < 4 ? (int)(G - i0) : 4;
             switch (m) {
-                case 4: weighted_sum(vh0, vs, dtype, sc + i0 * n, n, j0, D, acc + i0 * D, 4); break;
-                case 3: weighted_sum(vh0, vs, dtype, sc + i0 * n, n, j0, D, acc + i0 * D, 3); break;
-                case 2: weighted_sum(vh0, vs, dtype, sc + i0 * n, n, j0, D, acc + i0 * D, 2); break;
-                default: weighted_sum(vh0, vs, dtype, sc + i0 * n, n, j0, D, acc + i0 * D, 1);
+                case 4: weighted_sum(vh0, vs, kv_dtype, sc + i0 * n, n, j0, D, acc + i0 * D, 4); break;
+                case 3: weighted_sum(vh0, vs, kv_dtype, sc + i0 * n, n, j0, D, acc + i0 * D, 3); break;
+                case 2: weighted_sum(vh0, vs, kv_dtype, sc + i0 * n, n, j0, D, acc + i0 * D, 2); break;
+                default: weighted_sum(vh0, vs, kv_dtype, sc + i0 * n, n, j0, D, acc + i0 * D, 1);
             }
         }
+        if (v_scale)
+            for (int64_t i = 0; i < G * D; i++) acc[i] *= v_scale[g];
         free(buf);
     }  /* the for's barrier: every task's partials are in */
     int fail;
@@ -638,14 +661,6 @@ int qinfer_int_dequantize(const qinfer_weight *wt, void *out, int dtype) {
         }
     }
     return 0;
-}
-
-/* 8 E4M3 codes -> fp32, each 2^-8 times its value: sign-extended to 16 bits and shifted up by 7, the code's
- * exponent and mantissa sit in an fp16's (exponent bias 15 against E4M3's 7; subnormals too), its sign in
- * the fp16's sign; the AND drops the sign extension's copy at bit 14. */
-static inline __m256 e4m3x8(const uint8_t *p) {
-    __m128i c = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
-    return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(c, 7), _mm_set1_epi16((short)0xBF80)));
 }
 
 /* codes: E4M3 [N, K], rows ld apart; scale: fp32, one per row (group == N) or one in all (group == 1);

@@ -26,7 +26,8 @@ reference by up to ~1e-4 of the output where the reference's own error is ~1e-7)
 Two more row loops of a decode step live here, for the same reason in another form: PyTorch's dispatch of a
 dozen small ops costs more than their arithmetic. ``rms_norm`` (``qinfer.kernels.norm``) normalises a few rows
 in one call, ``decode_attention`` (``qinfer.kernels.attention``) runs one query row per head over a KV cache's
-slice without fp32 copies of the keys and values. Both are eager only (a compiled graph fuses these ops itself).
+slice without fp32 copies of the keys and values (a quantized cache's int8 or E4M3 codes as stored, its
+per-head scales folded into the sums). Both are eager only (a compiled graph fuses these ops itself).
 And a prompt's GEMM needs its packed weights dense: ``dequantize`` and ``fp8_dequantize`` write an integer or
 FP8 weight out in the activations' dtype, the format's own numbers bit for bit, in one pass 4-19x as fast as its
 PyTorch ops (``python -m qinfer.evals.prefill_bench MODEL``).
@@ -53,7 +54,7 @@ import torch
 from torch.autograd import profiler
 
 from qinfer.cache import cache_dir, sha256_file, temp_path, write_atomic
-from qinfer.format import Fp8Weight, QuantizedWeight
+from qinfer.format import FP8_SHIFT, Fp8Weight, QuantizedWeight
 from qinfer.kernels.prepared import per_weight, zero_groups
 
 SOURCE = Path(__file__).with_name("gemv_cpu.c")
@@ -62,6 +63,7 @@ SOURCE = Path(__file__).with_name("gemv_cpu.c")
 _SOURCE_BYTES = SOURCE.read_bytes() if SOURCE.is_file() else None
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_KV_CODES = {torch.int8: 3, torch.float8_e4m3fn: 4}  # a quantized KV cache's keys and values
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _disabled = False  # set by disabled()
 _only_gemvs = False  # set by only_gemvs()
@@ -97,7 +99,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         kernel.argtypes, kernel.restype = [_P, _P, _P, _P, ctypes.c_int], ctypes.c_int
     lib.qinfer_rms_norm.argtypes = [_P, _P, _P, _I64, _I64, ctypes.c_float, ctypes.c_float] + [ctypes.c_int] * 3
     lib.qinfer_rms_norm.restype = None
-    lib.qinfer_decode_attention.argtypes = [_P] * 4 + [_I64] * 13 + [ctypes.c_float, ctypes.c_int]
+    lib.qinfer_decode_attention.argtypes = [_P] * 4 + [_I64] * 13 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, _P, _P]
     lib.qinfer_decode_attention.restype = ctypes.c_int
     for kernel in (lib.qinfer_int4_dequantize, lib.qinfer_int_dequantize, lib.qinfer_fp8_dequantize):
         kernel.argtypes, kernel.restype = [_P, _P, ctypes.c_int], ctypes.c_int
@@ -257,31 +259,41 @@ def _rms_norm_op(x, weight, eps: float, offset: float, scale_in_fp32: bool) -> t
     return y
 
 
-def attention_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def attention_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quantized: bool = False) -> bool:
     """A decode step's attention (``qinfer.kernels.attention``): one query row per head, q [B, H, 1, D] against
-    k, v [B, Hkv, S, D] (a KV cache's slice: any strides but the last), one dtype, D a multiple of 8; eagerly."""
+    k, v [B, Hkv, S, D] (a KV cache's slice: any strides but the last), one dtype (``quantized``: k and v int8 or
+    E4M3 codes), D a multiple of 8; eagerly."""
     return (
         q.dim() == k.dim() == v.dim() == 4 and q.shape[2] == 1 and k.shape == v.shape and k.shape[2] > 0
         and k.shape[0] == q.shape[0] and k.shape[3] == q.shape[3] and q.shape[3] % 8 == 0
-        and q.shape[1] % k.shape[1] == 0 and q.dtype == k.dtype == v.dtype and q.dtype in _DTYPE_CODES
+        and q.shape[1] % k.shape[1] == 0 and q.dtype in _DTYPE_CODES and k.dtype == v.dtype
+        and (k.dtype in _KV_CODES if quantized else k.dtype == q.dtype)
         and q.is_cpu and k.is_cpu and v.is_cpu and q.stride(3) == k.stride(3) == v.stride(3) == 1
         and _row_loop_allowed(q, k, v)
     )
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """``softmax(q k^T * scale) v`` for inputs :func:`attention_supported` accepts: [B, H, 1, D] in q's dtype."""
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``softmax(q k^T * scale) v`` for inputs :func:`attention_supported` accepts: [B, H, 1, D] in q's dtype.
+    For int8 or E4M3 codes k, v, the keys are ``k * k_scale`` and the values ``v * v_scale`` (fp32 [Hkv], per
+    KV head), in fp32: the scales are folded into the scores' scale and the weighted sums, never into a copy."""
     if profiler._is_profiler_enabled:
-        return torch.ops.qinfer.decode_attention(q, k, v, scale)
-    return _attention_op(q, k, v, scale)
+        return torch.ops.qinfer.decode_attention(q, k, v, scale, k_scale, v_scale)
+    return _attention_op(q, k, v, scale, k_scale, v_scale)
 
 
-def _attention_op(q, k, v, scale: float) -> torch.Tensor:
+def _attention_op(q, k, v, scale: float, k_scale=None, v_scale=None) -> torch.Tensor:
     B, H, _, D = q.shape
     out = torch.empty(B, H, 1, D, dtype=q.dtype)
+    scales = [None, None]
+    if k.dtype in _KV_CODES:  # E4M3 codes are read as 2^-8 times their value (e4m3x8)
+        shift = FP8_SHIFT if k.dtype == torch.float8_e4m3fn else 1.0
+        scales = [(x.float() * shift).contiguous() for x in (k_scale, v_scale)]
     if _library()[0].qinfer_decode_attention(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), B, H, k.shape[1], k.shape[2], D, q.stride(0),
         q.stride(1), *k.stride()[:3], *v.stride()[:3], scale, _DTYPE_CODES[q.dtype],
+        _KV_CODES.get(k.dtype, _DTYPE_CODES[q.dtype]), *(x.data_ptr() if x is not None else None for x in scales),
     ):
         raise MemoryError("out of memory for a decode step's attention scores")
     return out
@@ -465,7 +477,8 @@ _LIBRARY.impl("int_gemv", _int_op, "CPU")
 _LIBRARY.impl("fp8_gemv", _fp8_op, "CPU")
 _LIBRARY.define("rms_norm(Tensor x, Tensor weight, float eps, float offset, bool scale_in_fp32) -> Tensor")
 _LIBRARY.impl("rms_norm", _rms_norm_op, "CPU")
-_LIBRARY.define("decode_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor")
+_LIBRARY.define("decode_attention(Tensor q, Tensor k, Tensor v, float scale, Tensor? k_scale=None, "
+                "Tensor? v_scale=None) -> Tensor")
 _LIBRARY.impl("decode_attention", _attention_op, "CPU")
 
 
@@ -490,5 +503,5 @@ def _(x, weight, eps, offset, scale_in_fp32):
 
 
 @torch.library.register_fake("qinfer::decode_attention")
-def _(q, k, v, scale):
+def _(q, k, v, scale, k_scale=None, v_scale=None):
     return q.new_empty(q.shape)

@@ -1,9 +1,11 @@
 """A contiguous per-layer KV cache, optionally quantized: the interface the model writes through.
 
-``update`` stores the new keys/values at their positions and returns the cached positions from ``start``
-(the first key any of the new queries may see: past a sliding window, the keys before it are never read
-nor dequantized) to the newest, in the compute dtype. With ``kv_dtype`` "int8" or "fp8" the cache
-quantizes on write and dequantizes on read, one scale per KV head and layer:
+``store`` stores the new keys/values at their positions and returns the cached positions from ``start``
+(the first key any of the new queries may see: past a sliding window, the keys before it are never read)
+to the newest, as stored, with the layer's scales when the cache is quantized; ``update`` returns them in
+the compute dtype. With ``kv_dtype`` "int8" or "fp8" the cache quantizes on write, one scale per KV head and
+layer, and attention reads the codes (``qinfer.kernels.attention``: a decode step's C loop folds the scales
+into its sums; other steps dequantize the slice they read):
 
     int8: q = clamp(round(x / scale), -127, 127)          x ≈ q * scale
     fp8:  q = fp8_e4m3(clamp(x / scale, -448, 448))        x ≈ q * scale
@@ -19,7 +21,7 @@ import torch
 
 from qinfer.arch import ModelConfig
 from qinfer.errors import QinferError
-from qinfer.format import e4m3_times
+from qinfer.kernels.attention import dequantize_kv
 
 KV_DTYPES = {"bf16": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 QMAX = {"int8": 127.0, "fp8": 448.0}
@@ -58,24 +60,32 @@ class KVCache:
         self.scales = {i: (k.float().to(device) * ratio, v.float().to(device) * ratio)
                        for i, (k, v) in (scales or {}).items()}
 
-    def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0,
-               end: int | None = None):
-        # input_pos: [T]; k, v: [B, Hkv, T, D] -> cached positions start:end, [B, Hkv, end - start, D], in the
-        # compute dtype; end is input_pos[-1] + 1 (given by a caller that has it as an int)
+    def store(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0,
+              end: int | None = None):
+        # input_pos: [T]; k, v: [B, Hkv, T, D] -> (k, v, scales): cached positions start:end, [B, Hkv, end - start,
+        # D], as stored, and (k_scale, v_scale) [Hkv] each, or None for a bf16 cache; end is input_pos[-1] + 1
+        # (given by a caller that has it as an int)
         end = int(input_pos[-1]) + 1 if end is None else end
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions; position {end - 1} does not fit")
         if self.kv_dtype == "bf16":
             self.k[layer][:, :, input_pos] = k
             self.v[layer][:, :, input_pos] = v
-            return self.k[layer][:, :, start:end], self.v[layer][:, :, start:end]
+            return self.k[layer][:, :, start:end], self.v[layer][:, :, start:end], None
         if layer not in self.scales:
             self.scales[layer] = tuple(self._initial_scale(x) for x in (k, v))
         k_scale, v_scale = self.scales[layer]
         self.k[layer][:, :, input_pos] = self._quantize(k, k_scale)
         self.v[layer][:, :, input_pos] = self._quantize(v, v_scale)
-        k, v = self.k[layer][:, :, start:end], self.v[layer][:, :, start:end]
-        return self._dequantize(k, k_scale), self._dequantize(v, v_scale)
+        return self.k[layer][:, :, start:end], self.v[layer][:, :, start:end], self.scales[layer]
+
+    def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0,
+               end: int | None = None):
+        """As :meth:`store`, the cached positions in the compute dtype: (k, v)."""
+        k, v, scales = self.store(layer, input_pos, k, v, start, end)
+        if scales is None:
+            return k, v
+        return dequantize_kv(k, scales[0], self.dtype), dequantize_kv(v, scales[1], self.dtype)
 
     def bytes_per_token(self) -> int:
         """Bytes one cached position occupies across all layers (keys and values)."""
@@ -89,11 +99,6 @@ class KVCache:
     def _quantize(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         y = (x.float() / scale[None, :, None, None]).clamp(-QMAX[self.kv_dtype], QMAX[self.kv_dtype])
         return y.round().to(torch.int8) if self.kv_dtype == "int8" else y.to(torch.float8_e4m3fn)
-
-    def _dequantize(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        if q.dtype == torch.float8_e4m3fn:  # the same numbers as q.float() * scale, without float8's slow cast
-            return e4m3_times(q, scale[None, :, None, None]).to(self.dtype)
-        return (q.float() * scale[None, :, None, None]).to(self.dtype)
 
 
 def make_cache(model, batch: int, max_len: int, kv_dtype: str = "bf16") -> KVCache:

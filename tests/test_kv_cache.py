@@ -69,10 +69,10 @@ def test_sliding_window_layers_read_only_their_window(tmp_path):
     reads = {}
 
     class Recording(KVCache):
-        def update(self, layer, input_pos, k, v, start=0, end=None):
-            k_out, v_out = super().update(layer, input_pos, k, v, start, end)
+        def store(self, layer, input_pos, k, v, start=0, end=None):
+            k_out, v_out, scales = super().store(layer, input_pos, k, v, start, end)
             reads[layer] = (start, start + k_out.shape[2])  # the cached positions handed to the layer
-            return k_out, v_out
+            return k_out, v_out, scales
 
     cache = Recording(model.config, 1, 16, torch.float32)
     ids = torch.randint(0, 97, (1, 12))

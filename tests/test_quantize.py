@@ -520,11 +520,11 @@ def test_kv_scales_cover_what_the_stored_model_writes(tiny, tmp_path, calib_file
     seen = {}
 
     class Ranges:
-        def update(self, layer, input_pos, k, v, start=0, end=None):
+        def store(self, layer, input_pos, k, v, start=0, end=None):
             for name, t in (("k", k), ("v", v)):
                 a = t.abs().amax(dim=(0, 2, 3)).float()
                 seen[layer, name] = torch.maximum(seen.get((layer, name), a), a)
-            return k[:, :, start:], v[:, :, start:]
+            return k[:, :, start:], v[:, :, start:], None
 
     with torch.no_grad():
         for row in calibration_batch(tiny, calib):

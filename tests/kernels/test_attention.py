@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from qinfer.kernels import gemv_cpu
-from qinfer.kernels.attention import _key_spans, attention, attention_ref
+from qinfer.kernels.attention import _key_spans, attention, attention_ref, dequantize_kv
 
 # the module itself (qinfer.kernels re-exports its function under the same name)
 attention_module = importlib.import_module("qinfer.kernels.attention")
@@ -154,6 +154,60 @@ def test_c_decode_step_over_a_cache_slice_matches_the_exact_attention(heads, kv_
     rounding = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
     bound = exact.abs() * rounding + 1e-5
     assert float(((got.double() - exact).abs() / bound).max()) <= 1.0
+
+
+def _codes(x: torch.Tensor, kv_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, Hkv, S, D] as a quantized KV cache stores it: codes and one scale per KV head."""
+    qmax = 127.0 if kv_dtype == torch.int8 else 448.0
+    scale = x.abs().amax(dim=(0, 2, 3)) / qmax
+    y = (x / scale[None, :, None, None]).clamp(-qmax, qmax)
+    return (y.round().to(torch.int8) if kv_dtype == torch.int8 else y.to(kv_dtype)), scale
+
+
+@pytest.mark.skipif(not gemv_cpu.available(), reason=f"no C kernels here: {gemv_cpu.unavailable_reason()}")
+@pytest.mark.parametrize("heads,kv_heads,D", [(4, 1, 256), (9, 3, 64), (4, 4, 16), (6, 1, 40)])
+@pytest.mark.parametrize("S", [1, 513, 3000])
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_decode_step_over_quantized_codes_matches_the_exact_attention(heads, kv_heads, D, S, kv_dtype, dtype):
+    # a quantized cache's slice of codes, with per-KV-head scales: the loop folds the scales into its sums, and
+    # must give the exact attention over the dequantized keys and values, to one output rounding
+    g = torch.Generator().manual_seed(S * D + heads)
+    q = torch.randn(2, heads, 1, D, generator=g).to(dtype)
+    (cache_k, k_scale), (cache_v, v_scale) = (_codes(torch.randn(2, kv_heads, S + 9, D, generator=g) * (1 + i),
+                                                     kv_dtype) for i in range(2))
+    k, v = cache_k[:, :, 5 : 5 + S], cache_v[:, :, 5 : 5 + S]
+    assert gemv_cpu.attention_supported(q, k, v, quantized=True) and not gemv_cpu.attention_supported(q, k, v)
+    got = attention(q, k, v, None, D**-0.5, (k_scale, v_scale))
+    group = heads // kv_heads
+    keys, values = (c.double() * s.double()[None, :, None, None] for c, s in ((k, k_scale), (v, v_scale)))
+    scores = (q.double() @ keys.repeat_interleave(group, 1).transpose(-1, -2)) * D**-0.5
+    exact = scores.softmax(-1) @ values.repeat_interleave(group, 1)
+    assert got.dtype == dtype and got.shape == (2, heads, 1, D)
+    rounding = {torch.float32: 0.0, torch.bfloat16: 2.0**-8}[dtype]
+    bound = exact.abs() * rounding + 1e-5
+    assert float(((got.double() - exact).abs() / bound).max()) <= 1.0
+
+
+@pytest.mark.parametrize("T, S, window", [(12, 12, None), (5, 12, 4), (1, 12, 4), (1, 12, None)])
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_quantized_codes_attend_as_their_dequantized_values(T, S, window, kv_dtype):
+    # every path (prefill, a chunk under a window, a windowed or a full decode step; eager, profiled, and a
+    # compiled decode step) attends over codes * scale
+    q, k, v = _qkv(T, S, kv_heads=2, D=16)
+    (k, k_scale), (v, v_scale) = _codes(k, kv_dtype), _codes(v, kv_dtype)
+    mask = _mask(T, S, window)
+    ref = attention_ref(q, dequantize_kv(k, k_scale, q.dtype), dequantize_kv(v, v_scale, q.dtype), mask, 0.25)
+    torch.testing.assert_close(attention(q, k, v, mask, 0.25, (k_scale, v_scale)), ref, rtol=1e-5, atol=1e-5)
+    with torch.profiler.profile():
+        torch.testing.assert_close(attention(q, k, v, mask, 0.25, (k_scale, v_scale)), ref, rtol=1e-5, atol=1e-5)
+    if T == 1 and window is None:  # as generate --compile's decode step: no mask
+        f = torch.compile(lambda *a: attention(*a, None, 0.25, (k_scale, v_scale)), fullgraph=True,
+                          backend="aot_eager")
+        torch.testing.assert_close(f(q, k, v), ref, rtol=1e-5, atol=1e-5)
+    if T == 1 and window is None and gemv_cpu.available() and kv_dtype == torch.int8:  # (opcheck compares
+        # its inputs before and after, which float8 tensors cannot do)
+        torch.library.opcheck(torch.ops.qinfer.decode_attention.default, (q, k, v, 0.25, k_scale, v_scale))
 
 
 @pytest.mark.skipif(not gemv_cpu.available(), reason=f"no C kernels here: {gemv_cpu.unavailable_reason()}")
