@@ -16,6 +16,8 @@ torch's bf16 ``a @ b`` takes a far slower path than ``a @ b.T`` (1.3 against 20 
 cores), and a peak timed on it gave MFUs above 1000%. ``N`` is the first power of two from 256 whose matmul takes at least 50 ms, so the ceiling is
 measured on a size where blocking overheads are amortised, not on a size that runs for minutes. Each
 figure is the median of several repetitions after a warm-up run. GB/s are 1e9 bytes per second; TFLOP/s 1e12 FLOP/s.
+Where other processes kept more than ``BUSY_CPUS`` CPUs busy meanwhile (``/proc/stat`` less this process's own
+CPU time), the figures are used once, with a note, and not cached.
 
 ``device="cuda"`` runs the same measurements with ``torch.cuda.synchronize`` around each; the tests
 exercise the CPU path only.
@@ -57,6 +59,10 @@ BUFFER_BYTES = 1 << 30
 _MATMUL_TARGET_S = 0.05  # one matmul at least this long: a size that reaches the ceiling
 _MATMUL_MAX_N = 16384
 _MIN_REPS, _MAX_REPS = 5, 200
+# Other processes' average use of the CPUs above which a measurement is not cached: it would read low, and every
+# later MBU would read high (a 2-core machine with a second job measured 9-13 GB/s against 20-28 idle)
+BUSY_CPUS = 0.5
+PLAUSIBLE_MAX = 1e6  # GB/s and TFLOP/s: a cache past it is damaged, and measured again
 MATMUL_OP = "x @ w.T"  # what the peaks time (_matmul); a cache measured another way is re-measured
 _LEGACY_MATMUL_OP = "a @ b"  # caches written before the field existed
 
@@ -81,13 +87,13 @@ class Roofline:
     def __post_init__(self):
         if self.device not in DEVICES:
             raise QinferError(f"Roofline.device must be one of {', '.join(DEVICES)}; got {self.device!r}")
-        _positive("Roofline.bandwidth_gbs", self.bandwidth_gbs)
+        _positive("Roofline.bandwidth_gbs", self.bandwidth_gbs, PLAUSIBLE_MAX)
         for field in ("peak_tflops", "matmul_n"):
             value = getattr(self, field)
             if not isinstance(value, Mapping) or not value or set(value) - set(DTYPES):
                 raise QinferError(f"Roofline.{field} must map some of {', '.join(DTYPES)} to numbers; got {value!r}")
             for dtype, number in value.items():
-                _positive(f"Roofline.{field}[{dtype!r}]", number)
+                _positive(f"Roofline.{field}[{dtype!r}]", number, PLAUSIBLE_MAX if field == "peak_tflops" else None)
             # frozen means frozen: a read-only copy, so no caller can change a cached measurement
             object.__setattr__(self, field, MappingProxyType(dict(value)))
         if set(self.peak_tflops) != set(self.matmul_n):  # each peak was measured on one size
@@ -176,10 +182,37 @@ def measure_roofline(device: str = "cpu", seconds: float = 3.0, force: bool = Fa
                   f"{device!r})", file=sys.stderr)
         elif cached is not None and _describes_this_process(cached):
             return cached
-    print(f"qinfer: measuring the {device} roofline (~{seconds:g} s)", file=sys.stderr)
+    print(f"qinfer: measuring the {device} roofline (a few seconds)", file=sys.stderr)
+    busy, start = _busy_cpu_seconds(), time.perf_counter()
     roofline = _measure(device, seconds)
+    others = _others_cpus(busy, time.perf_counter() - start)
+    if others is not None and others > BUSY_CPUS:
+        print(f"qinfer: other processes kept {others:.1f} CPUs busy while the roofline was measured, so it may read "
+              "low; it was not cached: run `qinfer roofline --force` on an idle machine", file=sys.stderr)
+        return roofline
     save_roofline(roofline, path)
     return roofline
+
+
+def _busy_cpu_seconds() -> tuple[float, float] | None:
+    """(CPU seconds every process has used since boot, this process's own), or None where /proc/stat is not."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] != "cpu" or len(fields) < 9:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+    own = os.times()
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK"), own.user + own.system
+
+
+def _others_cpus(before: tuple[float, float] | None, wall: float) -> float | None:
+    """How many CPUs other processes (or the hypervisor: steal time) kept busy, on average, since ``before``."""
+    after = _busy_cpu_seconds()
+    if before is None or after is None or wall <= 0:
+        return None
+    return max(0.0, (after[0] - before[0]) - (after[1] - before[1])) / wall
 
 
 def load_roofline(path: Path) -> Roofline | None:
@@ -188,7 +221,10 @@ def load_roofline(path: Path) -> Roofline | None:
         return Roofline.from_json(json.loads(Path(path).read_text(encoding="utf-8")))
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, TypeError, QinferError) as exc:  # JSONDecodeError is a ValueError
+    except TypeError:  # a field missing, or one Roofline does not have
+        print(f"qinfer: ignoring the roofline cache {path} (its fields are not a roofline's)", file=sys.stderr)
+        return None
+    except (OSError, ValueError, QinferError) as exc:  # JSONDecodeError is a ValueError
         print(f"qinfer: ignoring the unreadable roofline cache {path} ({exc})", file=sys.stderr)
         return None
 
@@ -386,9 +422,11 @@ def _peak(roofline: Roofline, dtype: str) -> float:
     return roofline.peak_tflops[dtype]
 
 
-def _positive(what: str, value) -> None:
+def _positive(what: str, value, most: float | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise QinferError(f"{what} must be a positive finite number; got {value!r}")
+    if most is not None and value > most:
+        raise QinferError(f"{what} must be at most {most:g} (no machine is that fast); got {value!r}")
 
 
 def main(argv: list[str] | None = None) -> None:

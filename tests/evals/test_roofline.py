@@ -127,6 +127,33 @@ def test_measurement_runs_and_gives_a_valid_roofline(monkeypatch):
     assert measure_roofline(seconds=0.05, force=True).buffer_pages == "4 KiB"
 
 
+def test_a_roofline_measured_on_a_busy_machine_is_used_once_and_not_cached(monkeypatch, capsys):
+    fresh = fake_roofline(bandwidth_gbs=9.0)
+    monkeypatch.setattr(rl, "_measure", lambda device, seconds: fresh)
+    before = rl._busy_cpu_seconds()
+    assert before is not None and before[0] >= before[1] > 0  # Linux: every process's CPU time, then our own
+    assert 0.0 <= rl._others_cpus(before, 10.0) < 2.0  # over 10 s, whatever the machine did since
+    monkeypatch.setattr(rl, "_others_cpus", lambda before, wall: 1.3)  # another job on both cores
+    roofline_path("cpu").unlink(missing_ok=True)
+    assert measure_roofline(force=True) == fresh
+    assert "other processes kept 1.3 CPUs busy" in capsys.readouterr().err
+    assert not roofline_path("cpu").exists()
+    monkeypatch.setattr(rl, "_others_cpus", lambda before, wall: 0.1)
+    assert measure_roofline(force=True) == fresh and load_roofline(roofline_path("cpu")) == fresh
+
+
+@pytest.mark.parametrize("change, note", [({"bandwidth_gbs": 1e300}, "must be at most 1e+06"),
+                                          ({"peak_tflops": {"bf16": 1e9, "fp32": 1.0}}, "must be at most"),
+                                          ({"threads": 0}, "must be a positive int"),
+                                          ({"timestamp": None}, "its fields are not a roofline's"),
+                                          ({"extra": 1}, "its fields are not a roofline's")])
+def test_an_implausible_or_misshapen_cache_is_measured_again(monkeypatch, capsys, change, note):
+    data = {k: v for k, v in {**fake_roofline().to_json(), **change}.items() if v is not None}
+    roofline_path("cpu").write_text(json.dumps(data))
+    assert load_roofline(roofline_path("cpu")) is None
+    assert note in capsys.readouterr().err
+
+
 def test_unavailable_device_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(QinferError, match="no CUDA GPU; use device='cpu'"):
