@@ -159,7 +159,9 @@ def scheme_from_compressed_tensors_config(config: dict, *, method: str = "rtn") 
         if fmt != PACKED:
             raise _config_error(f"integer weights in format {fmt!r}; qinfer converts {PACKED!r}")
         if acts:
-            raise _config_error("integer weights with activation quantization (W8A8) are not supported")
+            raise _config_error(f"{bits}-bit integer weights with {acts.get('num_bits')}-bit activation quantization "
+                                f"(W{bits}A{acts.get('num_bits')}) are not supported; qinfer converts weight-only "
+                                "integer checkpoints")
         if strategy not in ("group", "channel"):
             raise _config_error(f"integer strategy {strategy!r}; qinfer converts 'group' and 'channel'")
         fields = dict(
@@ -170,6 +172,9 @@ def scheme_from_compressed_tensors_config(config: dict, *, method: str = "rtn") 
             lm_head_bits=bits if quantize_lm_head else 8,
         )
     elif kind == "float":
+        if bits != 8:
+            raise _config_error(f"{bits}-bit float weights (format {fmt!r}) are not supported; qinfer converts FP8 "
+                                f"(E4M3) in format {FLOAT!r}")
         if fmt not in (FLOAT, NAIVE):
             raise _config_error(f"FP8 weights in format {fmt!r}; qinfer converts {FLOAT!r}")
         if acts and acts.get("dynamic") is not True:

@@ -220,6 +220,11 @@ def test_library_presets():
         scheme_from_compressed_tensors_config(_preset_config("FP8", "float-quantized"))
     with pytest.raises(QinferError, match="W8A8"):
         scheme_from_compressed_tensors_config(_preset_config("W8A8", "pack-quantized"))
+    with pytest.raises(QinferError, match=r"4-bit integer weights with 8-bit activation quantization \(W4A8\)"):
+        scheme_from_compressed_tensors_config(_preset_config("W4A8", "pack-quantized"))
+    for preset in ("NVFP4A16", "MXFP4A16"):  # 4-bit floats: named as such, not as FP8 in the wrong format
+        with pytest.raises(QinferError, match=r"4-bit float weights \(format 'nvfp4-pack-quantized'\) are not"):
+            scheme_from_compressed_tensors_config(_preset_config(preset, "nvfp4-pack-quantized"))
     with pytest.raises(QinferError, match="format 'int-quantized'"):
         scheme_from_compressed_tensors_config(_preset_config("W4A16", "int-quantized"))
     g16 = _preset_config("W4A16", "pack-quantized")
