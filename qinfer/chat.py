@@ -17,6 +17,11 @@ from qinfer.tokenizer import StreamDecoder, Tokenizer
 COMMANDS = "/reset clears the conversation, /exit or Ctrl-D quits, Ctrl-C stops a reply, /help shows this"
 
 
+class TurnRefused(QinferError):
+    """A turn the chat cannot take (text its tokenizer or template refuses): said, and the chat goes on without
+    it. Any other error ends the chat, as it ends every command."""
+
+
 class ChatSession:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, params: SamplingParams, system: str | None = None,
                  compiled: bool = False, kv_dtype: str = "bf16"):
@@ -60,16 +65,23 @@ class ChatSession:
         return len(self.messages) > (self.system is not None)
 
     def reply(self, text: str, stats: GenerationStats | None = None) -> Iterator[str]:
-        """Stream the assistant's answer to ``text`` as text pieces; the answer joins the history."""
-        self.tokenizer.encode(text, add_bos=False)  # text the tokenizer refuses is named as typed, not as templated
-        self.messages.append({"role": "user", "content": text})
+        """Stream the assistant's answer to ``text`` as text pieces; the answer joins the history. A turn that
+        cannot be taken raises :class:`TurnRefused` (or ``ContextFull``) before any piece; other errors (the
+        machine's, mid-answer) are the session's end."""
         try:
-            ids = _encoded(self.tokenizer, self.messages)
-            tokens = generate(self.model, ids, self.params, stop_ids=self.tokenizer.eos_ids, stats=stats,
-                              compiled=self.compiled, kv_dtype=self.kv_dtype)
-        except QinferError:  # the template refused the turn, or the conversation no longer fits: not kept
-            self.messages.pop()
+            self.tokenizer.encode(text, add_bos=False)  # text the tokenizer refuses is named as typed
+            self.messages.append({"role": "user", "content": text})
+            try:
+                ids = _encoded(self.tokenizer, self.messages)
+                tokens = generate(self.model, ids, self.params, stop_ids=self.tokenizer.eos_ids, stats=stats,
+                                  compiled=self.compiled, kv_dtype=self.kv_dtype)
+            except QinferError:  # the template refused the turn, or the conversation no longer fits: not kept
+                self.messages.pop()
+                raise
+        except ContextFull:
             raise
+        except QinferError as e:
+            raise TurnRefused(str(e)) from None
         stream = StreamDecoder(self.tokenizer)
         answer = []
         try:
@@ -149,9 +161,13 @@ def repl(session: ChatSession, stdin=None, stdout=None) -> None:
                 stdout.flush()
         except KeyboardInterrupt:
             stdout.write(" [stopped]")
-        except QinferError as e:  # this turn cannot run: say so, keep the session (without the turn)
+        except (TurnRefused, ContextFull) as e:  # this turn cannot run: say so, keep the session (without it)
             hint = "; /reset clears the conversation" if isinstance(e, ContextFull) and session.has_history else ""
             stdout.write(f"({e}{hint})")
+        except BaseException:  # the chat ends: the answer's line first, then the error's
+            stdout.write("\n")
+            stdout.flush()
+            raise
         stdout.write("\n")
         stdout.flush()
         if session.compiled and compile_failure_note() and not noted:

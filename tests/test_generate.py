@@ -327,6 +327,21 @@ def test_chat_says_reset_only_when_there_is_a_conversation_to_clear(tmp_path):
     assert "exceeds the model's context" in replies[3] and "/reset" not in replies[3]
 
 
+def test_an_error_of_the_machine_ends_generate_and_chat_on_a_line_of_its_own(tmp_path):
+    # the C kernels are built into the cache at the first forward: a file where the cache goes is no turn's fault
+    make_model("llama", tmp_path / "m")
+    (tmp_path / "cache").write_text("not a folder")
+    env = {"QINFER_CACHE": str(tmp_path / "cache")}
+    proc = run_qinfer("generate", str(tmp_path / "m"), "Once upon", "--max-tokens", "3", env=env)
+    assert_one_line_error(proc, "cannot write QINFER_CACHE")
+    assert proc.stdout == "Once upon\n"  # the error's line is not glued to the prompt at a terminal
+    chat = subprocess.run([sys.executable, "-m", "qinfer", "chat", str(tmp_path / "m"), "--max-tokens", "3"],
+                          input="hello\nagain\n", capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env})
+    assert chat.returncode == 1 and chat.stdout == "\n", (chat.stdout, chat.stderr)
+    assert_one_line_error(chat, "cannot write QINFER_CACHE")
+
+
 def test_chat_names_input_that_is_not_utf8_in_a_strict_locale(tmp_path):
     # PYTHONIOENCODING=utf-8 reads stdin strictly, as an en_US.UTF-8 locale does (C.UTF-8 escapes bad bytes)
     make_model("llama", tmp_path)
