@@ -32,6 +32,8 @@ def load_text(spec: str) -> tuple[str, str]:
             print(f"note: --text {HELDOUT} is the held-out novel; the {HELDOUT} here is not read (write ./{HELDOUT} "
                   "for it)", file=sys.stderr)
         return heldout_text(), f"{HELDOUT_BOOK.capitalize()} (held-out Austen novel)"
+    if not spec.strip():
+        raise QinferError(f"--text is {spec!r}, empty: pass 'heldout' or a UTF-8 text file")
     path = Path(spec).expanduser()
     if path.is_dir():
         raise QinferError(f"--text {spec} is a folder: pass 'heldout' or a UTF-8 text file")

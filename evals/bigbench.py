@@ -31,7 +31,7 @@ from pathlib import Path
 
 from qinfer.cache import cache_dir, sha256_file, temp_path, write_atomic
 from qinfer.errors import QinferError
-from qinfer.registry import pip_failure
+from qinfer.registry import pip_env, pip_failure
 
 SDIST = "bigbench-1.0.0.tar.gz"
 REQUIREMENT = "bigbench==1.0.0"
@@ -45,7 +45,7 @@ _PIP_TIMEOUT_S = 1800  # 358 MB; a hung network should still end in a clear erro
 
 
 def data_dir() -> Path:
-    return cache_dir() / "data" / "bigbench"
+    return cache_dir("data", "bigbench")
 
 
 def task_json(task: str) -> dict:
@@ -143,7 +143,8 @@ def _sdist() -> Path:
         except (AttributeError, OSError, ValueError):  # a stderr replaced by something without a file
             progress = subprocess.DEVNULL
         try:
-            proc = subprocess.run(cmd, stdout=progress, stderr=subprocess.PIPE, text=True, timeout=_PIP_TIMEOUT_S)
+            proc = subprocess.run(cmd, stdout=progress, stderr=subprocess.PIPE, text=True, timeout=_PIP_TIMEOUT_S,
+                                  env=pip_env(tmp))
         except subprocess.TimeoutExpired:
             raise QinferError(f"downloading {REQUIREMENT} timed out after {_PIP_TIMEOUT_S} s; {fix}") from None
         if proc.returncode != 0:

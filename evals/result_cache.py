@@ -85,7 +85,7 @@ def cache_key(part: str, **fields) -> str:
 
 
 def _path(part: str, key: str) -> Path:
-    return cache_dir() / "eval" / part / f"{key}.json"
+    return cache_dir("eval", part) / f"{key}.json"
 
 
 def load(part: str, key: str, cls: type[T]) -> T | None:

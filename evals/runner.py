@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from qinfer.arch import ModelConfig
-from qinfer.cache import available_memory, check_writable
+from qinfer.cache import available_memory, cache_dir, check_writable
 from qinfer.errors import QinferError
 from qinfer.evals import result_cache
 from qinfer.evals.accuracy import HELDOUT, load_text, task_accuracy, text_tokens
@@ -138,6 +138,7 @@ def run_eval(config: EvalConfig) -> list[ModelResult]:
         check_out(config.out)
     if config.speed:
         check_roofline_path(eval_device())  # its cache could not be written after the text part's minutes
+    cache_dir("eval")  # nor the results' (a file in the way)
     examples = {task: load_task(task, config.limit) for task in config.tasks}  # unknown task: fails here, early
     models, baseline, tokens, text_desc = comparison(config)
     text_fields = dict(baseline=baseline.key, baseline_kv=BASELINE_KV, kv=config.kv_cache, window=config.window,
@@ -300,7 +301,7 @@ def _model_parts(config, models: list[_Model], examples: dict, roofline: Rooflin
         timed = [(m, model) for m, model in zip(batch, loaded) if m.label in untimed]
         if len(timed) > 1:
             _log(config, f"speed of {', '.join(m.label for m, _ in timed)}, one run of each in turn, "
-                         f"{config.repeats} rounds")
+                         f"{config.repeats} round{'s' if config.repeats != 1 else ''}")
         if timed:
             measured = measure_speeds([model for _, model in timed], roofline, config.kv_cache, config.prompt_tokens,
                                       config.decode_steps, config.repeats, desc="speed", progress=config.progress,

@@ -27,14 +27,22 @@ def cache_root() -> Path:
     return Path(os.environ.get("QINFER_CACHE") or Path.home() / ".cache" / "qinfer").expanduser()
 
 
-def cache_dir() -> Path:
-    path = cache_root()
+def cache_dir(*parts: str) -> Path:
+    """The cache folder, or its subfolder ``parts`` (``cache_dir("models")``), made if absent: one line where a
+    file stands in the way, before any work whose result would go there."""
+    root = cache_root()
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        root.mkdir(parents=True, exist_ok=True)
     except FileExistsError:  # the path itself is a file (a file on the way to it: errors.py's unwritable path)
         where = "QINFER_CACHE" if os.environ.get("QINFER_CACHE") else "the cache folder"
-        raise QinferError(f"cannot write {where} {path}: it is a file, not a folder; set QINFER_CACHE to a folder "
+        raise QinferError(f"cannot write {where} {root}: it is a file, not a folder; set QINFER_CACHE to a folder "
                           "you can write to") from None
+    path = root.joinpath(*parts)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise QinferError(f"cannot write the cache folder {path}: a file stands in its way; move the file, or set "
+                          "QINFER_CACHE to another folder") from None
     return path
 
 
@@ -127,7 +135,11 @@ def atomic_dir(target: Path, force: bool = False):
     """
     target = Path(target)
     finished(None)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:  # (a file further up: errors.py's unwritable path)
+        raise QinferError(f"cannot write {target}: {target.parent} is a file, not a folder; move it, or write "
+                          "elsewhere") from None
     tmp = temp_path(target.parent, f".{target.name}.tmp-", folder=True)
     umask = os.umask(0)
     os.umask(umask)

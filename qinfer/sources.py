@@ -18,6 +18,9 @@ from qinfer.registry import BUILTINS, pull
 
 
 def resolve_model(spec: str) -> Path:
+    if not spec.strip():  # Path("") is the working directory: not what an empty argument meant
+        raise QinferError(f"the model is {spec!r}, empty: give a model folder, a .gguf file or a built-in name "
+                          f"({', '.join(BUILTINS)})")
     if spec in BUILTINS:
         if Path(spec).exists():
             _shadow_note(spec)
@@ -59,7 +62,7 @@ def _converted_gguf(path: Path) -> Path:
         h.update(f.read(1 << 20))
         f.seek(max(0, size - (1 << 20)))
         h.update(f.read())
-    target = cache_dir() / "converted" / f"{path.stem}-{h.hexdigest()[:16]}"
+    target = cache_dir("converted") / f"{path.stem}-{h.hexdigest()[:16]}"
     if (target / "config.json").exists() and not damage(target):
         return target
     from qinfer.gguf_convert import convert_gguf

@@ -231,6 +231,33 @@ def test_a_cache_path_with_a_file_in_the_way_is_one_line(tmp_path, where):
     assert_one_line_error(proc, "cannot write", "set QINFER_CACHE to a folder you can write to")
 
 
+@pytest.mark.parametrize("part, args", [("models", ["pull", "gemma3-270m"]),
+                                         ("gguf", ["pull", "gemma3-270m", "--force"]),
+                                         ("converted", ["generate", "model.gguf", "hi"])])
+def test_a_file_where_a_cache_folder_goes_is_one_line_before_any_work(tmp_path, part, args):
+    # said before a download (or a conversion) whose result could not be kept, not after it
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / part).write_text("not a folder")
+    (tmp_path / "model.gguf").write_bytes(b"GGUF" + bytes(60))
+    args = [str(tmp_path / a) if a.endswith(".gguf") else a for a in args]
+    proc = run_qinfer(*args, env={**os.environ, "QINFER_CACHE": str(tmp_path / "cache")})
+    assert_one_line_error(proc, f"cannot write the cache folder {tmp_path / 'cache' / part}: a file stands in its way",
+                          "move the file, or set QINFER_CACHE to another folder")
+
+
+def test_pip_keeps_its_temp_files_in_the_download_folder(tmp_path, monkeypatch):
+    # so they go with it when a Ctrl-C stops pip before it clears them
+    seen = {}
+
+    def pip(cmd, **kwargs):
+        seen.update(dest=Path(cmd[cmd.index("-d") + 1]), tmp=Path(kwargs["env"]["TMPDIR"]))
+        return subprocess.CompletedProcess(cmd, 0, stdout="", stderr="")
+
+    monkeypatch.setattr(registry.subprocess, "run", pip)
+    registry._pip_download(("llm-x==1",), tmp_path / "dl")
+    assert seen["tmp"].parent == seen["dest"] == tmp_path / "dl" and seen["tmp"].is_dir()
+
+
 @pytest.mark.parametrize("stderr, message", [
     # pip crashed writing the wheel: its first ERROR line says nothing, the traceback's last line the cause
     ("ERROR: Exception:\nTraceback (most recent call last):\n  ...\nOSError: [Errno 28] No space left on device\n",

@@ -28,6 +28,10 @@ def test_missing_path():
     assert_one_line_error(run_qinfer("generate", "./no/such/model", "hi"), "no such file or folder", "gemma3-270m")
 
 
+def test_an_empty_model_is_named_not_read_as_the_working_directory():
+    assert_one_line_error(run_qinfer("generate", "", "hi"), "the model is '', empty", "gemma3-270m")
+
+
 def test_unknown_builtin():
     assert_one_line_error(run_qinfer("generate", "gemma9-1t", "hi"), "unknown model 'gemma9-1t'", "gemma3-270m")
     assert_one_line_error(run_qinfer("pull", "gemma9-1t"), "unknown built-in model")

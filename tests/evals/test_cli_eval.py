@@ -107,6 +107,8 @@ def test_eval_compile_without_a_compiler_is_one_clear_error(env):
     (["--out", " "], "--out is empty"),
     (["--out", "FILE"], "is a file, not a folder; choose an --out"),
     (["--text", "FOLDER"], "is a folder: pass 'heldout' or a UTF-8 text file"),
+    (["--text", ""], "--text is '', empty: pass 'heldout'"),
+    (["--baseline", ""], "the model is '', empty"),
     (["--compile", "--no-speed"], "drop --no-speed, or --compile"),
     (["--window", "0"], "--window must be at least 2"),
 ])

@@ -73,8 +73,7 @@ def sdist(tmp_path, monkeypatch):
     monkeypatch.setenv("QINFER_CACHE", str(tmp_path / "cache"))
     blob = _sdist_bytes()
     monkeypatch.setattr(bigbench, "SDIST_SHA256", hashlib.sha256(blob).hexdigest())
-    path = bigbench.data_dir() / bigbench.SDIST
-    path.parent.mkdir(parents=True)
+    path = bigbench.data_dir() / bigbench.SDIST  # (the folder made)
     path.write_bytes(blob)
     return path
 
@@ -185,6 +184,8 @@ def test_download_runs_pip_and_keeps_the_sdist(sdist, monkeypatch):
     def fake_pip(cmd, **kwargs):
         calls.append(cmd)
         dest = cmd[cmd.index("-d") + 1]
+        # pip's own temp files (its unpacked download) go in the temp folder, which goes on an interruption too
+        assert Path(kwargs["env"]["TMPDIR"]).parent == Path(dest) and Path(kwargs["env"]["TMPDIR"]).is_dir()
         (Path(dest) / bigbench.SDIST).write_bytes(blob)
         return subprocess.CompletedProcess(cmd, 0, stderr="")
 
@@ -192,6 +193,7 @@ def test_download_runs_pip_and_keeps_the_sdist(sdist, monkeypatch):
     assert len(load_task("legs")) == 4
     assert calls[0][1:6] == ["-m", "pip", "download", "--no-deps", "--no-binary=:all:"]
     assert "bigbench==1.0.0" in calls[0] and sdist.read_bytes() == blob
+    assert not list(sdist.parent.glob(".bigbench-download-*"))
 
 
 def test_failed_download_says_to_check_pypi_access(sdist, monkeypatch):
