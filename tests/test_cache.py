@@ -218,7 +218,8 @@ def test_sigterm_sighup_and_ctrl_c_unwind_and_leave_nothing_half_written(tmp_pat
 def test_a_signal_after_the_output_is_whole_says_it_is_kept(tmp_path):
     result = CliRunner().invoke(_writer, [str(tmp_path / "out"), "term after"])
     assert result.exit_code == 143, result.output
-    assert f"Error: terminated (SIGTERM); nothing half-written was kept ({tmp_path / 'out'} is complete)" in result.output
+    kept = f"Error: terminated (SIGTERM); nothing half-written was kept ({tmp_path / 'out'} is complete)"
+    assert kept in result.output
     assert [p.name for p in tmp_path.iterdir()] == ["out"] and (tmp_path / "out" / "config.json").exists()
     result = CliRunner().invoke(_writer, [str(tmp_path / "again"), "int"])  # the next command starts afresh
     assert "Error: interrupted; nothing half-written was kept\n" in result.output
