@@ -54,7 +54,7 @@ import torch
 from torch.autograd import profiler
 
 from qinfer.cache import cache_dir, sha256_file, temp_path, write_atomic
-from qinfer.format import FP8_SHIFT, Fp8Weight, QuantizedWeight
+from qinfer.format import Fp8Weight, QuantizedWeight
 from qinfer.kernels.prepared import per_weight, zero_groups
 
 SOURCE = Path(__file__).with_name("gemv_cpu.c")
@@ -287,9 +287,9 @@ def _attention_op(q, k, v, scale: float, k_scale=None, v_scale=None) -> torch.Te
     B, H, _, D = q.shape
     out = torch.empty(B, H, 1, D, dtype=q.dtype)
     scales = [None, None]
-    if k.dtype in _KV_CODES:  # E4M3 codes are read as 2^-8 times their value (e4m3x8)
-        shift = FP8_SHIFT if k.dtype == torch.float8_e4m3fn else 1.0
-        scales = [(x.float() * shift).contiguous() for x in (k_scale, v_scale)]
+    if k.dtype in _KV_CODES:  # (a KV cache's scales are fp32 [Hkv] already: no op per call)
+        scales = [x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+                  for x in (k_scale, v_scale)]
     if _library()[0].qinfer_decode_attention(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), B, H, k.shape[1], k.shape[2], D, q.stride(0),
         q.stride(1), *k.stride()[:3], *v.stride()[:3], scale, _DTYPE_CODES[q.dtype],
