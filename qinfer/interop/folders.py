@@ -245,7 +245,7 @@ def imported_copy(src: Path, cache: Path) -> Path:
     generation files copied beside the weights, and the size, modification time and first megabyte of each weight
     file.
     """
-    from qinfer.loader import weight_files
+    from qinfer.loader import load_model, weight_files
 
     src = Path(src)
     h = hashlib.sha256(IMPORT_REVISION + (src / "config.json").read_bytes())
@@ -259,6 +259,11 @@ def imported_copy(src: Path, cache: Path) -> Path:
     target = cache / "converted" / f"{src.resolve().name}-{h.hexdigest()[:16]}"
     if not (target / QUANT_CONFIG_FILE).exists() or damage(target):
         import_folder(src, target, force=True)
+        try:  # a conversion the loader refuses (a tensor too many or too few) is not kept, and names src
+            load_model(target, device="meta")
+        except QinferError as e:
+            shutil.rmtree(target, ignore_errors=True)
+            raise QinferError(str(e).replace(str(target), str(src))) from None
         write_manifest(target)
     return target
 

@@ -10,6 +10,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from qinfer.cache import cache_dir
 from qinfer.errors import QinferError
 from qinfer.format import QUANT_CONFIG_FILE, QuantizedWeight, QuantScheme
 from qinfer.interop import compressed_tensors as ct
@@ -222,6 +223,20 @@ def test_a_damaged_imported_copy_is_made_again(quantized, tmp_path):
     (copy / "model.safetensors").write_bytes((copy / "model.safetensors").read_bytes()[:1000])
     assert resolve_model(str(tmp_path / "gptq")) == copy
     torch.testing.assert_close(logits(copy), expected, atol=0, rtol=0)
+
+
+def test_an_import_the_loader_refuses_names_the_folder_and_is_not_kept(quantized, tmp_path):
+    # a tensor beside the packed ones that no layer has: the conversion runs, the loader refuses it
+    export_folder(quantized / "int4-sym", tmp_path / "gptq", "gptq")
+    tensors = load_file(tmp_path / "gptq" / "model.safetensors")
+    save_file({**tensors, "model.layers.0.mlp.extra": torch.zeros(4)}, tmp_path / "gptq" / "model.safetensors",
+              metadata={"format": "pt"})
+    converted = cache_dir("converted")
+    before = set(converted.iterdir())
+    with pytest.raises(QinferError) as e:
+        resolve_model(str(tmp_path / "gptq"))
+    assert str(e.value).startswith(f"{tmp_path / 'gptq'}: weights do not match") and "mlp.extra" in str(e.value)
+    assert set(converted.iterdir()) == before  # nothing for `qinfer list` to show as imported
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors"])
