@@ -214,6 +214,11 @@ def load_model(
         head = scheme.quantize_lm_head
         linears = {f"{p}.weight" for p, m in model.named_modules() if isinstance(m, QLinear) and (head or p != "lm_head")}
         missing = [f"{n.removesuffix('.weight')}.qweight (packed)" if n in linears else n for n in missing]
+    foreign = [n for n in unexpected if n.endswith((".qzeros", ".weight_packed", ".weight_scale"))]
+    if foreign and not (folder / QUANT_CONFIG_FILE).exists():  # GPTQ's or compressed-tensors' tensor names
+        raise QinferError(f"{folder} holds GPTQ or compressed-tensors weights ({foreign[0]}) but its config.json has "
+                          "no quantization_config, which says how to read them: copy the checkpoint's config.json "
+                          "again")
     packed_names = [n for n in unexpected if n.endswith((".qweight", ".scale"))]
     if packed_names and not (folder / QUANT_CONFIG_FILE).exists():
         raise QinferError(f"{folder} holds quantized weights ({packed_names[0]}) but no {QUANT_CONFIG_FILE}, which "

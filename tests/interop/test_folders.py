@@ -239,6 +239,17 @@ def test_an_import_the_loader_refuses_names_the_folder_and_is_not_kept(quantized
     assert set(converted.iterdir()) == before  # nothing for `qinfer list` to show as imported
 
 
+@pytest.mark.parametrize("fmt, tensor", [("gptq", "qzeros"), ("compressed-tensors", "weight_packed")])
+def test_a_foreign_checkpoint_without_its_quantization_config_names_it(quantized, tmp_path, fmt, tensor):
+    export_folder(quantized / "int4-sym", tmp_path / "x", fmt)
+    config = json.loads((tmp_path / "x" / "config.json").read_text())
+    del config["quantization_config"]
+    (tmp_path / "x" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(QinferError, match=rf"holds GPTQ or compressed-tensors weights \(model\.[\w.]+\.{tensor}\) but "
+                                          "its config.json has no quantization_config"):
+        load_model(resolve_model(str(tmp_path / "x")))
+
+
 @pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors"])
 def test_export_leaves_the_stored_bos_position_and_kv_scales_out(src, tmp_path, fmt):
     scheme = dataclasses.replace(SCHEMES["int4-sym"], kv_cache="int8")
