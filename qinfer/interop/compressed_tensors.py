@@ -251,6 +251,9 @@ def from_compressed_tensors(
         )
     if K * b % 8:
         raise QinferError(f"{prefix}: K={K} codes of {b} bits do not fill whole bytes, which qinfer's layout needs")
+    if G != -1 and K % G:
+        raise QinferError(f"{prefix}.weight_shape: K={K} is not a multiple of the group size {G} (qinfer's groups "
+                          "cover whole rows): the checkpoint is damaged, or not one qinfer converts")
     scale = exact_fp16(get_tensor(tensors, f"{prefix}.weight_scale", None, 2), f"{prefix}.weight_scale")
     g_idx_key = f"{prefix}.weight_g_idx"
     perm = group_order(tensors[g_idx_key], K, G, g_idx_key) if g_idx_key in tensors else None
@@ -260,7 +263,7 @@ def from_compressed_tensors(
             raise QinferError(f"{zp_key} present but the config says symmetric (checkpoint and config disagree)")
         zero = None
     else:
-        n_g = group_count(K, G) if G == -1 or K % G == 0 else -1
+        n_g = group_count(K, G)
         zp = get_tensor(tensors, zp_key, torch.int32, 2)
         if tuple(zp.shape) != (word_count(N, b), n_g):
             raise QinferError(f"{zp_key}: expected int32 [{word_count(N, b)}, {n_g}], got {list(zp.shape)}")

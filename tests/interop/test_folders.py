@@ -250,6 +250,18 @@ def test_a_foreign_checkpoint_without_its_quantization_config_names_it(quantized
         load_model(resolve_model(str(tmp_path / "x")))
 
 
+@pytest.mark.parametrize("scheme", ["int4-sym", "int4-asym"])
+def test_a_compressed_tensors_row_length_off_the_groups_is_named(quantized, tmp_path, scheme):
+    export_folder(quantized / scheme, tmp_path / "ct", "compressed-tensors")
+    tensors = load_file(tmp_path / "ct" / "model.safetensors")
+    key = "model.layers.0.mlp.down_proj.weight_shape"
+    N, K = tensors[key].tolist()
+    tensors[key] = torch.tensor([N, K - 4], dtype=tensors[key].dtype)  # the same packed words hold K - 4 codes
+    save_file(tensors, tmp_path / "ct" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(QinferError, match=rf"weight_shape: K={K - 4} is not a multiple of the group size 32"):
+        resolve_model(str(tmp_path / "ct"))
+
+
 @pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors"])
 def test_export_leaves_the_stored_bos_position_and_kv_scales_out(src, tmp_path, fmt):
     scheme = dataclasses.replace(SCHEMES["int4-sym"], kv_cache="int8")
