@@ -183,9 +183,9 @@ def measure_roofline(device: str = "cpu", seconds: float = 3.0, force: bool = Fa
         elif cached is not None and _describes_this_process(cached):
             return cached
     print(f"qinfer: measuring the {device} roofline (a few seconds)", file=sys.stderr)
-    busy, start = _busy_cpu_seconds(), time.perf_counter()
+    busy, start = busy_cpu_seconds(), time.perf_counter()
     roofline = _measure(device, seconds)
-    others = _others_cpus(busy, time.perf_counter() - start)
+    others = others_cpus(busy, time.perf_counter() - start)
     if others is not None and others > BUSY_CPUS:
         print(f"qinfer: other processes kept {others:.1f} CPUs busy while the roofline was measured, so it may read "
               "low; it was not cached: run `qinfer roofline --force` on an idle machine", file=sys.stderr)
@@ -194,7 +194,7 @@ def measure_roofline(device: str = "cpu", seconds: float = 3.0, force: bool = Fa
     return roofline
 
 
-def _busy_cpu_seconds() -> tuple[float, float] | None:
+def busy_cpu_seconds() -> tuple[float, float] | None:
     """(CPU seconds every process has used since boot, this process's own), or None where /proc/stat is not."""
     try:
         fields = Path("/proc/stat").read_text().splitlines()[0].split()
@@ -207,9 +207,9 @@ def _busy_cpu_seconds() -> tuple[float, float] | None:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK"), own.user + own.system
 
 
-def _others_cpus(before: tuple[float, float] | None, wall: float) -> float | None:
+def others_cpus(before: tuple[float, float] | None, wall: float) -> float | None:
     """How many CPUs other processes (or the hypervisor: steal time) kept busy, on average, since ``before``."""
-    after = _busy_cpu_seconds()
+    after = busy_cpu_seconds()
     if before is None or after is None or wall <= 0:
         return None
     return max(0.0, (after[0] - before[0]) - (after[1] - before[1])) / wall

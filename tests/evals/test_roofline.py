@@ -130,15 +130,15 @@ def test_measurement_runs_and_gives_a_valid_roofline(monkeypatch):
 def test_a_roofline_measured_on_a_busy_machine_is_used_once_and_not_cached(monkeypatch, capsys):
     fresh = fake_roofline(bandwidth_gbs=9.0)
     monkeypatch.setattr(rl, "_measure", lambda device, seconds: fresh)
-    before = rl._busy_cpu_seconds()
+    before = rl.busy_cpu_seconds()
     assert before is not None and before[0] >= before[1] > 0  # Linux: every process's CPU time, then our own
-    assert 0.0 <= rl._others_cpus(before, 10.0) < 2.0  # over 10 s, whatever the machine did since
-    monkeypatch.setattr(rl, "_others_cpus", lambda before, wall: 1.3)  # another job on both cores
+    assert 0.0 <= rl.others_cpus(before, 10.0) < 2.0  # over 10 s, whatever the machine did since
+    monkeypatch.setattr(rl, "others_cpus", lambda before, wall: 1.3)  # another job on both cores
     roofline_path("cpu").unlink(missing_ok=True)
     assert measure_roofline(force=True) == fresh
     assert "other processes kept 1.3 CPUs busy" in capsys.readouterr().err
     assert not roofline_path("cpu").exists()
-    monkeypatch.setattr(rl, "_others_cpus", lambda before, wall: 0.1)
+    monkeypatch.setattr(rl, "others_cpus", lambda before, wall: 0.1)
     assert measure_roofline(force=True) == fresh and load_roofline(roofline_path("cpu")) == fresh
 
 
