@@ -185,8 +185,8 @@ def measure_roofline(device: str = "cpu", seconds: float = 3.0, force: bool = Fa
     print(f"qinfer: measuring the {device} roofline (a few seconds)", file=sys.stderr)
     busy, start = busy_cpu_seconds(), time.perf_counter()
     roofline = _measure(device, seconds)
-    others = others_cpus(busy, time.perf_counter() - start)
-    if others is not None and others > BUSY_CPUS:
+    others = busy_while(busy, start)
+    if others is not None:
         print(f"qinfer: other processes kept {others:.1f} CPUs busy while the roofline was measured, so it may read "
               "low; it was not cached: run `qinfer roofline --force` on an idle machine", file=sys.stderr)
         return roofline
@@ -207,12 +207,22 @@ def busy_cpu_seconds() -> tuple[float, float] | None:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK"), own.user + own.system
 
 
+def busy_while(before: tuple[float, float] | None, start: float) -> float | None:
+    """How many CPUs other processes kept busy since ``before`` (:func:`busy_cpu_seconds`) and ``start``
+    (``time.perf_counter()``), when more than ``BUSY_CPUS``: a timing taken meanwhile reads low. Else None."""
+    others = others_cpus(before, time.perf_counter() - start)
+    return others if others is not None and others > BUSY_CPUS else None
+
+
 def others_cpus(before: tuple[float, float] | None, wall: float) -> float | None:
     """How many CPUs other processes (or the hypervisor: steal time) kept busy, on average, since ``before``."""
     after = busy_cpu_seconds()
     if before is None or after is None or wall <= 0:
         return None
-    return max(0.0, (after[0] - before[0]) - (after[1] - before[1])) / wall
+    # both counts are in clock ticks, rounded at each end (every CPU's and this process's): a short timing
+    # would otherwise read as busy from the rounding alone (30 ms on an idle machine: up to 0.67 CPUs)
+    slack = (2 * (os.cpu_count() or 1) + 2) / os.sysconf("SC_CLK_TCK")
+    return max(0.0, (after[0] - before[0]) - (after[1] - before[1]) - slack) / wall
 
 
 def load_roofline(path: Path) -> Roofline | None:

@@ -30,8 +30,7 @@ from qinfer.evals.bigbench import SUGGESTED
 from qinfer.evals.checkpoint import content_key, effective_bits, size_on_disk
 from qinfer.evals.divergence import SE_BLOCKS, SE_MIN_BLOCK, TextMetrics, text_metrics
 from qinfer.evals.forward import window_logits
-from qinfer.evals.roofline import (BUSY_CPUS, Roofline, busy_cpu_seconds, check_roofline_path, measure_roofline,
-                                   others_cpus)
+from qinfer.evals.roofline import Roofline, busy_cpu_seconds, busy_while, check_roofline_path, measure_roofline
 from qinfer.evals.speed import SpeedResult, measure_speeds
 from qinfer.evals.tasks import MCResult, load_task
 from qinfer.kv_cache import KV_DTYPES
@@ -309,13 +308,13 @@ def _model_parts(config, models: list[_Model], examples: dict, roofline: Rooflin
             measured = measure_speeds([model for _, model in timed], roofline, config.kv_cache, config.prompt_tokens,
                                       config.decode_steps, config.repeats, desc="speed", progress=config.progress,
                                       compiled=config.compiled)
-            others = others_cpus(busy, time.perf_counter() - start)
-            if others is not None and others > BUSY_CPUS:  # slowed: shown (side by side), not kept for later runs
+            others = busy_while(busy, start)
+            if others is not None:  # slowed: shown (side by side), not kept for later runs
                 print(f"qinfer eval: other processes kept {others:.1f} CPUs busy while the speeds were measured, so "
                       "they read low; they were not cached: measure again on an idle machine", file=sys.stderr)
             for (m, _), speed in zip(timed, measured):
                 speeds[m.label] = speed
-                if others is None or others <= BUSY_CPUS:
+                if others is None:
                     result_cache.store("speed", speed_keys[m.label], dataclasses.asdict(speed))
     return {label: {task: found[task] for task in examples} for label, found in tasks.items()}, speeds
 

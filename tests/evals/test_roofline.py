@@ -1,4 +1,5 @@
 import json
+import time
 
 import pytest
 import torch
@@ -133,6 +134,11 @@ def test_a_roofline_measured_on_a_busy_machine_is_used_once_and_not_cached(monke
     before = rl.busy_cpu_seconds()
     assert before is not None and before[0] >= before[1] > 0  # Linux: every process's CPU time, then our own
     assert 0.0 <= rl.others_cpus(before, 10.0) < 2.0  # over 10 s, whatever the machine did since
+    for _ in range(50):  # a short timing on a machine doing nothing else is not called busy by the ticks' rounding
+        mark, start = rl.busy_cpu_seconds(), time.perf_counter()
+        while time.perf_counter() - start < 0.03:
+            pass
+        assert rl.busy_while(mark, start) is None
     monkeypatch.setattr(rl, "others_cpus", lambda before, wall: 1.3)  # another job on both cores
     roofline_path("cpu").unlink(missing_ok=True)
     assert measure_roofline(force=True) == fresh

@@ -105,15 +105,15 @@ def test_the_cache_skips_all_work_and_no_cache_recomputes(env, count_loads):
 
 
 def test_speeds_measured_on_a_busy_machine_are_shown_but_not_cached(env, count_loads, monkeypatch, capsys):
-    import qinfer.evals.runner as runner
+    import qinfer.evals.roofline as rl
 
     install_roofline()
     config = EvalConfig(models=(env["model"],), text=env["text"], **{**SMALL, **SPEED})
-    monkeypatch.setattr(runner, "others_cpus", lambda before, wall: 1.4)  # another job on both cores
+    monkeypatch.setattr(rl, "others_cpus", lambda before, wall: 1.4)  # another job on both cores
     first = run_eval(config)
     assert first[0].speed is not None and "kept 1.4 CPUs busy while the speeds were measured" in capsys.readouterr().err
     count_loads.clear()
-    monkeypatch.setattr(runner, "others_cpus", lambda before, wall: 0.0)
+    monkeypatch.setattr(rl, "others_cpus", lambda before, wall: 0.0)
     run_eval(config)
     assert count_loads  # timed again: nothing was cached
     count_loads.clear()
