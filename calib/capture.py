@@ -13,7 +13,7 @@ Per linear input (linears that share an input, like q/k/v, share one record):
   input-shift matrix ``D = sum_t (x~_t - x_t) x_t^T`` [K, K] in fp32, x~ the input the unquantized block
   sees on the same token; each batch runs through the block twice, once per stream.
 Per attention layer: the absolute maximum of the keys (after norm and RoPE, as the cache stores them) and
-values per KV head, for KV-cache quantization scales.
+values per KV head and channel, for KV-cache quantization scales.
 
 A model with a stored BOS position (``Transformer.set_bos``; the pipeline sets one only when every calibration
 sample starts with BOS) attends to the stored keys and values there and outputs the stored hidden state, so
@@ -78,22 +78,22 @@ class LinearStats:
 @dataclass
 class BlockStats:
     linears: dict[str, LinearStats]
-    k_absmax: torch.Tensor  # [Hkv]
-    v_absmax: torch.Tensor  # [Hkv]
+    k_absmax: torch.Tensor  # [Hkv, D]: per KV head and channel
+    v_absmax: torch.Tensor  # [Hkv, D]
 
 
 class _StatsCache:
-    """Stands in for the KV cache during calibration: records per-head absmax, stores nothing."""
+    """Stands in for the KV cache during calibration: records the absmax per KV head and channel, stores nothing."""
 
-    def __init__(self, n_kv_heads: int):
-        self.k_absmax = torch.zeros(n_kv_heads)
-        self.v_absmax = torch.zeros(n_kv_heads)
+    def __init__(self, n_kv_heads: int, head_dim: int):
+        self.k_absmax = torch.zeros(n_kv_heads, head_dim)
+        self.v_absmax = torch.zeros(n_kv_heads, head_dim)
 
     def store(self, layer, input_pos, k, v, start=0, end=None):
         # k, v: [B, Hkv, T, D], a whole sample's (input_pos 0..T-1), of which positions start.. are returned, as
         # a bf16 KV cache returns them (no scales)
-        self.k_absmax = torch.maximum(self.k_absmax, k.detach().abs().amax(dim=(0, 2, 3)).float().cpu())
-        self.v_absmax = torch.maximum(self.v_absmax, v.detach().abs().amax(dim=(0, 2, 3)).float().cpu())
+        self.k_absmax = torch.maximum(self.k_absmax, k.detach().abs().amax(dim=(0, 2)).float().cpu())
+        self.v_absmax = torch.maximum(self.v_absmax, v.detach().abs().amax(dim=(0, 2)).float().cpu())
         return k[:, :, start:], v[:, :, start:], None
 
 
@@ -270,7 +270,7 @@ def capture_block(
         return fn
 
     handles = [m.register_forward_pre_hook(hook(name)) for name, m in modules.items()]
-    cache = _StatsCache(model.config.num_kv_heads)
+    cache = _StatsCache(model.config.num_kv_heads, model.config.head_dim)
     try:
         if last is None:
             run_block(model, layer_idx, X, cache=cache)
@@ -328,7 +328,7 @@ def calibrate_in_stages(
     # zeros, not empty: o_proj reads kept[..., :heads_width], a view with wider rows, and PyTorch's bf16 GEMM
     # may read a row's unused tail (times zero): memory that happened to hold a NaN made the output NaN
     kept = torch.zeros(S, L, max(heads_width, block.mlp.down_proj.in_features), dtype=KEEP_DTYPE, device=X.device)
-    cache = _StatsCache(model.config.num_kv_heads)
+    cache = _StatsCache(model.config.num_kv_heads, model.config.head_dim)
     batch = batch_size(model, X)
     first = first_kept(model)
 

@@ -2,14 +2,14 @@
 
 ``attention_ref`` is the plain-torch definition; ``attention`` is the entry point the model calls (today
 PyTorch's fused SDPA, which on CPU is a flash-attention style kernel). A quantized KV cache hands over its int8
-or E4M3 codes and per-KV-head scales: a decode step's C loop (below) reads the codes, other steps attend over
-``dequantize_kv`` of the slice. A mask whose query rows see only a
-band of the keys (a sliding window, or a decode step past the window) is run in chunks of ``CHUNK`` query
-rows, each against only the keys its rows can see: SDPA with an explicit mask computes every [T, S] product,
-where a window of W needs about T * (W + CHUNK). A decode step (one query row, every key visible: the model
-passes no mask, having handed the step only the keys it sees) runs as
-two fp32 matmuls over the query heads grouped by KV head: SDPA's flash kernel is built for many query rows
-and took 3x (512 keys) to 6x (4096 keys) as long for one (on an AVX2 EPYC). On CPU, eagerly, that step goes to
+or E4M3 codes and their scales (per KV head and channel): a decode step's C loop (below) reads the codes,
+other steps attend over ``dequantize_kv`` of the slice. A mask whose query rows see only a band of the keys
+(a sliding window, or a decode step past the window) is run in chunks of ``CHUNK`` query rows, each against
+only the keys its rows can see: SDPA with an explicit mask computes every [T, S] product, where a window of W
+needs about T * (W + CHUNK). A decode step (one query row, every key visible: the model passes no mask,
+having handed the step only the keys it sees) runs as two fp32 matmuls over the query heads grouped by KV
+head: SDPA's flash kernel is built for many query rows and took 3x (512 keys) to 6x (4096 keys) as long for
+one (on an AVX2 EPYC). On CPU, eagerly, that step goes to
 ``gemv_cpu``'s C loop instead: the same fp32 sums, split over chunks of keys, each key and value row read once
 for the query heads that share it, no fp32 copies. At gemma3-270m's shape on 2 AMX Xeon cores, called in a
 loop, it takes 27 / 164 / 1443 us at 512 / 4096 / 32768 keys against SDPA's 24 / 335 / 2608 (and the matmuls'
@@ -42,11 +42,12 @@ def attention_ref(
 
 
 def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A quantized KV cache's int8 or E4M3 ``codes`` [B, Hkv, S, D] times their per-KV-head ``scale`` [Hkv] (fp32
-    products), in ``dtype``."""
+    """A quantized KV cache's int8 or E4M3 ``codes`` [B, Hkv, S, D] times their ``scale`` (fp32 products), in
+    ``dtype``: [Hkv, D], one per KV head and channel, or [Hkv], one per head."""
+    scale = scale.reshape(1, codes.shape[1], 1, -1)  # [1, Hkv, 1, D or 1]
     if codes.dtype == torch.float8_e4m3fn:  # the same numbers as codes.float() * scale, without float8's slow cast
-        return e4m3_times(codes, scale[None, :, None, None]).to(dtype)
-    return (codes.float() * scale[None, :, None, None]).to(dtype)
+        return e4m3_times(codes, scale).to(dtype)
+    return (codes.float() * scale).to(dtype)
 
 
 def attention(
@@ -54,7 +55,7 @@ def attention(
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     # mask None: every query sees every key. kv_scales: k and v are a quantized cache's codes, and these their
-    # per-KV-head scales (k_scale, v_scale), [Hkv] each
+    # scales (k_scale, v_scale), [Hkv, D] (per KV head and channel) or [Hkv] each
     T, S = q.shape[2], k.shape[2]
     if kv_scales is not None:
         if T == 1 and (mask is None or bool(mask.all())) and gemv_cpu.attention_supported(q, k, v, quantized=True):

@@ -221,9 +221,10 @@ static inline __attribute__((always_inline)) void weighted_sum(
  * per query head h (its KV head g = h / (H / Hkv)), scores s_j = (q . k_j) * scale in fp32, p = softmax(s),
  * out = sum_j p_j v_j, rounded once to dtype. q: [B, H] rows of D at q + b * qb + h * qh; k, v: [B, Hkv] heads
  * of S rows of D at k + b * kb + g * kh + j * ks (strides in elements: a KV cache's slice), of kv_dtype. D % 8
- * == 0. A quantized cache's per-KV-head scales (k_scale, v_scale: fp32 [Hkv], or NULL for 1) are not applied to
- * each key and value: k_scale[g] joins the score's scale, and v_scale[g] multiplies the head's sums once (for
- * E4M3 codes, each times the 2^8 e4m3x8 leaves out).
+ * == 0. A quantized cache's scales, one per KV head and channel (k_scale, v_scale: fp32 [Hkv, D], or NULL for 1),
+ * are not applied to each key and value: (q . (k_j * k_scale[g])) = ((q * k_scale[g]) . k_j), so the queries
+ * are scaled once, and v_scale[g] multiplies the head's sums once (for E4M3 codes, each times the 2^8 e4m3x8
+ * leaves out).
  *
  * Split over the keys (as flash-decoding does): OpenMP takes (batch, KV head, chunk of keys) tasks; a task
  * reads each key and value row of its chunk once for all the query heads that share it, and keeps per head
@@ -259,13 +260,14 @@ int qinfer_decode_attention(const void *q, const void *k, const void *v, void *o
         }
         float *qf = buf, *sc = buf + G * D;  /* the group's queries in fp32; scores [G, n] */
         const int64_t n = j1 > j0 ? j1 - j0 : 0;
+        const float *kg = k_scale ? k_scale + g * D : NULL, *vg = v_scale ? v_scale + g * D : NULL;
         for (int64_t i = 0; i < G; i++) {
             const char *qrow = (const char *)q + (b * qb + (g * G + i) * qh) * esz;
-            for (int64_t d = 0; d < D; d++) qf[i * D + d] = load_one(qrow, dtype, d);
+            for (int64_t d = 0; d < D; d++) qf[i * D + d] = load_one(qrow, dtype, d) * (kg ? kg[d] : 1.f);
         }
         const char *kh0 = (const char *)k + (b * kb + g * kh) * kvsz, *vh0 = (const char *)v + (b * vb + g * vh) * kvsz;
         const float shift = kv_dtype == 4 ? 256.f : 1.f;  /* e4m3x8 reads 2^-8 times each code's value */
-        const float s = k_scale ? scale * k_scale[g] * shift : scale, v_mul = v_scale ? v_scale[g] * shift : 1.f;
+        const float s = kg ? scale * shift : scale;
         for (int64_t i0 = 0; i0 < G; i0 += 4) {  /* up to 4 heads at a time, their sums in registers */
             const int m = G - i0 < 4 ? (int)(G - i0) : 4;
             const char *vpre = i0 ? NULL : vh0;  /* the first heads' pass sends the value rows to L2 */
@@ -301,8 +303,9 @@ int qinfer_decode_attention(const void *q, const void *k, const void *v, void *o
                 default: weighted_sum(vh0, vs, kv_dtype, sc + i0 * n, n, j0, D, acc + i0 * D, 1);
             }
         }
-        if (v_scale)
-            for (int64_t i = 0; i < G * D; i++) acc[i] *= v_mul;
+        if (vg)
+            for (int64_t i = 0; i < G; i++)
+                for (int64_t d = 0; d < D; d++) acc[i * D + d] *= vg[d] * shift;
         free(buf);
     }  /* the for's barrier: every task's partials are in */
     int fail;

@@ -27,7 +27,7 @@ Two more row loops of a decode step live here, for the same reason in another fo
 dozen small ops costs more than their arithmetic. ``rms_norm`` (``qinfer.kernels.norm``) normalises a few rows
 in one call, ``decode_attention`` (``qinfer.kernels.attention``) runs one query row per head over a KV cache's
 slice without fp32 copies of the keys and values (a quantized cache's int8 or E4M3 codes as stored, its
-per-head scales folded into the sums). Both are eager only (a compiled graph fuses these ops itself).
+scales folded into the queries and sums). Both are eager only (a compiled graph fuses these ops itself).
 And a prompt's GEMM needs its packed weights dense: ``dequantize`` and ``fp8_dequantize`` write an integer or
 FP8 weight out in the activations' dtype, the format's own numbers bit for bit, in one pass 4-19x as fast as its
 PyTorch ops (``python -m qinfer.evals.prefill_bench MODEL``).
@@ -276,8 +276,9 @@ def attention_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``softmax(q k^T * scale) v`` for inputs :func:`attention_supported` accepts: [B, H, 1, D] in q's dtype.
-    For int8 or E4M3 codes k, v, the keys are ``k * k_scale`` and the values ``v * v_scale`` (fp32 [Hkv], per
-    KV head), in fp32: the scales are folded into the scores' scale and the weighted sums, never into a copy."""
+    For int8 or E4M3 codes k, v, the keys are ``k * k_scale`` and the values ``v * v_scale`` (fp32 [Hkv, D], per
+    KV head and channel; [Hkv], per head, is broadcast), in fp32: the scales are folded into the queries and the
+    weighted sums, never into a copy."""
     if profiler._is_profiler_enabled:
         return torch.ops.qinfer.decode_attention(q, k, v, scale, k_scale, v_scale)
     return _attention_op(q, k, v, scale, k_scale, v_scale)
@@ -287,9 +288,9 @@ def _attention_op(q, k, v, scale: float, k_scale=None, v_scale=None) -> torch.Te
     B, H, _, D = q.shape
     out = torch.empty(B, H, 1, D, dtype=q.dtype)
     scales = [None, None]
-    if k.dtype in _KV_CODES:  # (a KV cache's scales are fp32 [Hkv] already: no op per call)
-        scales = [x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
-                  for x in (k_scale, v_scale)]
+    if k.dtype in _KV_CODES:  # (a KV cache's scales are fp32 [Hkv, D] already: no op per call)
+        scales = [x if x.dtype == torch.float32 and x.shape == (k.shape[1], D) and x.is_contiguous()
+                  else x.float().reshape(k.shape[1], -1).expand(-1, D).contiguous() for x in (k_scale, v_scale)]
     if _library()[0].qinfer_decode_attention(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), B, H, k.shape[1], k.shape[2], D, q.stride(0),
         q.stride(1), *k.stride()[:3], *v.stride()[:3], scale, _DTYPE_CODES[q.dtype],

@@ -22,6 +22,11 @@ or none. Wherever position 0 of a sequence holds that token, attention reads the
 model outputs this hidden state there, instead of what the quantized weights compute (IntactKV keeps the keys and
 values the same way): position 0 sees only itself, so these are the same for every such sequence.
 
+KV-cache scales (``kv_cache`` "int8" or "fp8"). For every layer ``i``, ``model.layers.{i}.self_attn.k_scale`` and
+``v_scale``, float32 ``[num_kv_heads, head_dim]`` (format 1 also allows ``[num_kv_heads]``, broadcast over the
+channels), finite and > 0: a cache stores ``clamp(round(x / scale), -127, 127)`` as int8, or ``e4m3(clamp(x /
+scale, -448, 448))``, and reads ``code * scale``; ``x`` a key (after key norm and RoPE) or value channel.
+
 Integer weights (``format == "int"``)
 -------------------------------------
 ``b = bits`` in {2, 3, 4, 8}; ``G = group_size``, or ``G = K`` when ``group_size == -1`` (per channel).

@@ -3,16 +3,18 @@
 ``store`` stores the new keys/values at their positions and returns the cached positions from ``start``
 (the first key any of the new queries may see: past a sliding window, the keys before it are never read)
 to the newest, as stored, with the layer's scales when the cache is quantized; ``update`` returns them in
-the compute dtype. With ``kv_dtype`` "int8" or "fp8" the cache quantizes on write, one scale per KV head and
-layer, and attention reads the codes (``qinfer.kernels.attention``: a decode step's C loop folds the scales
-into its sums; other steps dequantize the slice they read):
+the compute dtype. With ``kv_dtype`` "int8" or "fp8" the cache quantizes on write, one scale per layer, KV head
+and channel, and attention reads the codes (``qinfer.kernels.attention``: a decode step's C loop folds the
+scales into the queries and its sums; other steps dequantize the slice they read):
 
     int8: q = clamp(round(x / scale), -127, 127)          x ≈ q * scale
     fp8:  q = fp8_e4m3(clamp(x / scale, -448, 448))        x ≈ q * scale
 
-Scales come from calibration (``scales``: {layer: (k_scale [Hkv], v_scale [Hkv])}, as stored by
-``qinfer quantize --kv-cache``); without them a layer's scale is set on its first write (the prefill)
-from that write's absmax times ``UNCALIBRATED_HEADROOM``, so later tokens rarely clip. Scales calibrated for
+Scales come from calibration (``scales``: {layer: (k_scale, v_scale)}, each [Hkv, D] as ``qinfer quantize
+--kv-cache`` stores them, or [Hkv], one per head, as a compressed-tensors import has them); without them a
+layer's scales are set on its first write (the prefill), one per head, from that write's absmax times
+``UNCALIBRATED_HEADROOM``, so later tokens rarely clip (a short prompt shows too little of each channel's
+range to set one per channel). Scales calibrated for
 the other dtype (``scales_for``) are the same calibrated absmax over that dtype's QMAX, and are rescaled to
 this one's: an int8 cache given FP8 scales as they are would clip everything past 127/448 of the range.
 """
@@ -55,15 +57,15 @@ class KVCache:
         self.max_len, self.dtype, self.kv_dtype = max_len, dtype, kv_dtype
         self.k = [torch.zeros(shape, dtype=store, device=device) for _ in range(config.num_layers)]
         self.v = [torch.zeros(shape, dtype=store, device=device) for _ in range(config.num_layers)]
-        # per layer: (k_scale, v_scale), each [Hkv] fp32; scales_for: the dtype they were calibrated for
+        # per layer: (k_scale, v_scale), each [Hkv, D] fp32; scales_for: the dtype they were calibrated for
         ratio = QMAX[scales_for] / QMAX[kv_dtype] if scales_for in QMAX and kv_dtype in QMAX else 1.0
-        self.scales = {i: (k.float().to(device) * ratio, v.float().to(device) * ratio)
+        self.scales = {i: (self._per_channel(k, device) * ratio, self._per_channel(v, device) * ratio)
                        for i, (k, v) in (scales or {}).items()}
 
     def store(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0,
               end: int | None = None):
         # input_pos: [T]; k, v: [B, Hkv, T, D] -> (k, v, scales): cached positions start:end, [B, Hkv, end - start,
-        # D], as stored, and (k_scale, v_scale) [Hkv] each, or None for a bf16 cache; end is input_pos[-1] + 1
+        # D], as stored, and (k_scale, v_scale) [Hkv, D] each, or None for a bf16 cache; end is input_pos[-1] + 1
         # (given by a caller that has it as an int)
         end = int(input_pos[-1]) + 1 if end is None else end
         if end > self.max_len:
@@ -92,12 +94,18 @@ class KVCache:
         per_layer = self.k[0][0, :, 0].numel() * self.k[0].element_size() * 2
         return per_layer * len(self.k) * self.k[0].shape[0]
 
+    def _per_channel(self, scale: torch.Tensor, device) -> torch.Tensor:
+        # [Hkv] (one per head) or [Hkv, D] -> [Hkv, D] fp32
+        Hkv, D = self.k[0].shape[1], self.k[0].shape[3]
+        return scale.float().to(device).reshape(Hkv, -1).expand(Hkv, D).contiguous()
+
     def _initial_scale(self, x: torch.Tensor) -> torch.Tensor:
         absmax = x.detach().abs().amax(dim=(0, 2, 3)).float() * UNCALIBRATED_HEADROOM  # [Hkv]
-        return torch.where(absmax > 0, absmax / QMAX[self.kv_dtype], torch.ones_like(absmax))
+        scale = torch.where(absmax > 0, absmax / QMAX[self.kv_dtype], torch.ones_like(absmax))
+        return self._per_channel(scale, x.device)
 
     def _quantize(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        y = (x.float() / scale[None, :, None, None]).clamp(-QMAX[self.kv_dtype], QMAX[self.kv_dtype])
+        y = (x.float() / scale[None, :, None, :]).clamp(-QMAX[self.kv_dtype], QMAX[self.kv_dtype])
         return y.round().to(torch.int8) if self.kv_dtype == "int8" else y.to(torch.float8_e4m3fn)
 
 

@@ -390,7 +390,7 @@ def _take_packed(folder: Path, model: Transformer, tensors: dict, device: str) -
         for key in w.tensors(prefix):
             tensors.pop(key)
         packed[f"{prefix}.weight"] = w.to(device)
-    n_kv = model.config.num_kv_heads
+    n_kv, head_dim = model.config.num_kv_heads, model.config.head_dim
     for i in range(model.config.num_layers):
         k, v = (tensors.pop(f"model.layers.{i}.self_attn.{n}_scale", None) for n in "kv")
         if k is None and v is None:
@@ -402,9 +402,10 @@ def _take_packed(folder: Path, model: Transformer, tensors: dict, device: str) -
         if scheme.kv_cache == "none":
             raise QinferError(f"{folder}: layer {i} has KV-cache scales but {QUANT_CONFIG_FILE} says kv_cache none, so "
                               "which cache dtype they scale is unknown: quantize again with --kv-cache int8|fp8")
-        if tuple(k.shape) != (n_kv,) or tuple(v.shape) != (n_kv,):
+        if not {tuple(k.shape), tuple(v.shape)} <= {(n_kv,), (n_kv, head_dim)}:  # per head and channel, or head
             raise QinferError(f"{folder}: layer {i}'s KV-cache scales have shapes {tuple(k.shape)} and "
-                              f"{tuple(v.shape)}, not one per KV head ({n_kv},): quantize again with --kv-cache")
+                              f"{tuple(v.shape)}, not one per KV head and channel ({n_kv}, {head_dim}) or per KV "
+                              f"head ({n_kv},): quantize again with --kv-cache")
         k, v = k.float(), v.float()
         for n, t in (("k", k), ("v", v)):
             check_scale(folder, f"model.layers.{i}.self_attn.{n}_scale", t, "quantize again with --kv-cache")

@@ -10,8 +10,8 @@ by at most half a unit in the last place, ``2^-4 |x|``; below it the subnormal s
 absolute error is at most ``2^-10``. Hence ``|w - w_hat| <= max(2^-4 |w|, 2^-10 scale)`` for any w within
 ``[-448, 448] * scale``.
 
-KV-cache scales are data computed from calibration: a per-KV-head absmax ``[Hkv]`` becomes the scale the
-cache divides by on write, ``absmax / 448`` for FP8 and ``absmax / 127`` for symmetric INT8.
+KV-cache scales are data computed from calibration: an absmax per KV head and channel ``[Hkv, D]`` becomes
+the scale the cache divides by on write, ``absmax / 448`` for FP8 and ``absmax / 127`` for symmetric INT8.
 """
 
 from __future__ import annotations
@@ -54,15 +54,15 @@ def fp8_quantize(W: torch.Tensor, scheme: QuantScheme, *, name: str = "weight") 
 def _kv_scale(absmax: torch.Tensor, qmax: float) -> torch.Tensor:
     check_finite(absmax, "KV absmax")
     if bool((absmax < 0).any()):
-        raise QinferError("KV absmax has negative entries; pass max(|k|) (or max(|v|)) per KV head")
+        raise QinferError("KV absmax has negative entries; pass max(|k|) (or max(|v|)) per KV head and channel")
     return _scale_from_absmax(absmax, qmax)
 
 
 def fp8_kv_scale(absmax: torch.Tensor) -> torch.Tensor:
-    """Per-KV-head FP8 scale ``absmax / 448`` (float32, same shape; 1.0 where absmax is 0)."""
+    """FP8 KV-cache scale ``absmax / 448`` (float32, same shape; 1.0 where absmax is 0)."""
     return _kv_scale(absmax, FP8_MAX)
 
 
 def int8_kv_scale(absmax: torch.Tensor) -> torch.Tensor:
-    """Per-KV-head symmetric INT8 scale ``absmax / 127`` (float32, same shape; 1.0 where absmax is 0)."""
+    """Symmetric INT8 KV-cache scale ``absmax / 127`` (float32, same shape; 1.0 where absmax is 0)."""
     return _kv_scale(absmax, INT8_MAX)

@@ -19,10 +19,12 @@ def test_quantized_cache_round_trip_error_is_bounded(tiny, kv_dtype, bound):
     k, v = torch.randn(1, 2, 10, 16), torch.randn(1, 2, 10, 16)
     k_out, v_out = cache.update(0, torch.arange(10), k, v)
     k_scale = cache.scales[0][0]
-    # int8: half a step of the per-head scale; fp8: 3 mantissa bits (relative), plus a subnormal floor
+    assert k_scale.shape == (2, 16)  # uncalibrated: one per head (the prompt's range), for each channel
+    assert torch.equal(k_scale, k_scale[:, :1].expand(2, 16))
+    # int8: half a step of the scale; fp8: 3 mantissa bits (relative), plus a subnormal floor
     for x, y, s in ((k, k_out, k_scale), (v, v_out, cache.scales[0][1])):
         err = (x - y).abs()
-        limit = s[None, :, None, None] / 2 if kv_dtype == "int8" else bound * x.abs() + s[None, :, None, None] * 2.0**-9
+        limit = s[None, :, None, :] / 2 if kv_dtype == "int8" else bound * x.abs() + s[None, :, None, :] * 2.0**-9
         assert bool((err <= limit * 1.0001).all())
     assert cache.k[0].dtype == {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv_dtype]
 
@@ -35,6 +37,25 @@ def test_calibrated_scales_are_used_and_bytes_shrink(tiny):
     assert torch.allclose(k_out, torch.full_like(k, 1.27))
     dense = KVCache(tiny.config, 1, 8, torch.bfloat16)
     assert cache.bytes_per_token() * 2 == dense.bytes_per_token()
+
+
+@pytest.mark.parametrize("kv_dtype,qmax", [("int8", 127.0), ("fp8", 448.0)])
+def test_per_channel_scales_quantize_each_channel_on_its_own_range(tiny, kv_dtype, qmax):
+    # channels whose ranges differ 10^5-fold, as a few outlier channels make them: one scale per head rounds
+    # the small channels to a few int8 steps or FP8's subnormals; per channel, each keeps its relative precision
+    ranges = torch.logspace(-5, 0, 16)  # [D]
+    k = torch.randn(1, 2, 10, 16) * ranges
+    absmax = k.abs().amax(dim=(0, 2))  # [Hkv, D]
+    scales = {i: (absmax / qmax, absmax / qmax) for i in range(tiny.config.num_layers)}
+    cache = KVCache(tiny.config, 1, 10, torch.float32, kv_dtype=kv_dtype, scales=scales)
+    k_out, _ = cache.update(0, torch.arange(10), k, k)
+    rel = ((k_out - k).norm(dim=2) / k.norm(dim=2)).max()  # worst channel's relative error
+    assert float(rel) < (0.01 if kv_dtype == "int8" else 0.05)
+    per_head = KVCache(tiny.config, 1, 10, torch.float32, kv_dtype=kv_dtype,
+                       scales={i: (absmax.amax(1) / qmax,) * 2 for i in range(tiny.config.num_layers)})
+    assert per_head.scales[0][0].shape == (2, 16)  # [Hkv] (a compressed-tensors import's) is broadcast
+    k_head, _ = per_head.update(0, torch.arange(10), k, k)
+    assert float(((k_head - k).norm(dim=2) / k.norm(dim=2)).max()) > 5 * float(rel)
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
@@ -107,5 +128,5 @@ def test_fp8_cache_reads_exactly_codes_times_scale(tiny):
     k = torch.randn(1, 2, 300, 16) * torch.logspace(-6, 1, 300)[None, None, :, None]
     k_out, _ = cache.update(0, torch.arange(300), k, k)
     scale = cache.scales[0][0]
-    assert torch.equal(k_out, cache.k[0].float() * scale[None, :, None, None])
+    assert torch.equal(k_out, cache.k[0].float() * scale[None, :, None, :])
     assert int((cache.k[0].float().abs() < 2.0**-6).sum()) > 0  # subnormal codes were read

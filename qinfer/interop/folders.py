@@ -12,8 +12,8 @@ from it written out in bf16 (qinfer computing in fp32 reads it unrounded, so an 
 embeddings that differ by that rounding); importing such an export ties them again.
 Both directions write atomically (temp folder + rename).
 
-Not carried across: qinfer's per-KV-head cache scales (``self_attn.k_scale`` / ``v_scale``) have no
-equivalent in the GPTQ layout and a different shape from compressed-tensors' per-tensor ``kv_cache_scheme``,
+Not carried across: qinfer's KV-cache scales (``self_attn.k_scale`` / ``v_scale``, per KV head and channel) have
+no equivalent in the GPTQ layout and a different shape from compressed-tensors' per-tensor ``kv_cache_scheme``,
 so export leaves them out and says so. The other way, a compressed-tensors checkpoint's static 8-bit
 ``kv_cache_scheme`` scales (llm-compressor's FP8 KV cache) are imported, each repeated for every KV head, and
 ``kv_cache`` records their dtype. Nor is a stored BOS position (``self_attn.bos_k`` / ``bos_v``,

@@ -390,6 +390,15 @@ def test_kv_cache_scales_the_format_cannot_place_are_refused_on_load(quantized, 
     save_file(tensors, folder / "model.safetensors")
     with pytest.raises(QinferError, match=r"shapes \(\) and .*not one per KV head"):
         load_model(folder)
+    config = json.loads((folder / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    tensors["model.layers.0.self_attn.k_scale"] = torch.ones(n_kv, head_dim + 8)
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(QinferError, match=rf"shapes \({n_kv}, {head_dim + 8}\) and .*not one per KV head and channel"):
+        load_model(folder)
+    tensors["model.layers.0.self_attn.k_scale"] = torch.full((n_kv, head_dim), 0.5)  # per channel, beside per head
+    save_file(tensors, folder / "model.safetensors")
+    assert [tuple(t.shape) for t in load_model(folder).kv_scales[0]] == [(n_kv, head_dim), (n_kv,)]
     for value in (float("nan"), float("inf"), 0.0, -0.5):  # NaN reads every key back as NaN, 0 as 0
         tensors["model.layers.0.self_attn.k_scale"] = torch.full((n_kv,), value)
         tensors["model.layers.0.self_attn.v_scale"] = torch.ones(n_kv)

@@ -156,11 +156,12 @@ def test_c_decode_step_over_a_cache_slice_matches_the_exact_attention(heads, kv_
     assert float(((got.double() - exact).abs() / bound).max()) <= 1.0
 
 
-def _codes(x: torch.Tensor, kv_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [B, Hkv, S, D] as a quantized KV cache stores it: codes and one scale per KV head."""
+def _codes(x: torch.Tensor, kv_dtype: torch.dtype, per: str = "channel") -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, Hkv, S, D] as a quantized KV cache stores it: codes and their scales, one per KV head and channel
+    [Hkv, D] (as calibration stores them) or one per KV head [Hkv] (as a compressed-tensors import has them)."""
     qmax = 127.0 if kv_dtype == torch.int8 else 448.0
-    scale = x.abs().amax(dim=(0, 2, 3)) / qmax
-    y = (x / scale[None, :, None, None]).clamp(-qmax, qmax)
+    scale = x.abs().amax(dim=(0, 2) if per == "channel" else (0, 2, 3)) / qmax
+    y = (x / scale.reshape(1, x.shape[1], 1, -1)).clamp(-qmax, qmax)
     return (y.round().to(torch.int8) if kv_dtype == torch.int8 else y.to(kv_dtype)), scale
 
 
@@ -169,18 +170,21 @@ def _codes(x: torch.Tensor, kv_dtype: torch.dtype) -> tuple[torch.Tensor, torch.
 @pytest.mark.parametrize("S", [1, 513, 3000])
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_c_decode_step_over_quantized_codes_matches_the_exact_attention(heads, kv_heads, D, S, kv_dtype, dtype):
-    # a quantized cache's slice of codes, with per-KV-head scales: the loop folds the scales into its sums, and
-    # must give the exact attention over the dequantized keys and values, to one output rounding
+@pytest.mark.parametrize("per", ["channel", "head"])
+def test_c_decode_step_over_quantized_codes_matches_the_exact_attention(heads, kv_heads, D, S, kv_dtype, dtype, per):
+    # a quantized cache's slice of codes, with scales per KV head and channel (or per head): the loop folds the
+    # scales into the queries and its sums, and must give the exact attention over the dequantized keys and
+    # values, to one output rounding; the channels' ranges differ (as outlier channels make them)
     g = torch.Generator().manual_seed(S * D + heads)
     q = torch.randn(2, heads, 1, D, generator=g).to(dtype)
-    (cache_k, k_scale), (cache_v, v_scale) = (_codes(torch.randn(2, kv_heads, S + 9, D, generator=g) * (1 + i),
-                                                     kv_dtype) for i in range(2))
+    ranges = torch.rand(D, generator=g) * 4 + 0.1
+    (cache_k, k_scale), (cache_v, v_scale) = (
+        _codes(torch.randn(2, kv_heads, S + 9, D, generator=g) * ranges * (1 + i), kv_dtype, per) for i in range(2))
     k, v = cache_k[:, :, 5 : 5 + S], cache_v[:, :, 5 : 5 + S]
     assert gemv_cpu.attention_supported(q, k, v, quantized=True) and not gemv_cpu.attention_supported(q, k, v)
     got = attention(q, k, v, None, D**-0.5, (k_scale, v_scale))
     group = heads // kv_heads
-    keys, values = (c.double() * s.double()[None, :, None, None] for c, s in ((k, k_scale), (v, v_scale)))
+    keys, values = (c.double() * s.double().reshape(1, kv_heads, 1, -1) for c, s in ((k, k_scale), (v, v_scale)))
     scores = (q.double() @ keys.repeat_interleave(group, 1).transpose(-1, -2)) * D**-0.5
     exact = scores.softmax(-1) @ values.repeat_interleave(group, 1)
     assert got.dtype == dtype and got.shape == (2, heads, 1, D)
@@ -191,11 +195,12 @@ def test_c_decode_step_over_quantized_codes_matches_the_exact_attention(heads, k
 
 @pytest.mark.parametrize("T, S, window", [(12, 12, None), (5, 12, 4), (1, 12, 4), (1, 12, None)])
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
-def test_quantized_codes_attend_as_their_dequantized_values(T, S, window, kv_dtype):
+@pytest.mark.parametrize("per", ["channel", "head"])
+def test_quantized_codes_attend_as_their_dequantized_values(T, S, window, kv_dtype, per):
     # every path (prefill, a chunk under a window, a windowed or a full decode step; eager, profiled, and a
     # compiled decode step) attends over codes * scale
     q, k, v = _qkv(T, S, kv_heads=2, D=16)
-    (k, k_scale), (v, v_scale) = _codes(k, kv_dtype), _codes(v, kv_dtype)
+    (k, k_scale), (v, v_scale) = _codes(k, kv_dtype, per), _codes(v, kv_dtype, per)
     mask = _mask(T, S, window)
     ref = attention_ref(q, dequantize_kv(k, k_scale, q.dtype), dequantize_kv(v, v_scale, q.dtype), mask, 0.25)
     torch.testing.assert_close(attention(q, k, v, mask, 0.25, (k_scale, v_scale)), ref, rtol=1e-5, atol=1e-5)
