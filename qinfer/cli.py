@@ -30,6 +30,13 @@ def _open(model: str, dtype: str):
     return load_model(folder, dtype=torch_dtype, device=device, run=True), Tokenizer.from_folder(folder)
 
 
+def _kv_scales_note(lm, model: str, kv_cache: str) -> None:
+    """Say on stderr when a quantized KV cache has no calibrated scales to use (its accuracy then suffers)."""
+    if kv_cache != "bf16" and not getattr(lm, "kv_scales", None):
+        click.echo(f"note: {model} stores no KV-cache scales; the {kv_cache} cache takes each layer's from the prompt, "
+                   f"one per KV head (less accurate: `qinfer quantize --kv-cache {kv_cache}` calibrates them)", err=True)
+
+
 def _sampling_options(f):
     f = click.option("--seed", type=int, default=None, help="Random seed for sampling.")(f)
     f = click.option("--top-k", type=int, default=0, show_default=True, help="Keep the k most likely tokens (0 = all).")(f)
@@ -105,6 +112,7 @@ def generate(model, prompt, dtype, max_tokens, temperature, top_p, top_k, seed, 
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     lm, tok = _open(model, dtype)
+    _kv_scales_note(lm, model, kv_cache)
     stats = GenerationStats()
     stream = StreamDecoder(tok)
     tokens = run(lm, tok.encode(prompt), params, stop_ids=tok.eos_ids, stats=stats, compiled=compiled,  # checked
@@ -143,6 +151,7 @@ def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed, kv_c
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     lm, tok = _open(model, dtype)
+    _kv_scales_note(lm, model, kv_cache)
     if compiled:
         click.echo("note: --compile: the first reply pauses after its first token while the decode step compiles "
                    "(about a minute on 2 CPU cores)", err=True)

@@ -285,6 +285,7 @@ def test_generate_and_chat_run_over_the_kv_cache_asked_for_with_the_stored_scale
         proc = run_qinfer("generate", str(out), "It is a truth", "--max-tokens", "8", "--dtype", "fp32",
                           "--kv-cache", kv)
         assert proc.returncode == 0, proc.stderr
+        assert "stores no KV-cache scales" not in proc.stderr
         return proc.stdout
 
     model, tok = load_model(out, dtype=torch.float32), Tokenizer.from_folder(out)
@@ -299,6 +300,10 @@ def test_generate_and_chat_run_over_the_kv_cache_asked_for_with_the_stored_scale
         return proc.stdout
 
     assert chat_cli("int8") != chat_cli("bf16")
+    # a folder without scales: the cache takes them from the prompt, and says so
+    proc = run_qinfer("generate", str(tmp_path / "src"), "It is", "--max-tokens", "2", "--kv-cache", "fp8")
+    assert proc.returncode == 0, proc.stderr
+    assert "stores no KV-cache scales; the fp8 cache takes each layer's from the prompt" in proc.stderr
 
 
 def test_an_empty_system_message_is_sent_as_one(tmp_path):

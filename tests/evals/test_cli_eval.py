@@ -48,6 +48,16 @@ def test_eval_without_speed_writes_no_roofline_plot(env):
                       "--out", str(out), env=env["env"])
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in out.iterdir()) == ["pareto.png", "results.json", "results.md"]
+    assert "models run with a bf16 KV cache." in (out / "results.md").read_text()
+
+
+def test_eval_says_where_a_quantized_caches_scales_came_from(env):
+    out = env["root"] / "out"
+    proc = run_qinfer("eval", env["model"], "--tasks", "none", "--no-speed", "--kv-cache", "int8", "--text",
+                      env["text"], *SMALL, "--out", str(out), env=env["env"])
+    assert proc.returncode == 0, proc.stderr
+    assert ("models run with an int8 KV cache (with the scales a model's folder stores, else each layer's from its "
+            "first write" in (out / "results.md").read_text())
 
 
 
