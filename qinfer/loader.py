@@ -391,6 +391,7 @@ def _take_packed(folder: Path, model: Transformer, tensors: dict, device: str) -
             tensors.pop(key)
         packed[f"{prefix}.weight"] = w.to(device)
     n_kv, head_dim = model.config.num_kv_heads, model.config.head_dim
+    again = "quantize the original model again with --kv-cache"
     for i in range(model.config.num_layers):
         k, v = (tensors.pop(f"model.layers.{i}.self_attn.{n}_scale", None) for n in "kv")
         if k is None and v is None:
@@ -398,16 +399,20 @@ def _take_packed(folder: Path, model: Transformer, tensors: dict, device: str) -
         if k is None or v is None:
             have, lack = ("k", "v") if v is None else ("v", "k")
             raise QinferError(f"{folder}: layer {i} has a {have}_scale but no {lack}_scale: the checkpoint is "
-                              "incomplete; quantize again with --kv-cache")
+                              f"incomplete; {again}")
         if scheme.kv_cache == "none":
             raise QinferError(f"{folder}: layer {i} has KV-cache scales but {QUANT_CONFIG_FILE} says kv_cache none, so "
-                              "which cache dtype they scale is unknown: quantize again with --kv-cache int8|fp8")
-        if not {tuple(k.shape), tuple(v.shape)} <= {(n_kv,), (n_kv, head_dim)}:  # per head and channel, or head
-            raise QinferError(f"{folder}: layer {i}'s KV-cache scales have shapes {tuple(k.shape)} and "
-                              f"{tuple(v.shape)}, not one per KV head and channel ({n_kv}, {head_dim}) or per KV "
-                              f"head ({n_kv},): quantize again with --kv-cache")
-        k, v = k.float(), v.float()
+                              "which cache dtype they scale is unknown: quantize the original model again with "
+                              "--kv-cache int8|fp8")
         for n, t in (("k", k), ("v", v)):
-            check_scale(folder, f"model.layers.{i}.self_attn.{n}_scale", t, "quantize again with --kv-cache")
-        model.kv_scales[i] = (k.to(device), v.to(device))
+            if tuple(t.shape) not in {(n_kv,), (n_kv, head_dim)}:  # per KV head and channel, or per head
+                raise QinferError(f"{folder}: model.layers.{i}.self_attn.{n}_scale has shape {tuple(t.shape)}, not "
+                                  f"one per KV head and channel ({n_kv}, {head_dim}) or per KV head ({n_kv},): {again}")
+            check_scale(folder, f"model.layers.{i}.self_attn.{n}_scale", t, again)
+        model.kv_scales[i] = (k.float().to(device), v.float().to(device))
+    missing = [i for i in range(model.config.num_layers) if i not in model.kv_scales]
+    if model.kv_scales and missing:
+        which = f"layers {', '.join(map(str, missing))} have" if len(missing) > 1 else f"layer {missing[0]} has"
+        raise QinferError(f"{folder}: {which} no KV-cache scales but the others do: the checkpoint is incomplete; "
+                          f"{again}")
     return packed

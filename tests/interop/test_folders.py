@@ -388,17 +388,27 @@ def test_kv_cache_scales_the_format_cannot_place_are_refused_on_load(quantized, 
     (folder / QUANT_CONFIG_FILE).write_text(json.dumps({**scheme, "kv_cache": "int8"}))
     tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(1.0)
     save_file(tensors, folder / "model.safetensors")
-    with pytest.raises(QinferError, match=r"shapes \(\) and .*not one per KV head"):
+    with pytest.raises(QinferError, match=r"layers.0.self_attn.k_scale has shape \(\), not one per KV head"):
         load_model(folder)
     config = json.loads((folder / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     tensors["model.layers.0.self_attn.k_scale"] = torch.ones(n_kv, head_dim + 8)
     save_file(tensors, folder / "model.safetensors")
-    with pytest.raises(QinferError, match=rf"shapes \({n_kv}, {head_dim + 8}\) and .*not one per KV head and channel"):
+    with pytest.raises(QinferError, match=rf"k_scale has shape \({n_kv}, {head_dim + 8}\), not one per KV head and ch"):
         load_model(folder)
-    tensors["model.layers.0.self_attn.k_scale"] = torch.full((n_kv, head_dim), 0.5)  # per channel, beside per head
+    layers = config["num_hidden_layers"]
+    for i in range(layers):  # per channel (k) beside per head (v), in every layer: loads
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.full((n_kv, head_dim), 0.5)
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.ones(n_kv)
     save_file(tensors, folder / "model.safetensors")
-    assert [tuple(t.shape) for t in load_model(folder).kv_scales[0]] == [(n_kv, head_dim), (n_kv,)]
+    assert [tuple(t.shape) for t in load_model(folder).kv_scales[layers - 1]] == [(n_kv, head_dim), (n_kv,)]
+    del tensors["model.layers.1.self_attn.k_scale"], tensors["model.layers.1.self_attn.v_scale"]
+    save_file(tensors, folder / "model.safetensors")  # scales on some layers only: the others' were lost
+    with pytest.raises(QinferError, match="layer 1 has no KV-cache scales but the others do: the checkpoint is "
+                                          "incomplete; quantize the original model again with --kv-cache"):
+        load_model(folder)
+    for i in range(2, layers):
+        del tensors[f"model.layers.{i}.self_attn.k_scale"], tensors[f"model.layers.{i}.self_attn.v_scale"]
     for value in (float("nan"), float("inf"), 0.0, -0.5):  # NaN reads every key back as NaN, 0 as 0
         tensors["model.layers.0.self_attn.k_scale"] = torch.full((n_kv,), value)
         tensors["model.layers.0.self_attn.v_scale"] = torch.ones(n_kv)
