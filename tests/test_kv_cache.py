@@ -39,6 +39,23 @@ def test_calibrated_scales_are_used_and_bytes_shrink(tiny):
     assert cache.bytes_per_token() * 2 == dense.bytes_per_token()
 
 
+
+def test_fp8_cache_keeps_headroom_past_the_calibrated_range(tiny):
+    # calibration sees a sample of the text: a key 1.5x past its maximum clips at int8's scale, which stays as
+    # calibrated (its step is absolute), and passes an FP8 cache, which doubles it (its step is relative)
+    absmax = torch.rand(2, 16) + 0.5
+    k = (absmax * 1.5)[None, :, None, :] * torch.tensor([1.0, -1.0, 0.25])[None, None, :, None]  # [1, 2, 3, 16]
+    for kv_dtype, qmax, headroom in (("int8", 127.0, 1.0), ("fp8", 448.0, 2.0)):
+        scales = {i: (absmax / qmax, absmax / qmax) for i in range(tiny.config.num_layers)}
+        cache = KVCache(tiny.config, 1, 4, torch.float32, kv_dtype=kv_dtype, scales=scales)
+        torch.testing.assert_close(cache.scales[0][0], absmax / qmax * headroom, rtol=1e-6, atol=0)
+        k_out, _ = cache.update(0, torch.arange(3), k, k)
+        if kv_dtype == "int8":
+            torch.testing.assert_close(k_out[:, :, 0], absmax[None], rtol=1e-6, atol=0)  # clipped
+        else:
+            assert bool(((k_out - k).abs() <= k.abs() * 2.0**-4).all())  # within E4M3's half step
+
+
 @pytest.mark.parametrize("kv_dtype,qmax", [("int8", 127.0), ("fp8", 448.0)])
 def test_per_channel_scales_quantize_each_channel_on_its_own_range(tiny, kv_dtype, qmax):
     # channels whose ranges differ 10^5-fold, as a few outlier channels make them: one scale per head rounds
