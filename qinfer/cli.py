@@ -166,7 +166,8 @@ def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed, kv_c
 @click.option("-o", "--out", required=True, type=click.Path(), help="Output folder (written atomically).")
 @click.option("--bits", type=int, default=4, show_default=True, help="2, 3, 4 or 8 (8 with --format fp8 for FP8).")
 @click.option("--method", type=click.Choice(["gptq", "awq", "rtn"]), default="gptq", show_default=True)
-@click.option("--group-size", type=int, default=128, show_default=True, help="32, 64, 128, or -1 for per-channel.")
+@click.option("--group-size", type=int, default=128, show_default=True,
+              help="32, 64, 128, or -1 for per-channel; not given: 128, or the largest that divides every K.")
 @click.option("--sym/--asym", default=None,
               help="Symmetric (implicit zero) or asymmetric (a zero point per group; the default for integers, "
                    "more accurate on gemma3-270m, see README). FP8 is always symmetric.")
@@ -277,7 +278,8 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
         raise QinferError(f"{model} is already quantized ({foreign_quant_method(path)}): quantize the original "
                           "model instead")
     # Ctrl-C: exit 130 with the line every command gives (OUT as it was, or complete if the rename had begun)
-    report = quantize_model(resolve_model(model), out, scheme, calib_config, force=force, tune=tune)
+    report = quantize_model(resolve_model(model), out, scheme, calib_config, force=force, tune=tune,
+                            fit_group_size="group_size" not in given)
     click.echo(report.summary())
 
 

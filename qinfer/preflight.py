@@ -12,7 +12,7 @@ import torch
 from qinfer.cache import available_memory
 from qinfer.calib.capture import KEEP_DTYPE, compute_dtype
 from qinfer.errors import QinferError
-from qinfer.format import QuantScheme, check_int_shape
+from qinfer.format import GROUP_SIZES, QuantScheme, check_int_shape
 from qinfer.model import Transformer
 
 if TYPE_CHECKING:
@@ -32,6 +32,21 @@ def check_shapes(model: Transformer, scheme: QuantScheme) -> None:
         head = scheme.lm_head_scheme()
         if head.format == "int":
             check_int_shape(tuple(model.lm_head.weight.shape), head.bits, head.group_size, "lm_head")
+
+
+def fitting_group_size(model: Transformer, scheme: QuantScheme) -> tuple[int, str, int] | None:
+    """For an integer ``scheme`` whose group size does not divide some quantized linear's K: the largest group
+    size below it that divides every one, with the first linear it failed on and that K (None: it fits, or no
+    group size does). SmolLM2's hidden size 576 takes 64, not the default 128."""
+    if scheme.format != "int" or scheme.group_size == -1:
+        return None
+    linears = [(f"model.layers.{i}.{name}", block.get_submodule(name).weight.shape[1])
+               for i, block in enumerate(model.model.layers) for name in model.config.arch.linear_names]
+    if scheme.quantize_lm_head:
+        linears.append(("lm_head", model.lm_head.weight.shape[1]))
+    misfit = next(((name, K) for name, K in linears if K % scheme.group_size), None)
+    fits = [g for g in GROUP_SIZES if 0 < g < scheme.group_size and all(K % g == 0 for _, K in linears)]
+    return (max(fits), *misfit) if misfit and fits else None
 
 
 def check_finite(model: Transformer) -> None:

@@ -62,7 +62,7 @@ from qinfer.format import Fp8Weight, QuantScheme
 from qinfer.interop.folders import SIDE_FILES
 from qinfer.loader import bos_tensors, drop_pages, load_model, weight_files
 from qinfer.model import BosState, Transformer
-from qinfer.preflight import check_calibration_size, check_finite, check_shapes
+from qinfer.preflight import check_calibration_size, check_finite, check_shapes, fitting_group_size
 from qinfer.quantizers.fp8 import fp8_kv_scale, fp8_quantize, int8_kv_scale
 from qinfer.quantizers.gptq import fp_target, gptq_quantize_ex
 from qinfer.quantizers.rtn import rtn_quantize
@@ -201,8 +201,12 @@ def recorded_calibration(scheme: QuantScheme, calib: CalibConfig, tune: TuneConf
 
 
 def quantize_model(
-    folder: Path, out: Path, scheme: QuantScheme, calib: CalibConfig, force: bool = False, tune: TuneConfig | None = None
+    folder: Path, out: Path, scheme: QuantScheme, calib: CalibConfig, force: bool = False, tune: TuneConfig | None = None,
+    fit_group_size: bool = False,
 ) -> QuantizeReport:
+    """Quantize the model in ``folder`` into ``out``. ``fit_group_size`` (the group size was not chosen by the
+    user): where ``scheme.group_size`` does not divide a linear's in_features, take the largest that does, with a
+    note, instead of refusing."""
     folder, out = Path(folder), Path(out)
     tune = tune or TuneConfig()
     if tune.active and scheme.format != "int":
@@ -228,6 +232,11 @@ def quantize_model(
     start = time.perf_counter()
     reuse_freed_memory()
     model = load_model(folder, dtype=torch.bfloat16)
+    fit = fitting_group_size(model, scheme) if fit_group_size else None
+    if fit:
+        print(f"note: group size {fit[0]}: the default {scheme.group_size} does not divide {fit[1]}'s in_features "
+              f"K={fit[2]} (--group-size chooses)", file=sys.stderr)
+        scheme = replace(scheme, group_size=fit[0])
     check_shapes(model, scheme)  # before any calibration work
     check_finite(model)
     Tokenizer.from_folder(folder)  # copied into OUT, which every other command reads it from: refuse a broken one

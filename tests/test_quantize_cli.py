@@ -118,6 +118,21 @@ def test_an_empty_output_name_is_refused(tiny, tmp_path, command):  # noqa: F811
     assert_one_line_error(run_qinfer(command, str(tiny), "-o", " ", *extra), "--out is empty: name a folder")
 
 
+def test_the_default_group_size_fits_the_model(tiny, tmp_path):  # noqa: F811
+    # the tiny llama's linears read 64 and 96 channels: the default 128 fits neither, 32 both (as 64 does SmolLM2's
+    # 576); a group size the user chose is kept, and refused if it does not fit (test_cli_errors)
+    proc = run_qinfer("quantize", str(tiny), "-o", str(tmp_path / "q"), "--method", "rtn")
+    assert proc.returncode == 0, proc.stderr
+    notes = [line for line in proc.stderr.splitlines() if line.startswith("note:")]
+    assert notes == ["note: group size 32: the default 128 does not divide model.layers.0.self_attn.q_proj's "
+                     "in_features K=64 (--group-size chooses)"]
+    assert QuantScheme.load(tmp_path / "q").group_size == 32
+    assert load_model(tmp_path / "q").model.layers[0].mlp.down_proj.weight.group_size == 32
+    per_channel = run_qinfer("quantize", str(tiny), "-o", str(tmp_path / "pc"), "--method", "rtn", "--group-size", "-1")
+    assert per_channel.returncode == 0 and "note:" not in per_channel.stderr
+    assert QuantScheme.load(tmp_path / "pc").group_size == -1
+
+
 def test_cli_says_when_rtn_reads_no_calibration_text(tiny, tmp_path):  # noqa: F811
     # RTN alone reads no text: calibration options given for it are named as unused, not silently dropped
     missing = str(tmp_path / "missing.txt")
