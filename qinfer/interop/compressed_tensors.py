@@ -112,6 +112,11 @@ def compressed_tensors_config(scheme: QuantScheme) -> dict:
     }
 
 
+# The static FP8 KV cache an export declares (llm-compressor's, which vLLM's --kv-cache-dtype fp8 reads): one
+# scale per layer for the keys and one for the values, amax / 448, each an fp32 tensor of shape [1].
+FP8_KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+
+
 def kv_cache_dtype(config: dict) -> str:
     """The KV-cache dtype a compressed-tensors ``kv_cache_scheme`` stores static scales for: "fp8" (8-bit float,
     llm-compressor's FP8 KV cache), "int8", or "none" (no scheme, or a dynamic one: no scales stored)."""

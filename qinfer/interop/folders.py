@@ -12,11 +12,13 @@ from it written out in bf16 (qinfer computing in fp32 reads it unrounded, so an 
 embeddings that differ by that rounding); importing such an export ties them again.
 Both directions write atomically (temp folder + rename).
 
-Not carried across: qinfer's KV-cache scales (``self_attn.k_scale`` / ``v_scale``, per KV head and channel) have
-no equivalent in the GPTQ layout and a different shape from compressed-tensors' per-tensor ``kv_cache_scheme``,
-so export leaves them out and says so. The other way, a compressed-tensors checkpoint's static 8-bit
-``kv_cache_scheme`` scales (llm-compressor's FP8 KV cache) are imported, each repeated for every KV head, and
-``kv_cache`` records their dtype. Nor is a stored BOS position (``self_attn.bos_k`` / ``bos_v``,
+KV-cache scales (``self_attn.k_scale`` / ``v_scale``, qinfer's per KV head and channel) have no place in the GPTQ
+layout: that export leaves them out and says so. The compressed-tensors export writes them as llm-compressor's
+static FP8 ``kv_cache_scheme`` (``FP8_KV_CACHE_SCHEME``) declares them, one per tensor: the largest calibrated
+absmax over 448 (int8-calibrated scales are the same absmax over 127), which vLLM's ``--kv-cache-dtype fp8``
+reads; the finer scales are not kept. The other way, a compressed-tensors checkpoint's static 8-bit
+``kv_cache_scheme`` scales are imported, each repeated for every KV head, and ``kv_cache`` records their dtype.
+Not carried across: a stored BOS position (``self_attn.bos_k`` / ``bos_v``,
 ``model.bos_hidden``: qinfer.format), which no other reader applies: there the exported model computes the BOS
 position with its quantized weights.
 """
@@ -38,7 +40,7 @@ from qinfer.errors import QinferError
 from qinfer.format import QUANT_CONFIG_FILE, QuantScheme, packed_weight
 from qinfer.interop import compressed_tensors as ct
 from qinfer.interop import gptq
-from qinfer.kv_cache import check_scale
+from qinfer.kv_cache import QMAX, check_scale
 
 EXPORT_FORMATS = ("gptq", "compressed-tensors")
 AUTOGPTQ_CONFIG_FILE = "quantize_config.json"
@@ -141,8 +143,19 @@ def export_folder(src: Path, out: Path, fmt: str, force: bool = False) -> Conver
         config["tie_word_embeddings"] = False
         if "model.embed_tokens.weight" not in tensors:  # qinfer's tied embedding (qinfer.format): a bf16 table
             tensors["model.embed_tokens.weight"] = head.dequantize(torch.bfloat16)
+    kv_scales = {name: tensors.pop(name) for name in list(tensors)
+                 if name.endswith(("self_attn.k_scale", "self_attn.v_scale"))}
+    if kv_scales and fmt != "gptq" and scheme.kv_cache in QMAX:
+        for name, scale in kv_scales.items():  # one per tensor, as FP8's: amax / 448
+            result[name] = (scale.float().amax() * (QMAX[scheme.kv_cache] / QMAX["fp8"])).reshape(1)
+        quantization_config["kv_cache_scheme"] = dict(ct.FP8_KV_CACHE_SCHEME)
+        report.notes.append(f"KV-cache scales written per tensor for an FP8 cache (kv_cache_scheme, as vLLM's "
+                            f"--kv-cache-dtype fp8 reads them): {len(kv_scales) // 2} layers' keys and values, each the "
+                            f"largest of its {scheme.kv_cache} scales per KV head and channel")
+    else:
+        report.dropped.extend(kv_scales)
     for name in list(tensors):
-        if name.endswith(("self_attn.k_scale", "self_attn.v_scale")) or is_bos_tensor(name):
+        if is_bos_tensor(name):
             report.dropped.append(name)
             tensors.pop(name)
     result.update(tensors)
@@ -152,8 +165,8 @@ def export_folder(src: Path, out: Path, fmt: str, force: bool = False) -> Conver
     _write(src, out, result, config, force)
     bos = [n for n in report.dropped if is_bos_tensor(n)]
     if len(bos) < len(report.dropped):
-        report.notes.append(f"{len(report.dropped) - len(bos)} KV-cache scales are not part of the {fmt} layout and "
-                            "were left out")
+        report.notes.append(f"KV-cache scales ({(len(report.dropped) - len(bos)) // 2} layers' keys and values) are not "
+                            f"part of the {fmt} layout and were left out")
     if bos:
         report.notes.append(f"the stored BOS position (keys, values, output) is not part of the {fmt} layout and was "
                             "left out")

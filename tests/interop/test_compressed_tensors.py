@@ -285,3 +285,20 @@ def test_import_errors():
     fp8_t["q.weight_scale"] = torch.tensor(0.5, dtype=torch.bfloat16)
     back = from_compressed_tensors("q", fp8_t, FP8_SCHEMES[1])
     assert isinstance(back, Fp8Weight) and back.scale.dtype == torch.float32 and back.scale.shape == (1,)
+
+
+def test_the_exported_kv_cache_scheme_is_the_librarys_static_fp8_cache():
+    # what qinfer's compressed-tensors export declares for the KV cache: the library parses it as static per-tensor
+    # FP8 and registers one k_scale / v_scale of shape [1] per attention module for it, the shape the export writes
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.initialize import initialize_qparams
+
+    from qinfer.interop.compressed_tensors import FP8_KV_CACHE_SCHEME
+
+    args = QuantizationArgs.model_validate(FP8_KV_CACHE_SCHEME)
+    assert (args.num_bits, args.type, args.strategy, args.dynamic, args.symmetric) == (8, "float", "tensor", False, True)
+    attention = torch.nn.Module()
+    for name in ("k", "v"):
+        initialize_qparams(attention, name, args, observed_shape=(2, None, 16), observed_dtype=torch.float32,
+                           force_zero_point=False)  # as the library applies a kv_cache_scheme
+    assert {n: tuple(p.shape) for n, p in attention.named_parameters()} == {"k_scale": (1,), "v_scale": (1,)}

@@ -263,18 +263,47 @@ def test_a_compressed_tensors_row_length_off_the_groups_is_named(quantized, tmp_
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors"])
-def test_export_leaves_the_stored_bos_position_and_kv_scales_out(src, tmp_path, fmt):
+def test_export_leaves_the_stored_bos_position_out_and_kv_scales_where_the_layout_has_none(src, tmp_path, fmt):
     scheme = dataclasses.replace(SCHEMES["int4-sym"], kv_cache="int8")
     quantize_model(src, tmp_path / "q", scheme, CalibConfig(samples=2, seq_len=16))
     assert load_model(tmp_path / "q").bos_hidden is not None
     report = export_folder(tmp_path / "q", tmp_path / "out", fmt)
     assert not [k for k in read_folder_tensors(tmp_path / "out") if "bos" in k]
     assert "model.bos_hidden" in report.dropped and "model.layers.2.self_attn.bos_v" in report.dropped
-    assert "model.layers.2.self_attn.k_scale" in report.dropped
-    assert report.notes == [f"6 KV-cache scales are not part of the {fmt} layout and were left out",
-                            f"the stored BOS position (keys, values, output) is not part of the {fmt} layout and was "
-                            "left out"]
+    bos_note = (f"the stored BOS position (keys, values, output) is not part of the {fmt} layout and was left out")
+    if fmt == "gptq":
+        assert "model.layers.2.self_attn.k_scale" in report.dropped
+        assert report.notes == ["KV-cache scales (3 layers' keys and values) are not part of the gptq layout and were "
+                                "left out", bos_note]
+    else:  # written as compressed-tensors' static FP8 KV cache: test_kv_cache_scales_export_per_tensor_as_fp8
+        assert not [k for k in report.dropped if k.endswith("_scale")] and len(report.notes) == 2
     assert load_model(resolve_model(str(tmp_path / "out"))).bos_hidden is None
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_kv_cache_scales_export_per_tensor_as_fp8(src, tmp_path, kv):
+    # llm-compressor's static FP8 KV cache, as vLLM reads it: one scale per layer's keys and values, the largest
+    # calibrated absmax over 448 (int8's scales are that absmax over 127); an import reads them back per tensor
+    scheme = dataclasses.replace(SCHEMES["int4-sym"], kv_cache=kv)
+    quantize_model(src, tmp_path / "q", scheme, CalibConfig(samples=2, seq_len=16, keep_bos=False))
+    report = export_folder(tmp_path / "q", tmp_path / "ct", "compressed-tensors")
+    assert report.notes == [f"KV-cache scales written per tensor for an FP8 cache (kv_cache_scheme, as vLLM's "
+                            f"--kv-cache-dtype fp8 reads them): 3 layers' keys and values, each the largest of its {kv} "
+                            "scales per KV head and channel"]
+    config = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    assert config["kv_cache_scheme"] == {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                                         "symmetric": True}
+    ours, theirs = read_folder_tensors(tmp_path / "q"), load_file(tmp_path / "ct" / "model.safetensors")
+    qmax = {"int8": 127.0, "fp8": 448.0}[kv]
+    for i in range(3):
+        for n in ("k", "v"):
+            name = f"model.layers.{i}.self_attn.{n}_scale"
+            assert ours[name].shape == (2, 16) and theirs[name].shape == (1,) and theirs[name].dtype == torch.float32
+            torch.testing.assert_close(theirs[name], (ours[name].amax() * qmax / 448).reshape(1), rtol=1e-6, atol=0)
+    back = load_model(resolve_model(str(tmp_path / "ct")), dtype=torch.float32)
+    assert back.kv_scales_dtype == "fp8"
+    torch.testing.assert_close(back.kv_scales[1][0], theirs["model.layers.1.self_attn.k_scale"].expand(2))
+    # (that the compressed-tensors library declares these shapes: test_compressed_tensors)
 
 
 def test_cli_export_and_generate_from_export(quantized, tmp_path):
