@@ -201,8 +201,8 @@ def recorded_calibration(scheme: QuantScheme, calib: CalibConfig, tune: TuneConf
 
 
 def quantize_model(
-    folder: Path, out: Path, scheme: QuantScheme, calib: CalibConfig, force: bool = False, tune: TuneConfig | None = None,
-    fit_group_size: bool = False,
+    folder: Path, out: Path, scheme: QuantScheme, calib: CalibConfig, force: bool = False,
+    tune: TuneConfig | None = None, fit_group_size: bool = False,
 ) -> QuantizeReport:
     """Quantize the model in ``folder`` into ``out``. ``fit_group_size`` (the group size was not chosen by the
     user): where ``scheme.group_size`` does not divide a linear's in_features, take the largest that does, with a

@@ -150,8 +150,8 @@ def export_folder(src: Path, out: Path, fmt: str, force: bool = False) -> Conver
             result[name] = (scale.float().amax() * (QMAX[scheme.kv_cache] / QMAX["fp8"])).reshape(1)
         quantization_config["kv_cache_scheme"] = dict(ct.FP8_KV_CACHE_SCHEME)
         report.notes.append(f"KV-cache scales written per tensor for an FP8 cache (kv_cache_scheme, as vLLM's "
-                            f"--kv-cache-dtype fp8 reads them): {len(kv_scales) // 2} layers' keys and values, each the "
-                            f"largest of its {scheme.kv_cache} scales per KV head and channel")
+                            f"--kv-cache-dtype fp8 reads them): {len(kv_scales) // 2} layers' keys and values, "
+                            f"each the largest of its {scheme.kv_cache} scales per KV head and channel")
     else:
         report.dropped.extend(kv_scales)
     for name in list(tensors):
@@ -165,8 +165,9 @@ def export_folder(src: Path, out: Path, fmt: str, force: bool = False) -> Conver
     _write(src, out, result, config, force)
     bos = [n for n in report.dropped if is_bos_tensor(n)]
     if len(bos) < len(report.dropped):
-        report.notes.append(f"KV-cache scales ({(len(report.dropped) - len(bos)) // 2} layers' keys and values) are not "
-                            f"part of the {fmt} layout and were left out")
+        layers = (len(report.dropped) - len(bos)) // 2
+        report.notes.append(f"KV-cache scales ({layers} layers' keys and values) are not part of the {fmt} layout "
+                            "and were left out")
     if bos:
         report.notes.append(f"the stored BOS position (keys, values, output) is not part of the {fmt} layout and was "
                             "left out")
