@@ -36,8 +36,8 @@ def _kv_scales_note(lm, model: str, kv_cache: str) -> None:
         # int8's fixed steps suffer from one range per head (gemma3-270m: +7% perplexity against +0.0% calibrated,
         # README); FP8's relative precision barely does, so only int8's note says to calibrate
         click.echo(f"note: {model} stores no KV-cache scales; the {kv_cache} cache takes each layer's from the prompt, "
-                   "one per KV head" + (" (less accurate for int8: `qinfer quantize --kv-cache int8` calibrates them "
-                                        "per channel)" if kv_cache == "int8" else ""), err=True)
+                   "one per KV head" + (" (less accurate for int8: quantizing the original model with --kv-cache "
+                                        "int8 calibrates them per channel)" if kv_cache == "int8" else ""), err=True)
 
 
 def _sampling_options(f):

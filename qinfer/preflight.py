@@ -21,32 +21,55 @@ if TYPE_CHECKING:
 
 
 def check_shapes(model: Transformer, scheme: QuantScheme) -> None:
-    """Raise a ``QinferError`` naming the first linear whose shape the integer layout cannot hold."""
+    """Raise a ``QinferError`` naming the first linear whose shape the integer layout cannot hold, and a group
+    size that fits every linear (or -1, per channel, where none of 32, 64, 128 does)."""
     if scheme.format != "int":
         return  # FP8's per-channel or per-tensor scales fit any shape
-    for i, block in enumerate(model.model.layers):
-        for name in model.config.arch.linear_names:
-            W = block.get_submodule(name).weight
-            check_int_shape(tuple(W.shape), scheme.bits, scheme.group_size, f"model.layers.{i}.{name}")
-    if scheme.quantize_lm_head:
-        head = scheme.lm_head_scheme()
-        if head.format == "int":
-            check_int_shape(tuple(model.lm_head.weight.shape), head.bits, head.group_size, "lm_head")
+    linears = _int_linears(model, scheme)
+    misfit = _misfit(linears, scheme.group_size)
+    if misfit:
+        fits = _fits(linears)
+        fix = (f"--group-size {max(fits)} (it divides every linear's) or -1 (per channel)" if fits else
+               f"--group-size -1 (per channel): none of {', '.join(str(g) for g in GROUP_SIZES if g > 0)} divides "
+               "every linear's in_features")
+        raise QinferError(f"{misfit[0]}: group_size {scheme.group_size} does not divide in_features K={misfit[1]}; "
+                          f"use {fix}")
+    for name, shape, bits in linears:
+        check_int_shape(shape, bits, scheme.group_size, name)
 
 
-def fitting_group_size(model: Transformer, scheme: QuantScheme) -> tuple[int, str, int] | None:
+def fitting_group_size(model: Transformer, scheme: QuantScheme) -> tuple[int, int, str, int] | None:
     """For an integer ``scheme`` whose group size does not divide some quantized linear's K: the largest group
-    size below it that divides every one, with the first linear it failed on and that K (None: it fits, or no
-    group size does). SmolLM2's hidden size 576 takes 64, not the default 128."""
+    size below it that divides every one, the next larger size, and the first linear that one does not divide
+    with its K (None: the scheme's fits, or none does). SmolLM2's 576 takes 64: (64, 128, "...q_proj", 576)."""
     if scheme.format != "int" or scheme.group_size == -1:
         return None
-    linears = [(f"model.layers.{i}.{name}", block.get_submodule(name).weight.shape[1])
+    linears = _int_linears(model, scheme)
+    fits = [g for g in _fits(linears) if g < scheme.group_size]
+    if not _misfit(linears, scheme.group_size) or not fits:
+        return None
+    larger = min(g for g in GROUP_SIZES if g > max(fits))
+    return (max(fits), larger, *_misfit(linears, larger))
+
+
+def _int_linears(model: Transformer, scheme: QuantScheme) -> list[tuple[str, tuple[int, ...], int]]:
+    # (name, [N, K], bits) of every linear quantized to integers
+    linears = [(f"model.layers.{i}.{name}", tuple(block.get_submodule(name).weight.shape), scheme.bits)
                for i, block in enumerate(model.model.layers) for name in model.config.arch.linear_names]
-    if scheme.quantize_lm_head:
-        linears.append(("lm_head", model.lm_head.weight.shape[1]))
-    misfit = next(((name, K) for name, K in linears if K % scheme.group_size), None)
-    fits = [g for g in GROUP_SIZES if 0 < g < scheme.group_size and all(K % g == 0 for _, K in linears)]
-    return (max(fits), *misfit) if misfit and fits else None
+    head = scheme.lm_head_scheme()
+    if scheme.quantize_lm_head and head.format == "int":
+        linears.append(("lm_head", tuple(model.lm_head.weight.shape), head.bits))
+    return linears
+
+
+def _misfit(linears, group_size: int) -> tuple[str, int] | None:
+    # the first (name, K) whose K group_size does not divide
+    return next(((name, shape[-1]) for name, shape, _ in linears if group_size != -1 and shape[-1] % group_size), None)
+
+
+def _fits(linears) -> list[int]:
+    # the group sizes that divide every linear's K
+    return [g for g in GROUP_SIZES if g > 0 and _misfit(linears, g) is None]
 
 
 def check_finite(model: Transformer) -> None:

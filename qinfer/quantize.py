@@ -234,8 +234,8 @@ def quantize_model(
     model = load_model(folder, dtype=torch.bfloat16)
     fit = fitting_group_size(model, scheme) if fit_group_size else None
     if fit:
-        print(f"note: group size {fit[0]}: the default {scheme.group_size} does not divide {fit[1]}'s in_features "
-              f"K={fit[2]} (--group-size chooses)", file=sys.stderr)
+        print(f"note: group size {fit[0]}: the largest that divides every linear's in_features ({fit[2]} reads "
+              f"{fit[3]}, which {fit[1]} does not divide); --group-size chooses", file=sys.stderr)
         scheme = replace(scheme, group_size=fit[0])
     check_shapes(model, scheme)  # before any calibration work
     check_finite(model)

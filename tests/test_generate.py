@@ -306,7 +306,8 @@ def test_generate_and_chat_run_over_the_kv_cache_asked_for_with_the_stored_scale
     assert "stores no KV-cache scales; the fp8 cache takes each layer's from the prompt" in proc.stderr
     assert "calibrates" not in proc.stderr  # FP8 does about as well without (README); int8 does not
     proc = run_qinfer("generate", str(tmp_path / "src"), "It is", "--max-tokens", "2", "--kv-cache", "int8")
-    assert "(less accurate for int8: `qinfer quantize --kv-cache int8` calibrates them per channel)" in proc.stderr
+    assert ("(less accurate for int8: quantizing the original model with --kv-cache int8 calibrates them per "
+            "channel)") in proc.stderr
 
 
 def test_an_empty_system_message_is_sent_as_one(tmp_path):

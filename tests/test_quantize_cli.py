@@ -7,12 +7,13 @@ import sys
 import time
 
 import pytest
+import transformers
 
 from qinfer.format import QuantScheme
 from qinfer.loader import load_model
 from tests.test_cli_errors import assert_one_line_error, run_qinfer
 from tests.test_quantize import calib_file, tiny  # noqa: F401 (fixtures)
-from tests.tiny_models import TEXT, make_model
+from tests.tiny_models import COMMON, TEXT, make_model, write_tokenizer
 
 
 def test_same_options_write_the_same_bytes(tiny, tmp_path, calib_file):  # noqa: F811
@@ -124,13 +125,29 @@ def test_the_default_group_size_fits_the_model(tiny, tmp_path):  # noqa: F811
     proc = run_qinfer("quantize", str(tiny), "-o", str(tmp_path / "q"), "--method", "rtn")
     assert proc.returncode == 0, proc.stderr
     notes = [line for line in proc.stderr.splitlines() if line.startswith("note:")]
-    assert notes == ["note: group size 32: the default 128 does not divide model.layers.0.self_attn.q_proj's "
-                     "in_features K=64 (--group-size chooses)"]
+    assert notes == ["note: group size 32: the largest that divides every linear's in_features "
+                     "(model.layers.0.mlp.down_proj reads 96, which 64 does not divide); --group-size chooses"]
     assert QuantScheme.load(tmp_path / "q").group_size == 32
     assert load_model(tmp_path / "q").model.layers[0].mlp.down_proj.weight.group_size == 32
     per_channel = run_qinfer("quantize", str(tiny), "-o", str(tmp_path / "pc"), "--method", "rtn", "--group-size", "-1")
     assert per_channel.returncode == 0 and "note:" not in per_channel.stderr
     assert QuantScheme.load(tmp_path / "pc").group_size == -1
+    # a group size given that fits no linear: the fix named fits all of them (32, not q_proj's 64)
+    assert_one_line_error(run_qinfer("quantize", str(tiny), "-o", str(tmp_path / "x"), "--group-size", "128"),
+                          "model.layers.0.self_attn.q_proj: group_size 128 does not divide in_features K=64; use "
+                          "--group-size 32 (it divides every linear's) or -1 (per channel)")
+
+
+def test_a_model_no_group_size_fits_is_told_to_quantize_per_channel(tmp_path):
+    # in_features 64 and 80: none of 32, 64, 128 divides both, so the default refuses and names -1
+    config = transformers.LlamaConfig(**{**COMMON, "intermediate_size": 80})
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "src")
+    write_tokenizer(tmp_path / "src")
+    args = ["quantize", str(tmp_path / "src"), "--method", "rtn", "-o"]
+    assert_one_line_error(run_qinfer(*args, str(tmp_path / "q")),
+                          "model.layers.0.self_attn.q_proj: group_size 128 does not divide in_features K=64; use "
+                          "--group-size -1 (per channel): none of 32, 64, 128 divides every linear's in_features")
+    assert run_qinfer(*args, str(tmp_path / "q"), "--group-size", "-1").returncode == 0
 
 
 def test_cli_says_when_rtn_reads_no_calibration_text(tiny, tmp_path):  # noqa: F811

@@ -13,8 +13,8 @@ embeddings that differ by that rounding); importing such an export ties them aga
 Both directions write atomically (temp folder + rename).
 
 KV-cache scales (``self_attn.k_scale`` / ``v_scale``, qinfer's per KV head and channel) have no place in the GPTQ
-layout: that export leaves them out and says so. The compressed-tensors export writes them as llm-compressor's
-static FP8 ``kv_cache_scheme`` (``FP8_KV_CACHE_SCHEME``) declares them, one per tensor: the largest calibrated
+layout: that export leaves them out and says so. The compressed-tensors export writes them in the form of
+llm-compressor's static FP8 ``kv_cache_scheme`` (``FP8_KV_CACHE_SCHEME``), one per tensor: the largest calibrated
 absmax over 448 (int8-calibrated scales are the same absmax over 127), which vLLM's ``--kv-cache-dtype fp8``
 reads; the finer scales are not kept. The other way, a compressed-tensors checkpoint's static 8-bit
 ``kv_cache_scheme`` scales are imported, each repeated for every KV head, and ``kv_cache`` records their dtype.
@@ -151,7 +151,7 @@ def export_folder(src: Path, out: Path, fmt: str, force: bool = False) -> Conver
         quantization_config["kv_cache_scheme"] = dict(ct.FP8_KV_CACHE_SCHEME)
         report.notes.append(f"KV-cache scales written per tensor for an FP8 cache (kv_cache_scheme, as vLLM's "
                             f"--kv-cache-dtype fp8 reads them): {len(kv_scales) // 2} layers' keys and values, "
-                            f"each the largest of its {scheme.kv_cache} scales per KV head and channel")
+                            "each its largest calibrated absmax over 448 (the finer scales are not kept)")
     else:
         report.dropped.extend(kv_scales)
     for name in list(tensors):
