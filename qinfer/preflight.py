@@ -29,7 +29,7 @@ def check_shapes(model: Transformer, scheme: QuantScheme) -> None:
     misfit = _misfit(linears, scheme.group_size)
     if misfit:
         fits = _fits(linears)
-        fix = (f"--group-size {max(fits)} (it divides every linear's) or -1 (per channel)" if fits else
+        fix = (f"--group-size {max(fits)} (it divides every linear's in_features) or -1 (per channel)" if fits else
                f"--group-size -1 (per channel): none of {', '.join(str(g) for g in GROUP_SIZES if g > 0)} divides "
                "every linear's in_features")
         raise QinferError(f"{misfit[0]}: group_size {scheme.group_size} does not divide in_features K={misfit[1]}; "

@@ -135,7 +135,7 @@ def test_the_default_group_size_fits_the_model(tiny, tmp_path):  # noqa: F811
     # a group size given that fits no linear: the fix named fits all of them (32, not q_proj's 64)
     assert_one_line_error(run_qinfer("quantize", str(tiny), "-o", str(tmp_path / "x"), "--group-size", "128"),
                           "model.layers.0.self_attn.q_proj: group_size 128 does not divide in_features K=64; use "
-                          "--group-size 32 (it divides every linear's) or -1 (per channel)")
+                          "--group-size 32 (it divides every linear's in_features) or -1 (per channel)")
 
 
 def test_a_model_no_group_size_fits_is_told_to_quantize_per_channel(tmp_path):
