@@ -60,13 +60,10 @@ def task_accuracy(
 ) -> MCResult:
     """Zero-shot accuracy (and length-normalised accuracy) of ``model`` on ``examples``."""
     forward = batch_forward(model, kv_dtype)
-    # A quantized KV cache without stored scales sets them on its first write, from the whole batch: padding and
-    # the other choices would move a choice's score, so there each choice runs alone.
-    batch_size = 1 if kv_dtype != "bf16" and not getattr(model, "kv_scales", None) else _CHOICE_BATCH
     with tqdm(total=len(examples), desc=desc, unit="q", disable=not progress) as bar:
 
         def loglik(context: str, continuations: list[str]) -> list[tuple[float, int]]:
-            scores = continuation_loglik(forward, tokenizer.encode, context, continuations, batch_size=batch_size)
+            scores = continuation_loglik(forward, tokenizer.encode, context, continuations, batch_size=_CHOICE_BATCH)
             bar.update()
             return scores
 

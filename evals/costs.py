@@ -7,9 +7,9 @@ Bytes read by one decode step at batch 1 and context ``S`` (positions already ca
 - the lm_head's weight in full (for a tied model that is the embedding matrix, read by the matmul);
 - one embedding row, and every RMSNorm weight;
 - the KV cache: the cached positions each layer reads, keys and values, at the cache's own bytes per
-  position (``KVCache.bytes_per_token``: bf16, or int8/fp8 codes) plus its per-head scales: all ``S`` in a
-  full-attention layer, the ``window - 1`` newest in a sliding-window layer (the step's own key and value
-  make its window; the model asks the cache for nothing older).
+  position (``KVCache.bytes_per_token``: bf16, or int8/fp8 codes and a scale per position) plus its channel
+  scales: all ``S`` in a full-attention layer, the ``window - 1`` newest in a sliding-window layer (the step's
+  own key and value make its window; the model asks the cache for nothing older).
 
 FLOPs are model FLOPs, the useful work (the MFU convention): ``2 * in * out`` per linear per token, and
 attention ``4 * H * D`` per (query, visible key) pair, where a sliding-window layer sees at most

@@ -174,10 +174,8 @@ def results_markdown(data: dict, results) -> str:
         "text a floor, as passages differ over longer spans; it covers the choice of text, not of calibration samples; "
         f"none below {2 * SE_MIN_BLOCK} scored tokens); "
         + ("models run with a bf16 KV cache. " if s["kv_cache"] == "bf16" else
-           f"models run with an {s['kv_cache']} KV cache (with the scales a model's folder stores, rescaled to "
-           f"{s['kv_cache']}'s largest code where calibrated for the other dtype"
-           + (", doubled for headroom" if s["kv_cache"] == "fp8" else "") + "; else each layer's "
-           "from its first write, one per KV head with 2x headroom). ")
+           f"models run with an {s['kv_cache']} KV cache (a scale per position and KV head, set as each is "
+           "written, times the scales per KV head and channel a model's folder stores, where it has them). ")
         + (f"Tasks: {', '.join(s['tasks'])}, at most {s['limit']} examples each (n below), zero-shot, scored by "
            "log-likelihood with the models run in bf16: acc is BIG-bench's multiple_choice_grade (the choice with the "
            "highest log-likelihood earns its target score), acc_norm the same for the highest log-likelihood per "

@@ -2,7 +2,8 @@
 
 ``attention_ref`` is the plain-torch definition; ``attention`` is the entry point the model calls (today
 PyTorch's fused SDPA, which on CPU is a flash-attention style kernel). A quantized KV cache hands over its int8
-or E4M3 codes and their scales (per KV head and channel): a decode step's C loop (below) reads the codes,
+or E4M3 codes and their scales (per KV head and channel, and per position and KV head): a decode step's C loop
+(below) reads the codes,
 other steps attend over ``dequantize_kv`` of the slice. A mask whose query rows see only a band of the keys
 (a sliding window, or a decode step past the window) is run in chunks of ``CHUNK`` query rows, each against
 only the keys its rows can see: SDPA with an explicit mask computes every [T, S] product, where a window of W
@@ -41,10 +42,14 @@ def attention_ref(
     return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)
 
 
-def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                  pos: torch.Tensor | None = None) -> torch.Tensor:
     """A quantized KV cache's int8 or E4M3 ``codes`` [B, Hkv, S, D] times their ``scale`` (fp32 products), in
-    ``dtype``: [Hkv, D], one per KV head and channel, or [Hkv], one per head."""
+    ``dtype``: [Hkv, D], one per KV head and channel, or [Hkv], one per head; and times ``pos`` [B, Hkv, S], one
+    per position and KV head, if given."""
     scale = scale.reshape(1, codes.shape[1], 1, -1)  # [1, Hkv, 1, D or 1]
+    if pos is not None:
+        scale = scale * pos[..., None]  # [B, Hkv, S, D or 1]
     if codes.dtype == torch.float8_e4m3fn:  # the same numbers as codes.float() * scale, without float8's slow cast
         return e4m3_times(codes, scale).to(dtype)
     return (codes.float() * scale).to(dtype)
@@ -52,15 +57,17 @@ def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) 
 
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kv_scales: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     # mask None: every query sees every key. kv_scales: k and v are a quantized cache's codes, and these their
-    # scales (k_scale, v_scale), [Hkv, D] (per KV head and channel) or [Hkv] each
+    # scales (k_scale, v_scale[, k_pos, v_pos]): [Hkv, D] (per KV head and channel) or [Hkv] each, and [B, Hkv, S]
+    # (per position and KV head)
     T, S = q.shape[2], k.shape[2]
     if kv_scales is not None:
+        k_scale, v_scale, k_pos, v_pos = (*kv_scales, None, None)[:4]
         if T == 1 and (mask is None or bool(mask.all())) and gemv_cpu.attention_supported(q, k, v, quantized=True):
-            return gemv_cpu.decode_attention(q, k, v, scale, *kv_scales)  # reads the codes, scales folded in
-        k, v = dequantize_kv(k, kv_scales[0], q.dtype), dequantize_kv(v, kv_scales[1], q.dtype)
+            return gemv_cpu.decode_attention(q, k, v, scale, k_scale, v_scale, k_pos, v_pos)  # scales folded in
+        k, v = dequantize_kv(k, k_scale, q.dtype, k_pos), dequantize_kv(v, v_scale, q.dtype, v_pos)
     if mask is None and T > 1:
         return _sdpa(q, k, v, None, scale)
     if T == 1 and (mask is None or bool(mask.all())):  # a decode step that sees every cached key needs no mask

@@ -159,11 +159,11 @@ static inline __m256 exp8(__m256 x) {
 }
 
 /* Scores of M (1-4: a constant where inlined) query heads qf [M, D] against keys j0..j1 of one KV head: sc[i *
- * n + j - j0] = (qf_i . k_j) * scale, top[i] their max. Each key row is loaded and widened once for the M heads,
- * whose sums stay in registers. */
+ * n + j - j0] = (qf_i . k_j) * scale (* kp[j], key j's scale, where kp is not NULL), top[i] their max. Each key
+ * row is loaded and widened once for the M heads, whose sums stay in registers. */
 static inline __attribute__((always_inline)) void scores_of(
         const char *kh0, int64_t ks, const char *vh0, int64_t vs, int dtype, const float *qf, int64_t D, int64_t j0,
-        int64_t j1, float *sc, int64_t n, float scale, const int M, float *top) {
+        int64_t j1, float *sc, int64_t n, float scale, const float *kp, const int M, float *top) {
     const size_t esz = esize(dtype);
     for (int i = 0; i < M; i++) top[i] = -INFINITY;
     const int64_t ahead = AHEAD / (D * esz) > 1 ? AHEAD / (D * esz) : 1;  /* rows, AHEAD bytes of a cache's rows */
@@ -178,8 +178,9 @@ static inline __attribute__((always_inline)) void scores_of(
             __m256 kv = load8(kr, dtype, d);
             for (int i = 0; i < M; i++) a[i] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(qf + i * D + d), a[i]);
         }
+        const float sj = kp ? scale * kp[j] : scale;
         for (int i = 0; i < M; i++) {
-            float x = hsum(a[i]) * scale;
+            float x = hsum(a[i]) * sj;
             sc[i * n + j - j0] = x;
             if (x > top[i]) top[i] = x;
         }
@@ -224,7 +225,8 @@ static inline __attribute__((always_inline)) void weighted_sum(
  * == 0. A quantized cache's scales, one per KV head and channel (k_scale, v_scale: fp32 [Hkv, D], or NULL for 1),
  * are not applied to each key and value: (q . (k_j * k_scale[g])) = ((q * k_scale[g]) . k_j), so the queries
  * are scaled once, and v_scale[g] multiplies the head's sums once (for E4M3 codes, each times the 2^8 e4m3x8
- * leaves out).
+ * leaves out). Scales per position and KV head (k_pos, v_pos: fp32 [B, Hkv] rows of S at b * pb + g * ph, or
+ * NULL) multiply key j's score and value j's softmax weight (after the weights' sum is taken).
  *
  * Split over the keys (as flash-decoding does): OpenMP takes (batch, KV head, chunk of keys) tasks; a task
  * reads each key and value row of its chunk once for all the query heads that share it, and keeps per head
@@ -237,7 +239,8 @@ static inline __attribute__((always_inline)) void weighted_sum(
 int qinfer_decode_attention(const void *q, const void *k, const void *v, void *out, int64_t B, int64_t H,
                             int64_t Hkv, int64_t S, int64_t D, int64_t qb, int64_t qh, int64_t kb, int64_t kh,
                             int64_t ks, int64_t vb, int64_t vh, int64_t vs, float scale, int dtype, int kv_dtype,
-                            const float *k_scale, const float *v_scale) {
+                            const float *k_scale, const float *v_scale, const float *k_pos, const float *v_pos,
+                            int64_t pb, int64_t ph) {
     const int64_t G = H / Hkv, per_task = G * (D + 2);  /* a task's partials: per head acc[D], max, sum */
     const size_t esz = esize(dtype), kvsz = esize(kv_dtype);
     int64_t chunks = (S + 1023) / 1024;
@@ -261,6 +264,7 @@ int qinfer_decode_attention(const void *q, const void *k, const void *v, void *o
         float *qf = buf, *sc = buf + G * D;  /* the group's queries in fp32; scores [G, n] */
         const int64_t n = j1 > j0 ? j1 - j0 : 0;
         const float *kg = k_scale ? k_scale + g * D : NULL, *vg = v_scale ? v_scale + g * D : NULL;
+        const float *kp = k_pos ? k_pos + b * pb + g * ph : NULL, *vp = v_pos ? v_pos + b * pb + g * ph : NULL;
         for (int64_t i = 0; i < G; i++) {
             const char *qrow = (const char *)q + (b * qb + (g * G + i) * qh) * esz;
             for (int64_t d = 0; d < D; d++) qf[i * D + d] = load_one(qrow, dtype, d) * (kg ? kg[d] : 1.f);
@@ -274,10 +278,10 @@ int qinfer_decode_attention(const void *q, const void *k, const void *v, void *o
             const float *qi = qf + i0 * D;
             float *si = sc + i0 * n;
             switch (m) {
-                case 4: scores_of(kh0, ks, vpre, vs, kv_dtype, qi, D, j0, j1, si, n, s, 4, top + i0); break;
-                case 3: scores_of(kh0, ks, vpre, vs, kv_dtype, qi, D, j0, j1, si, n, s, 3, top + i0); break;
-                case 2: scores_of(kh0, ks, vpre, vs, kv_dtype, qi, D, j0, j1, si, n, s, 2, top + i0); break;
-                default: scores_of(kh0, ks, vpre, vs, kv_dtype, qi, D, j0, j1, si, n, s, 1, top + i0);
+                case 4: scores_of(kh0, ks, vpre, vs, kv_dtype, qi, D, j0, j1, si, n, s, kp, 4, top + i0); break;
+                case 3: scores_of(kh0, ks, vpre, vs, kv_dtype, qi, D, j0, j1, si, n, s, kp, 3, top + i0); break;
+                case 2: scores_of(kh0, ks, vpre, vs, kv_dtype, qi, D, j0, j1, si, n, s, kp, 2, top + i0); break;
+                default: scores_of(kh0, ks, vpre, vs, kv_dtype, qi, D, j0, j1, si, n, s, kp, 1, top + i0);
             }
         }
         for (int64_t i = 0; i < G; i++) {
@@ -293,6 +297,8 @@ int qinfer_decode_attention(const void *q, const void *k, const void *v, void *o
             float t = hsum(t8);
             for (; j < n; j++) t += (si[j] = expf(si[j] - top[i]));
             total[i] = t;
+            if (vp)  /* value j's scale joins its weight after the sum: the softmax's denominator is the keys' */
+                for (j = 0; j < n; j++) si[j] *= vp[j0 + j];
         }
         for (int64_t i0 = 0; i0 < G; i0 += 4) {
             const int m = G - i0 < 4 ? (int)(G - i0) : 4;

@@ -27,7 +27,7 @@ Two more row loops of a decode step live here, for the same reason in another fo
 dozen small ops costs more than their arithmetic. ``rms_norm`` (``qinfer.kernels.norm``) normalises a few rows
 in one call, ``decode_attention`` (``qinfer.kernels.attention``) runs one query row per head over a KV cache's
 slice without fp32 copies of the keys and values (a quantized cache's int8 or E4M3 codes as stored, its
-scales folded into the queries and sums). Both are eager only (a compiled graph fuses these ops itself).
+scales folded into the queries, scores and sums). Both are eager only (a compiled graph fuses these ops itself).
 And a prompt's GEMM needs its packed weights dense: ``dequantize`` and ``fp8_dequantize`` write an integer or
 FP8 weight out in the activations' dtype, the format's own numbers bit for bit, in one pass 4-19x as fast as its
 PyTorch ops (``python -m qinfer.evals.prefill_bench MODEL``).
@@ -99,7 +99,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         kernel.argtypes, kernel.restype = [_P, _P, _P, _P, ctypes.c_int], ctypes.c_int
     lib.qinfer_rms_norm.argtypes = [_P, _P, _P, _I64, _I64, ctypes.c_float, ctypes.c_float] + [ctypes.c_int] * 3
     lib.qinfer_rms_norm.restype = None
-    lib.qinfer_decode_attention.argtypes = [_P] * 4 + [_I64] * 13 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, _P, _P]
+    lib.qinfer_decode_attention.argtypes = ([_P] * 4 + [_I64] * 13 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+                                            + [_P] * 4 + [_I64] * 2)
     lib.qinfer_decode_attention.restype = ctypes.c_int
     for kernel in (lib.qinfer_int4_dequantize, lib.qinfer_int_dequantize, lib.qinfer_fp8_dequantize):
         kernel.argtypes, kernel.restype = [_P, _P, ctypes.c_int], ctypes.c_int
@@ -274,27 +275,37 @@ def attention_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                     k_pos: torch.Tensor | None = None, v_pos: torch.Tensor | None = None) -> torch.Tensor:
     """``softmax(q k^T * scale) v`` for inputs :func:`attention_supported` accepts: [B, H, 1, D] in q's dtype.
-    For int8 or E4M3 codes k, v, the keys are ``k * k_scale`` and the values ``v * v_scale`` (fp32 [Hkv, D], per
-    KV head and channel; [Hkv], per head, is broadcast), in fp32: the scales are folded into the queries and the
-    weighted sums, never into a copy."""
+    For int8 or E4M3 codes k, v, the keys are ``k * k_scale * k_pos`` and the values ``v * v_scale * v_pos``,
+    in fp32: ``k_scale``, ``v_scale`` fp32 [Hkv, D], per KV head and channel ([Hkv], per head, is broadcast);
+    ``k_pos``, ``v_pos`` fp32 [B, Hkv, S] (a cache's slice: any strides but the last, both alike), per position
+    and KV head, or None. The channel scales are folded into the queries and the weighted sums, the position
+    scales into the scores and the weights, never into a copy."""
     if profiler._is_profiler_enabled:
-        return torch.ops.qinfer.decode_attention(q, k, v, scale, k_scale, v_scale)
-    return _attention_op(q, k, v, scale, k_scale, v_scale)
+        return torch.ops.qinfer.decode_attention(q, k, v, scale, k_scale, v_scale, k_pos, v_pos)
+    return _attention_op(q, k, v, scale, k_scale, v_scale, k_pos, v_pos)
 
 
-def _attention_op(q, k, v, scale: float, k_scale=None, v_scale=None) -> torch.Tensor:
+def _attention_op(q, k, v, scale: float, k_scale=None, v_scale=None, k_pos=None, v_pos=None) -> torch.Tensor:
     B, H, _, D = q.shape
     out = torch.empty(B, H, 1, D, dtype=q.dtype)
-    scales = [None, None]
+    scales, pos = [None, None], [None, None]
     if k.dtype in _KV_CODES:  # (a KV cache's scales are fp32 [Hkv, D] already: no op per call)
         scales = [x if x.dtype == torch.float32 and x.shape == (k.shape[1], D) and x.is_contiguous()
                   else x.float().reshape(k.shape[1], -1).expand(-1, D).contiguous() for x in (k_scale, v_scale)]
+        if k_pos is not None:  # a cache's slices: one layout for both, positions contiguous
+            pos = [k_pos, v_pos]
+            if not (k_pos.dtype == v_pos.dtype == torch.float32 and k_pos.stride() == v_pos.stride()
+                    and k_pos.stride(2) == 1):
+                pos = [x.float().contiguous() for x in pos]
     if _library()[0].qinfer_decode_attention(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), B, H, k.shape[1], k.shape[2], D, q.stride(0),
         q.stride(1), *k.stride()[:3], *v.stride()[:3], scale, _DTYPE_CODES[q.dtype],
         _KV_CODES.get(k.dtype, _DTYPE_CODES[q.dtype]), *(x.data_ptr() if x is not None else None for x in scales),
+        *(x.data_ptr() if x is not None else None for x in pos),
+        *(pos[0].stride()[:2] if pos[0] is not None else (0, 0)),
     ):
         raise MemoryError("out of memory for a decode step's attention scores")
     return out
@@ -479,7 +490,7 @@ _LIBRARY.impl("fp8_gemv", _fp8_op, "CPU")
 _LIBRARY.define("rms_norm(Tensor x, Tensor weight, float eps, float offset, bool scale_in_fp32) -> Tensor")
 _LIBRARY.impl("rms_norm", _rms_norm_op, "CPU")
 _LIBRARY.define("decode_attention(Tensor q, Tensor k, Tensor v, float scale, Tensor? k_scale=None, "
-                "Tensor? v_scale=None) -> Tensor")
+                "Tensor? v_scale=None, Tensor? k_pos=None, Tensor? v_pos=None) -> Tensor")
 _LIBRARY.impl("decode_attention", _attention_op, "CPU")
 
 
@@ -504,5 +515,5 @@ def _(x, weight, eps, offset, scale_in_fp32):
 
 
 @torch.library.register_fake("qinfer::decode_attention")
-def _(q, k, v, scale, k_scale=None, v_scale=None):
+def _(q, k, v, scale, k_scale=None, v_scale=None, k_pos=None, v_pos=None):
     return q.new_empty(q.shape)

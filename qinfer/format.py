@@ -23,9 +23,9 @@ model outputs this hidden state there, instead of what the quantized weights com
 values the same way): position 0 sees only itself, so these are the same for every such sequence.
 
 KV-cache scales (``kv_cache`` "int8" or "fp8"). For every layer ``i``, ``model.layers.{i}.self_attn.k_scale`` and
-``v_scale``, float32 ``[num_kv_heads, head_dim]`` (format 1 also allows ``[num_kv_heads]``, broadcast over the
-channels), finite and > 0: a cache stores ``clamp(round(x / scale), -127, 127)`` as int8, or ``e4m3(clamp(x /
-scale, -448, 448))``, and reads ``code * scale``; ``x`` a key (after key norm and RoPE) or value channel.
+``v_scale``, fp32 ``[num_kv_heads, head_dim]`` (or ``[num_kv_heads]``, broadcast), finite, > 0: the calibrated max
+``|x|`` (a key after key norm and RoPE, or a value, per channel) over 127 or 448, for a static cache storing
+``round(x / scale)`` or ``e4m3(x / scale)``, clamped; qinfer's (``kv_cache.py``) uses their ratios, per position.
 
 Integer weights (``format == "int"``)
 -------------------------------------

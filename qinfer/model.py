@@ -237,7 +237,7 @@ class Attention(nn.Module):
             first, last = span or (int(input_pos[0]), int(input_pos[-1]))
             # sym_max: under torch.compile, no guard on which side of the window a position lies (no recompile)
             start = 0 if self.window is None else torch.sym_max(0, first - self.window + 1)
-            # [B, Hkv, S - start, D] as stored; kv_scales: a quantized cache's (k_scale, v_scale)
+            # [B, Hkv, S - start, D] as stored; kv_scales: a quantized cache's (k_scale, v_scale, k_pos, v_pos)
             k, v, kv_scales = cache.store(self.layer_idx, input_pos, k, v, start, last + 1)
             mask = None if T == 1 else mask[:, start:]  # one query sees every key from start on
         else:

@@ -13,66 +13,67 @@ def tiny(tmp_path_factory):
     return load_model(folder, dtype=torch.float32)
 
 
-@pytest.mark.parametrize("kv_dtype,bound", [("int8", 0.5 / 127), ("fp8", 2.0**-4)])
-def test_quantized_cache_round_trip_error_is_bounded(tiny, kv_dtype, bound):
+@pytest.mark.parametrize("kv_dtype,qmax", [("int8", 127.0), ("fp8", 448.0)])
+def test_quantized_cache_round_trip_error_is_bounded_per_position(tiny, kv_dtype, qmax):
     cache = KVCache(tiny.config, 1, 16, torch.float32, kv_dtype=kv_dtype)
-    k, v = torch.randn(1, 2, 10, 16), torch.randn(1, 2, 10, 16)
+    # positions whose ranges differ 10^4-fold: each is quantized on its own
+    k, v = (torch.randn(1, 2, 10, 16) * torch.logspace(-4, 0, 10)[:, None] for _ in range(2))
     k_out, v_out = cache.update(0, torch.arange(10), k, v)
-    k_scale = cache.scales[0][0]
-    assert k_scale.shape == (2, 16)  # uncalibrated: one per head (the prompt's range), for each channel
-    assert torch.equal(k_scale, k_scale[:, :1].expand(2, 16))
-    # int8: half a step of the scale; fp8: 3 mantissa bits (relative), plus a subnormal floor
-    for x, y, s in ((k, k_out, k_scale), (v, v_out, cache.scales[0][1])):
-        err = (x - y).abs()
-        limit = s[None, :, None, :] / 2 if kv_dtype == "int8" else bound * x.abs() + s[None, :, None, :] * 2.0**-9
-        assert bool((err <= limit * 1.0001).all())
+    assert torch.equal(cache.scales[0][0], torch.ones(2, 16))  # uncalibrated: channels alike
+    for x, y, pos in ((k, k_out, cache.k_pos[0]), (v, v_out, cache.v_pos[0])):
+        torch.testing.assert_close(pos[:, :, :10], x.abs().amax(-1) / qmax, rtol=1e-6, atol=0)
+        step = pos[:, :, :10, None]
+        # int8: half a step; fp8: 3 mantissa bits (relative), plus a subnormal floor
+        limit = step / 2 if kv_dtype == "int8" else 2.0**-4 * x.abs() + step * 2.0**-9
+        assert bool(((x - y).abs() <= limit * 1.0001).all())
     assert cache.k[0].dtype == {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv_dtype]
 
 
-def test_calibrated_scales_are_used_and_bytes_shrink(tiny):
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_a_position_is_quantized_alone(tiny, kv_dtype):
+    # a position's codes and scale depend on its own keys and values: not on the prompt it came in, the batch
+    # beside it, or the order of the writes
+    k, v = torch.randn(2, 2, 6, 16) * 3, torch.randn(2, 2, 6, 16)
+    whole = KVCache(tiny.config, 2, 8, torch.float32, kv_dtype=kv_dtype)
+    whole.store(0, torch.arange(6), k, v)
+    alone = KVCache(tiny.config, 1, 8, torch.float32, kv_dtype=kv_dtype)
+    for t in range(6):
+        alone.store(0, torch.tensor([t]), k[1:, :, t : t + 1], v[1:, :, t : t + 1])
+    for ours, theirs in ((whole.k, alone.k), (whole.v, alone.v), (whole.k_pos, alone.k_pos)):
+        assert torch.equal(ours[0][1:, :, :6].float(), theirs[0][:, :, :6].float())
+
+
+def test_calibrated_scales_shape_the_channels_and_nothing_clips(tiny):
     scales = {i: (torch.full((2,), 0.01), torch.full((2,), 0.02)) for i in range(tiny.config.num_layers)}
     cache = KVCache(tiny.config, 1, 8, torch.float32, kv_dtype="int8", scales=scales)
-    k = torch.full((1, 2, 1, 16), 5.0)  # 5 / 0.01 = 500 -> clipped to 127 * 0.01
+    k = torch.full((1, 2, 1, 16), 5.0)  # 5 / 0.01 = 500 codes past the calibrated range: the position's scale takes it
     k_out, _ = cache.update(0, torch.tensor([0]), k, k)
-    assert torch.allclose(k_out, torch.full_like(k, 1.27))
+    torch.testing.assert_close(k_out, k, rtol=1e-6, atol=0)
     dense = KVCache(tiny.config, 1, 8, torch.bfloat16)
-    assert cache.bytes_per_token() * 2 == dense.bytes_per_token()
-
-
-
-def test_fp8_cache_keeps_headroom_past_the_calibrated_range(tiny):
-    # calibration sees a sample of the text: a key 1.5x past its maximum clips at int8's scale, which stays as
-    # calibrated (its step is absolute), and passes an FP8 cache, which doubles it (its step is relative)
-    absmax = torch.rand(2, 16) + 0.5
-    k = (absmax * 1.5)[None, :, None, :] * torch.tensor([1.0, -1.0, 0.25])[None, None, :, None]  # [1, 2, 3, 16]
-    for kv_dtype, qmax, headroom in (("int8", 127.0, 1.0), ("fp8", 448.0, 2.0)):
-        scales = {i: (absmax / qmax, absmax / qmax) for i in range(tiny.config.num_layers)}
-        cache = KVCache(tiny.config, 1, 4, torch.float32, kv_dtype=kv_dtype, scales=scales)
-        torch.testing.assert_close(cache.scales[0][0], absmax / qmax * headroom, rtol=1e-6, atol=0)
-        k_out, _ = cache.update(0, torch.arange(3), k, k)
-        if kv_dtype == "int8":
-            torch.testing.assert_close(k_out[:, :, 0], absmax[None], rtol=1e-6, atol=0)  # clipped
-        else:
-            assert bool(((k_out - k).abs() <= k.abs() * 2.0**-4).all())  # within E4M3's half step
+    D, layers, kv_heads = 16, tiny.config.num_layers, 2
+    assert dense.bytes_per_token() == layers * kv_heads * 2 * D * 2
+    assert cache.bytes_per_token() == layers * kv_heads * 2 * (D + 4)  # codes and a position's fp32 scale
 
 
 @pytest.mark.parametrize("kv_dtype,qmax", [("int8", 127.0), ("fp8", 448.0)])
 def test_per_channel_scales_quantize_each_channel_on_its_own_range(tiny, kv_dtype, qmax):
-    # channels whose ranges differ 10^5-fold, as a few outlier channels make them: one scale per head rounds
-    # the small channels to a few int8 steps or FP8's subnormals; per channel, each keeps its relative precision
+    # channels whose ranges differ 10^5-fold, as a few outlier channels make them: a scale per position and
+    # head alone rounds the small channels to a few int8 steps or FP8's subnormals; calibrated scales per
+    # channel keep each channel's relative precision
     ranges = torch.logspace(-5, 0, 16)  # [D]
     k = torch.randn(1, 2, 10, 16) * ranges
     absmax = k.abs().amax(dim=(0, 2))  # [Hkv, D]
-    scales = {i: (absmax / qmax, absmax / qmax) for i in range(tiny.config.num_layers)}
-    cache = KVCache(tiny.config, 1, 10, torch.float32, kv_dtype=kv_dtype, scales=scales)
+    layers = tiny.config.num_layers
+    cache = KVCache(tiny.config, 1, 10, torch.float32, kv_dtype=kv_dtype,
+                    scales={i: (absmax / qmax, absmax / qmax) for i in range(layers)})
     k_out, _ = cache.update(0, torch.arange(10), k, k)
     rel = ((k_out - k).norm(dim=2) / k.norm(dim=2)).max()  # worst channel's relative error
     assert float(rel) < (0.01 if kv_dtype == "int8" else 0.05)
-    per_head = KVCache(tiny.config, 1, 10, torch.float32, kv_dtype=kv_dtype,
-                       scales={i: (absmax.amax(1) / qmax,) * 2 for i in range(tiny.config.num_layers)})
-    assert per_head.scales[0][0].shape == (2, 16)  # [Hkv] (a compressed-tensors import's) is broadcast
-    k_head, _ = per_head.update(0, torch.arange(10), k, k)
-    assert float(((k_head - k).norm(dim=2) / k.norm(dim=2)).max()) > 5 * float(rel)
+    for scales in (None, {i: (absmax.amax(1) / qmax,) * 2 for i in range(layers)}):  # none; one per head
+        coarse = KVCache(tiny.config, 1, 10, torch.float32, kv_dtype=kv_dtype, scales=scales)
+        assert coarse.scales[0][0].shape == (2, 16)  # [Hkv] (a compressed-tensors import's) is broadcast
+        k_coarse, _ = coarse.update(0, torch.arange(10), k, k)
+        assert float(((k_coarse - k).norm(dim=2) / k.norm(dim=2)).max()) > 5 * float(rel)
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
@@ -141,9 +142,10 @@ def test_masks_follow_their_definition(tmp_path):
 def test_fp8_cache_reads_exactly_codes_times_scale(tiny):
     # the fp8 read moves code bits into fp16 (float8 -> float converts one element at a time in torch);
     # it must give exactly code * scale, subnormal codes included
-    cache = KVCache(tiny.config, 1, 300, torch.float32, kv_dtype="fp8")
-    k = torch.randn(1, 2, 300, 16) * torch.logspace(-6, 1, 300)[None, None, :, None]
+    scales = {i: (torch.rand(2, 16) + 0.5,) * 2 for i in range(tiny.config.num_layers)}
+    cache = KVCache(tiny.config, 1, 300, torch.float32, kv_dtype="fp8", scales=scales)
+    k = torch.randn(1, 2, 300, 16) * torch.logspace(-6, 1, 16)
     k_out, _ = cache.update(0, torch.arange(300), k, k)
-    scale = cache.scales[0][0]
-    assert torch.equal(k_out, cache.k[0].float() * scale[None, :, None, :])
+    scale = cache.scales[0][0][None, :, None, :] * cache.k_pos[0][..., None]
+    assert torch.equal(k_out, cache.k[0].float() * scale)
     assert int((cache.k[0].float().abs() < 2.0**-6).sum()) > 0  # subnormal codes were read

@@ -71,21 +71,23 @@ def with_salient_channels(folder, tmp_path):
 
 
 def test_kv_scales_calibrated_for_one_cache_dtype_serve_the_other(tiny, tmp_path, calib_file):
-    # the stored scales are the calibrated absmax over the dtype's largest code: an int8 cache reads FP8 scales
-    # (absmax / 448) as absmax / 127, not as they are (which clipped every key past 28% of its range)
+    # the stored scales are the calibrated absmax over the dtype's largest code; a cache takes only their ratios
+    # (each position gets its own scale), so scales calibrated for int8 or for FP8 store the same keys alike
     calib = CalibConfig(source=str(calib_file), samples=8, seq_len=32)
     models = {}
     for kv in ("int8", "fp8"):
         quantize_model(tiny, tmp_path / kv, QuantScheme(method="rtn", group_size=32, kv_cache=kv), calib)
         models[kv] = load_model(tmp_path / kv, dtype=torch.float32)
         assert models[kv].kv_scales_dtype == kv
-    for stored, used in (("int8", "fp8"), ("fp8", "int8")):
-        got = make_cache(models[stored], 1, 8, used).scales
-        want = make_cache(models[used], 1, 8, used).scales
-        assert set(got) == set(want) == {0, 1, 2}
-        for i in got:
-            for a, b in zip(got[i], want[i]):
-                torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+    config = models["int8"].config
+    k, v = (torch.randn(1, config.num_kv_heads, 8, config.head_dim) for _ in range(2))
+    for used in ("int8", "fp8"):
+        int8_kv, fp8_kv = (make_cache(models[stored], 1, 8, used).update(1, torch.arange(8), k, v)
+                           for stored in ("int8", "fp8"))
+        for a, b in zip(int8_kv, fp8_kv):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        bare = make_cache(load_model(tiny, dtype=torch.float32), 1, 8, used).update(1, torch.arange(8), k, v)
+        assert not torch.allclose(bare[0], int8_kv[0], rtol=1e-5, atol=1e-6)  # the stored scales were used
     assert load_model(tiny, dtype=torch.float32).kv_scales_dtype is None
 
 

@@ -56,8 +56,8 @@ def test_eval_says_where_a_quantized_caches_scales_came_from(env):
     proc = run_qinfer("eval", env["model"], "--tasks", "none", "--no-speed", "--kv-cache", "int8", "--text",
                       env["text"], *SMALL, "--out", str(out), env=env["env"])
     assert proc.returncode == 0, proc.stderr
-    assert ("models run with an int8 KV cache (with the scales a model's folder stores, rescaled to int8's largest "
-            "code where calibrated for the other dtype; else each layer's from its first write"
+    assert ("models run with an int8 KV cache (a scale per position and KV head, set as each is written, times the "
+            "scales per KV head and channel a model's folder stores, where it has them)"
             in (out / "results.md").read_text())
 
 

@@ -358,8 +358,8 @@ def test_real_bigbench_sdist_through_pip(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("kv", ["bf16", "int8", "fp8"])
 def test_a_choice_scores_the_same_whatever_choices_run_beside_it(tmp_path, monkeypatch, kv):
-    # without stored KV scales a quantized cache takes them from its first write: the batch must not be
-    # other choices and padding (it was, and a choice's log-likelihood moved with them)
+    # a choice's log-likelihood must not move with the other choices and padding in its batch (it did when a
+    # quantized cache without stored scales took them from its first write, the whole batch)
     import qinfer.evals.accuracy as accuracy
     from qinfer.evals.tasks import MCExample
     from qinfer.loader import load_model
@@ -374,4 +374,5 @@ def test_a_choice_scores_the_same_whatever_choices_run_beside_it(tmp_path, monke
     examples = [MCExample("It is a truth", (" universally", " a"), (1, 0)),
                 MCExample("It is a truth", (" universally", " acknowledged, that a single man in possession"), (1, 0))]
     accuracy.task_accuracy(model, tok, examples, kv, "t", progress=False)
-    assert scores[0][0] == scores[1][0]
+    # to fp32 rounding (a longer padded batch runs the matmuls in other blocks), and the same token count
+    assert scores[0][0] == (pytest.approx(scores[1][0][0], rel=1e-6, abs=0), scores[1][0][1])

@@ -156,13 +156,24 @@ def test_c_decode_step_over_a_cache_slice_matches_the_exact_attention(heads, kv_
     assert float(((got.double() - exact).abs() / bound).max()) <= 1.0
 
 
-def _codes(x: torch.Tensor, kv_dtype: torch.dtype, per: str = "channel") -> tuple[torch.Tensor, torch.Tensor]:
+def _codes(x: torch.Tensor, kv_dtype: torch.dtype, per: str = "channel") -> tuple[torch.Tensor, tuple]:
     """x [B, Hkv, S, D] as a quantized KV cache stores it: codes and their scales, one per KV head and channel
-    [Hkv, D] (as calibration stores them) or one per KV head [Hkv] (as a compressed-tensors import has them)."""
+    [Hkv, D] (as calibration stores them) or one per KV head [Hkv] (as a compressed-tensors import has them);
+    "position": per KV head and channel, and per position and KV head [B, Hkv, S] (as the cache sets them)."""
     qmax = 127.0 if kv_dtype == torch.int8 else 448.0
-    scale = x.abs().amax(dim=(0, 2) if per == "channel" else (0, 2, 3)) / qmax
-    y = (x / scale.reshape(1, x.shape[1], 1, -1)).clamp(-qmax, qmax)
-    return (y.round().to(torch.int8) if kv_dtype == torch.int8 else y.to(kv_dtype)), scale
+    scale = x.abs().amax(dim=(0, 2, 3) if per == "head" else (0, 2)) / qmax
+    y = x / scale.reshape(1, x.shape[1], 1, -1)
+    scales = (scale,)
+    if per == "position":
+        pos = y.abs().amax(dim=-1) / qmax
+        y, scales = y / pos[..., None], (scale, pos)
+    y = y.clamp(-qmax, qmax)
+    return (y.round().to(torch.int8) if kv_dtype == torch.int8 else y.to(kv_dtype)), scales
+
+
+def _dequantized(codes: torch.Tensor, scales: tuple) -> torch.Tensor:
+    x = codes.double() * scales[0].double().reshape(1, codes.shape[1], 1, -1)
+    return x * scales[1].double()[..., None] if len(scales) > 1 else x
 
 
 @pytest.mark.skipif(not gemv_cpu.available(), reason=f"no C kernels here: {gemv_cpu.unavailable_reason()}")
@@ -170,49 +181,53 @@ def _codes(x: torch.Tensor, kv_dtype: torch.dtype, per: str = "channel") -> tupl
 @pytest.mark.parametrize("S", [1, 513, 3000])
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("per", ["channel", "head"])
+@pytest.mark.parametrize("per", ["channel", "head", "position"])
 def test_c_decode_step_over_quantized_codes_matches_the_exact_attention(heads, kv_heads, D, S, kv_dtype, dtype, per):
-    # a quantized cache's slice of codes, with scales per KV head and channel (or per head): the loop folds the
-    # scales into the queries and its sums, and must give the exact attention over the dequantized keys and
-    # values, to one output rounding; the channels' ranges differ (as outlier channels make them)
+    # a quantized cache's slice of codes, with scales per KV head and channel (or per head), and maybe per
+    # position: the loop folds the scales into the queries, its scores and its sums, and must give the exact
+    # attention over the dequantized keys and values, to one output rounding; the channels' ranges differ (as
+    # outlier channels make them), and so do the positions'
     g = torch.Generator().manual_seed(S * D + heads)
     q = torch.randn(2, heads, 1, D, generator=g).to(dtype)
     ranges = torch.rand(D, generator=g) * 4 + 0.1
-    (cache_k, k_scale), (cache_v, v_scale) = (
-        _codes(torch.randn(2, kv_heads, S + 9, D, generator=g) * ranges * (1 + i), kv_dtype, per) for i in range(2))
+    spread = torch.rand(S + 9, 1, generator=g) * 3 + 0.25  # [S, 1]: each position's own range
+    (cache_k, k_scales), (cache_v, v_scales) = (
+        _codes(torch.randn(2, kv_heads, S + 9, D, generator=g) * ranges * spread * (1 + i), kv_dtype, per)
+        for i in range(2))
     k, v = cache_k[:, :, 5 : 5 + S], cache_v[:, :, 5 : 5 + S]
+    k_scales, v_scales = ((x[0], *(p[:, :, 5 : 5 + S] for p in x[1:])) for x in (k_scales, v_scales))
     assert gemv_cpu.attention_supported(q, k, v, quantized=True) and not gemv_cpu.attention_supported(q, k, v)
-    got = attention(q, k, v, None, D**-0.5, (k_scale, v_scale))
+    got = attention(q, k, v, None, D**-0.5, (k_scales[0], v_scales[0], *k_scales[1:], *v_scales[1:]))
     group = heads // kv_heads
-    keys, values = (c.double() * s.double().reshape(1, kv_heads, 1, -1) for c, s in ((k, k_scale), (v, v_scale)))
+    keys, values = _dequantized(k, k_scales), _dequantized(v, v_scales)
     scores = (q.double() @ keys.repeat_interleave(group, 1).transpose(-1, -2)) * D**-0.5
     exact = scores.softmax(-1) @ values.repeat_interleave(group, 1)
     assert got.dtype == dtype and got.shape == (2, heads, 1, D)
     rounding = {torch.float32: 0.0, torch.bfloat16: 2.0**-8}[dtype]
-    bound = exact.abs() * rounding + 1e-5
+    bound = exact.abs() * rounding + 2e-6 * values.abs().amax()  # plus fp32 sums' error, relative to the values
     assert float(((got.double() - exact).abs() / bound).max()) <= 1.0
 
 
 @pytest.mark.parametrize("T, S, window", [(12, 12, None), (5, 12, 4), (1, 12, 4), (1, 12, None)])
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
-@pytest.mark.parametrize("per", ["channel", "head"])
+@pytest.mark.parametrize("per", ["channel", "head", "position"])
 def test_quantized_codes_attend_as_their_dequantized_values(T, S, window, kv_dtype, per):
     # every path (prefill, a chunk under a window, a windowed or a full decode step; eager, profiled, and a
-    # compiled decode step) attends over codes * scale
+    # compiled decode step) attends over codes * scale (* the position's scale)
     q, k, v = _qkv(T, S, kv_heads=2, D=16)
-    (k, k_scale), (v, v_scale) = _codes(k, kv_dtype, per), _codes(v, kv_dtype, per)
+    (k, k_scales), (v, v_scales) = _codes(k, kv_dtype, per), _codes(v, kv_dtype, per)
+    scales = (k_scales[0], v_scales[0], *k_scales[1:], *v_scales[1:])
     mask = _mask(T, S, window)
-    ref = attention_ref(q, dequantize_kv(k, k_scale, q.dtype), dequantize_kv(v, v_scale, q.dtype), mask, 0.25)
-    torch.testing.assert_close(attention(q, k, v, mask, 0.25, (k_scale, v_scale)), ref, rtol=1e-5, atol=1e-5)
+    ref = attention_ref(q, _dequantized(k, k_scales).to(q.dtype), _dequantized(v, v_scales).to(q.dtype), mask, 0.25)
+    torch.testing.assert_close(attention(q, k, v, mask, 0.25, scales), ref, rtol=1e-5, atol=1e-5)
     with torch.profiler.profile():
-        torch.testing.assert_close(attention(q, k, v, mask, 0.25, (k_scale, v_scale)), ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(attention(q, k, v, mask, 0.25, scales), ref, rtol=1e-5, atol=1e-5)
     if T == 1 and window is None:  # as generate --compile's decode step: no mask
-        f = torch.compile(lambda *a: attention(*a, None, 0.25, (k_scale, v_scale)), fullgraph=True,
-                          backend="aot_eager")
+        f = torch.compile(lambda *a: attention(*a, None, 0.25, scales), fullgraph=True, backend="aot_eager")
         torch.testing.assert_close(f(q, k, v), ref, rtol=1e-5, atol=1e-5)
     if T == 1 and window is None and gemv_cpu.available() and kv_dtype == torch.int8:  # (opcheck compares
         # its inputs before and after, which float8 tensors cannot do)
-        torch.library.opcheck(torch.ops.qinfer.decode_attention.default, (q, k, v, 0.25, k_scale, v_scale))
+        torch.library.opcheck(torch.ops.qinfer.decode_attention.default, (q, k, v, 0.25, *scales))
 
 
 @pytest.mark.skipif(not gemv_cpu.available(), reason=f"no C kernels here: {gemv_cpu.unavailable_reason()}")
