@@ -3,19 +3,17 @@
 ``attention_ref`` is the plain-torch definition; ``attention`` is the entry point the model calls (today
 PyTorch's fused SDPA, which on CPU is a flash-attention style kernel). A quantized KV cache hands over its int8
 or E4M3 codes and their scales (per KV head and channel, and per position and KV head): a decode step's C loop
-(below) reads the codes,
-other steps attend over ``dequantize_kv`` of the slice. A mask whose query rows see only a band of the keys
-(a sliding window, or a decode step past the window) is run in chunks of ``CHUNK`` query rows, each against
-only the keys its rows can see: SDPA with an explicit mask computes every [T, S] product, where a window of W
-needs about T * (W + CHUNK). A decode step (one query row, every key visible: the model passes no mask,
-having handed the step only the keys it sees) runs as two fp32 matmuls over the query heads grouped by KV
-head: SDPA's flash kernel is built for many query rows and took 3x (512 keys) to 6x (4096 keys) as long for
-one (on an AVX2 EPYC). On CPU, eagerly, that step goes to
-``gemv_cpu``'s C loop instead: the same fp32 sums, split over chunks of keys, each key and value row read once
-for the query heads that share it, no fp32 copies. At gemma3-270m's shape on 2 AMX Xeon cores, called in a
-loop, it takes 27 / 164 / 1443 us at 512 / 4096 / 32768 keys against SDPA's 24 / 335 / 2608 (and the matmuls'
-84 / 872 / 23829); inside decode steps, where the keys come from memory, 54 against SDPA's 78-88 us at 512
-keys (ad hoc timings: evals/RESULTS-LOG.md).
+(below) reads the codes, other steps attend over ``dequantize_kv`` of the slice. A mask whose query rows see
+only a band of the keys (a sliding window, or a decode step past the window) is run in chunks of ``CHUNK`` query
+rows, each against only the keys its rows can see: SDPA with an explicit mask computes every [T, S] product,
+where a window of W needs about T * (W + CHUNK). A decode step (one query row, every key visible: the model
+passes no mask, having handed the step only the keys it sees) runs as two fp32 matmuls over the query heads
+grouped by KV head: SDPA's flash kernel is built for many query rows and took 3x (512 keys) to 6x (4096 keys) as
+long for one (on an AVX2 EPYC). On CPU, eagerly, that step goes to ``gemv_cpu``'s C loop instead: the same fp32
+sums, split over chunks of keys, each key and value row read once for the query heads that share it, no fp32
+copies. At gemma3-270m's shape on 2 AMX Xeon cores, called in a loop, it takes 27 / 164 / 1443 us at 512 / 4096
+/ 32768 keys against SDPA's 24 / 335 / 2608 (and the matmuls' 84 / 872 / 23829); inside decode steps, where the
+keys come from memory, 54 against SDPA's 78-88 us at 512 keys (ad hoc timings: evals/RESULTS-LOG.md).
 """
 
 import torch

@@ -295,7 +295,9 @@ def _attention_op(q, k, v, scale: float, k_scale=None, v_scale=None, k_pos=None,
     if k.dtype in _KV_CODES:  # (a KV cache's scales are fp32 [Hkv, D] already: no op per call)
         scales = [x if x.dtype == torch.float32 and x.shape == (k.shape[1], D) and x.is_contiguous()
                   else x.float().reshape(k.shape[1], -1).expand(-1, D).contiguous() for x in (k_scale, v_scale)]
-        if k_pos is not None:  # a cache's slices: one layout for both, positions contiguous
+        if k_pos is not None or v_pos is not None:  # a cache's slices: one layout for both, positions contiguous
+            if k_pos is None or v_pos is None or not k_pos.shape == v_pos.shape == k.shape[:3]:
+                raise ValueError(f"k_pos and v_pos must both be [B, Hkv, S] = {list(k.shape[:3])}, or both None")
             pos = [k_pos, v_pos]
             if not (k_pos.dtype == v_pos.dtype == torch.float32 and k_pos.stride() == v_pos.stride()
                     and k_pos.stride(2) == 1):

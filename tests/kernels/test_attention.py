@@ -273,3 +273,13 @@ def test_causal_check_in_blocks_of_rows(rows):
         other[i, j] = not other[i, j]
         assert not attention_module._is_causal(other, rows)
     assert not attention_module._is_causal(_mask(T, T, window=4), rows)
+
+
+@pytest.mark.skipif(not gemv_cpu.available(), reason=f"no C kernels here: {gemv_cpu.unavailable_reason()}")
+def test_c_decode_step_refuses_position_scales_of_another_shape():
+    # the loop reads S scales per (batch, KV head) for keys and for values: a wrong shape would read past them
+    q, k, v = _qkv(1, 12, kv_heads=2, D=16)
+    (k, (k_scale, k_pos)), (v, (v_scale, v_pos)) = _codes(k, torch.int8, "position"), _codes(v, torch.int8, "position")
+    for bad in ((k_pos, None), (k_pos[:, :, :5], v_pos[:, :, :5]), (k_pos, v_pos[:, :1])):
+        with pytest.raises(ValueError, match=r"k_pos and v_pos must both be \[B, Hkv, S\]"):
+            gemv_cpu.decode_attention(q, k, v, 0.25, k_scale, v_scale, *bad)
