@@ -369,14 +369,12 @@ def _take_bos(folder: Path, model: Transformer, tensors: dict, device: str, dtyp
 def _take_packed(folder: Path, model: Transformer, tensors: dict, device: str) -> dict:
     """Pop the packed linears of a qinfer-quantized folder out of ``tensors``: {"<prefix>.weight": packed}.
 
-    Also pops the KV-cache scales into ``model.kv_scales`` ({layer: (k_scale, v_scale)}), and the cache dtype
-    they were calibrated for into ``model.kv_scales_dtype``.
+    Also pops the KV-cache scales into ``model.kv_scales`` ({layer: (k_scale, v_scale)}).
     """
-    model.kv_scales, model.kv_scales_dtype = {}, None
+    model.kv_scales = {}
     if not (folder / QUANT_CONFIG_FILE).exists():
         return {}
     scheme = QuantScheme.load(folder)
-    model.kv_scales_dtype = None if scheme.kv_cache == "none" else scheme.kv_cache
     packed = {}
     for prefix, module in model.named_modules():
         if not isinstance(module, QLinear):

@@ -44,7 +44,6 @@ def test_generation_attends_over_a_quantized_cache_with_the_stored_scales(tiny, 
     odd_scale = torch.ones(tiny.config.num_kv_heads, tiny.config.head_dim)
     odd_scale[:, 0] = 1e-6
     monkeypatch.setattr(tiny, "kv_scales", {i: (odd_scale, odd_scale) for i in range(3)})
-    monkeypatch.setattr(tiny, "kv_scales_dtype", kv_dtype)
     prompt = [5, 17, 3, 42]
     plain = list(generate(tiny, prompt, SamplingParams(max_tokens=8)))
     got = list(generate(tiny, prompt, SamplingParams(max_tokens=8), kv_dtype=kv_dtype))

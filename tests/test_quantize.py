@@ -78,7 +78,7 @@ def test_kv_scales_calibrated_for_one_cache_dtype_serve_the_other(tiny, tmp_path
     for kv in ("int8", "fp8"):
         quantize_model(tiny, tmp_path / kv, QuantScheme(method="rtn", group_size=32, kv_cache=kv), calib)
         models[kv] = load_model(tmp_path / kv, dtype=torch.float32)
-        assert models[kv].kv_scales_dtype == kv
+        assert QuantScheme.load(tmp_path / kv).kv_cache == kv
     config = models["int8"].config
     k, v = (torch.randn(1, config.num_kv_heads, 8, config.head_dim) for _ in range(2))
     for used in ("int8", "fp8"):
@@ -88,7 +88,7 @@ def test_kv_scales_calibrated_for_one_cache_dtype_serve_the_other(tiny, tmp_path
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         bare = make_cache(load_model(tiny, dtype=torch.float32), 1, 8, used).update(1, torch.arange(8), k, v)
         assert not torch.allclose(bare[0], int8_kv[0], rtol=1e-5, atol=1e-6)  # the stored scales were used
-    assert load_model(tiny, dtype=torch.float32).kv_scales_dtype is None
+    assert load_model(tiny, dtype=torch.float32).kv_scales == {}
 
 
 def test_calibrated_methods_beat_rtn(tiny, tmp_path, calib_file):

@@ -301,7 +301,7 @@ def test_kv_cache_scales_export_per_tensor_as_fp8(src, tmp_path, kv):
             assert ours[name].shape == (2, 16) and theirs[name].shape == (1,) and theirs[name].dtype == torch.float32
             torch.testing.assert_close(theirs[name], (ours[name].amax() * qmax / 448).reshape(1), rtol=1e-6, atol=0)
     back = load_model(resolve_model(str(tmp_path / "ct")), dtype=torch.float32)
-    assert back.kv_scales_dtype == "fp8"
+    assert QuantScheme.load(resolve_model(str(tmp_path / "ct"))).kv_cache == "fp8"
     torch.testing.assert_close(back.kv_scales[1][0], theirs["model.layers.1.self_attn.k_scale"].expand(2))
     # (that the compressed-tensors library declares these shapes: test_compressed_tensors)
 
@@ -385,7 +385,7 @@ def test_compressed_tensors_kv_cache_scales_are_imported_per_head(quantized, tmp
     import_folder(tmp_path / "ct", tmp_path / "back")
     assert QuantScheme.load(tmp_path / "back").kv_cache == "fp8"
     model = load_model(tmp_path / "back", dtype=torch.float32)
-    assert model.kv_scales_dtype == "fp8" and len(model.kv_scales) == layers
+    assert len(model.kv_scales) == layers
     for i, (k, v) in model.kv_scales.items():
         assert torch.equal(k, torch.full((n_kv,), 0.5 + i)) and torch.equal(v, torch.full((n_kv,), 0.25 + i))
     with pytest.raises(QinferError, match="no static kv_cache_scheme saying which cache dtype they scale"):
