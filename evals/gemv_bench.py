@@ -14,8 +14,8 @@ Two parts, each alternating the two paths so a machine that slows down for a whi
    commands run (``qinfer.loader.into_huge_pages``), where the OS has transparent huge pages; the C GEMVs
    with PyTorch's ops for RMSNorm and the attention (``gemv_cpu.only_gemvs``); the C kernels with q/k/v and
    gate/up multiplied one linear at a time (``qinfer.model.separate_linears``) instead of fused; and, on a CPU
-   with AVX-VNNI, the C kernels with 4-bit rows through the AVX2 float loop (``gemv_cpu.without_vnni``)
-   instead of the VNNI one.
+   with AVX-VNNI or AVX512-VNNI, the C kernels with 4-bit rows through the AVX2 float loop
+   (``gemv_cpu.without_vnni``) instead of the VNNI one.
 
 Diagnostic only, CPU only: nothing is written, nothing cached.
 """
@@ -127,9 +127,9 @@ def _decode_steps(model, small_pages, prompt_tokens: int, steps: int, rounds: in
     if "C, int4 without VNNI" in times:
         v = statistics.median(times["C, int4 without VNNI"]) * 1000
         print(f"decode step with the C kernels: {v:.1f} ms with 4-bit rows through the AVX2 float loop, {c:.1f} ms "
-              f"through AVX-VNNI ({v / c:.2f}x)")
+              f"through {gemv_cpu.int4_vnni()} ({v / c:.2f}x)")
     else:
-        print("4-bit rows through AVX-VNNI: not measured (no AVX-VNNI here)")
+        print("4-bit rows through VNNI: not measured (no AVX-VNNI or AVX512-VNNI here)")
     if small_pages is None:
         print(f"weights in 2 MiB pages: not measured ({huge_pages_reason()})")
     else:

@@ -408,63 +408,74 @@ static float int4_row(const uint8_t *Q, const uint16_t *S, const uint8_t *Z, con
     return hsum(acc) - zacc;
 }
 
-/* The same row with integer dot products (AVX-VNNI's VPDPBUSD: four u8 x s8 products summed into each int32
- * lane), for CPUs that have them: x in fixed point per group, x[k] = step[g] * (256 h[k] + l[k]) with h and l
- * signed bytes and |256 h + l| <= 16383 (so within step / 2 = max|x in g| / 32766 of x, where bf16 keeps 2^-9
- * of x itself), and each group's codes summed against h and against l as integers, exactly, then scaled once.
- * Four codes' worth of multiply-adds an instruction instead of the AVX2 loop's conversions to float. The
- * zero-point term is the AVX2 loop's, on the exact x sums. 32 bytes (64 codes) a step: groups of 64 or more. */
+/* The same row with integer dot products (VPDPBUSD: four u8 x s8 products summed into each int32 lane), for CPUs
+ * that have them, as AVX-VNNI (VEX: Intel since Alder Lake and Sapphire Rapids) or AVX512-VNNI with AVX512VL
+ * (EVEX on 256-bit registers: Intel since Cascade Lake, AMD since Zen 4): x in fixed point per group,
+ * x[k] = step[g] * (256 h[k] + l[k]) with h and l signed bytes and |256 h + l| <= 16383 (so within step / 2 =
+ * max|x in g| / 32766 of x, where bf16 keeps 2^-9 of x itself), and each group's codes summed against h and
+ * against l as integers, exactly, then scaled once. Four codes' worth of multiply-adds an instruction instead of
+ * the AVX2 loop's conversions to float. The zero-point term is the AVX2 loop's, on the exact x sums. 32 bytes
+ * (64 codes) a step: groups of 64 or more. The two loops are one body, built for each instruction set. */
+#define INT4_ROW_VNNI(name, isa, dpbusd)                                                                           \
+__attribute__((target(isa)))                                                                                       \
+static float name(const uint8_t *Q, const uint16_t *S, const uint8_t *Z, const int8_t *xh, const int8_t *xl,       \
+                  const float *step, const float *xs, int64_t n, int64_t ng, int64_t hb) {                        \
+    const __m256i low = _mm256_set1_epi8(0xF);                                                                     \
+    const uint8_t *q = Q + n * ng * hb;                                                                            \
+    int64_t half = ng * hb;  /* x's even entries first, then its odd ones: h[k] for even k at xh[k / 2] */         \
+    __m256 acc = _mm256_setzero_ps();                                                                              \
+    float zacc = 0.f;                                                                                              \
+    for (int64_t g = 0; g < ng; g++) {                                                                             \
+        __m256i eh = _mm256_setzero_si256(), oh = eh, el = eh, ol = eh;                                            \
+        for (int64_t i = g * hb, end = i + hb; i < end; i += 32) {                                                 \
+            PREFETCH(q + i);                                                                                       \
+            __m256i v = _mm256_loadu_si256((const __m256i *)(q + i));                                              \
+            __m256i e = _mm256_and_si256(v, low), o = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);              \
+            eh = dpbusd(eh, e, _mm256_loadu_si256((const __m256i *)(xh + i)));                                     \
+            oh = dpbusd(oh, o, _mm256_loadu_si256((const __m256i *)(xh + half + i)));                              \
+            el = dpbusd(el, e, _mm256_loadu_si256((const __m256i *)(xl + i)));                                     \
+            ol = dpbusd(ol, o, _mm256_loadu_si256((const __m256i *)(xl + half + i)));                              \
+        }                                                                                                          \
+        __m256i t = _mm256_add_epi32(_mm256_slli_epi32(_mm256_add_epi32(eh, oh), 8), _mm256_add_epi32(el, ol));    \
+        int64_t sg = n * ng + g;                                                                                   \
+        float s = _cvtsh_ss(S[sg]);                                                                                \
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(s * step[g]), acc);                            \
+        zacc += s * (Z ? (float)Z[sg] : 8.f) * xs[g];                                                              \
+    }                                                                                                              \
+    return hsum(acc) - zacc;                                                                                       \
+}
+
+typedef float (*int4_row_vnni_fn)(const uint8_t *, const uint16_t *, const uint8_t *, const int8_t *, const int8_t *,
+                                  const float *, const float *, int64_t, int64_t, int64_t);
 #if defined(__clang__) ? __clang_major__ >= 13 : __GNUC__ >= 11  /* compilers that know AVX-VNNI */
 #define QINFER_VNNI 1
-__attribute__((target("avx2,fma,f16c,avxvnni")))
-static float int4_row_vnni(const uint8_t *Q, const uint16_t *S, const uint8_t *Z, const int8_t *xh, const int8_t *xl,
-                           const float *step, const float *xs, int64_t n, int64_t ng, int64_t hb) {
-    const __m256i low = _mm256_set1_epi8(0xF);
-    const uint8_t *q = Q + n * ng * hb;
-    int64_t half = ng * hb;  /* x's even entries first, then its odd ones: h[k] for even k at xh[k / 2] */
-    __m256 acc = _mm256_setzero_ps();
-    float zacc = 0.f;
-    for (int64_t g = 0; g < ng; g++) {
-        __m256i eh = _mm256_setzero_si256(), oh = eh, el = eh, ol = eh;
-        for (int64_t i = g * hb, end = i + hb; i < end; i += 32) {
-            PREFETCH(q + i);
-            __m256i v = _mm256_loadu_si256((const __m256i *)(q + i));
-            __m256i e = _mm256_and_si256(v, low), o = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-            eh = _mm256_dpbusd_avx_epi32(eh, e, _mm256_loadu_si256((const __m256i *)(xh + i)));
-            oh = _mm256_dpbusd_avx_epi32(oh, o, _mm256_loadu_si256((const __m256i *)(xh + half + i)));
-            el = _mm256_dpbusd_avx_epi32(el, e, _mm256_loadu_si256((const __m256i *)(xl + i)));
-            ol = _mm256_dpbusd_avx_epi32(ol, o, _mm256_loadu_si256((const __m256i *)(xl + half + i)));
-        }
-        __m256i t = _mm256_add_epi32(_mm256_slli_epi32(_mm256_add_epi32(eh, oh), 8), _mm256_add_epi32(el, ol));
-        int64_t sg = n * ng + g;
-        float s = _cvtsh_ss(S[sg]);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(s * step[g]), acc);
-        zacc += s * (Z ? (float)Z[sg] : 8.f) * xs[g];
-    }
-    return hsum(acc) - zacc;
-}
+INT4_ROW_VNNI(int4_row_avxvnni, "avx2,fma,f16c,avxvnni", _mm256_dpbusd_avx_epi32)
+INT4_ROW_VNNI(int4_row_avx512vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", _mm256_dpbusd_epi32)
+static const int4_row_vnni_fn int4_rows_vnni[3] = {NULL, int4_row_avxvnni, int4_row_avx512vnni};
 #else
 #define QINFER_VNNI 0
-static float int4_row_vnni(const uint8_t *Q, const uint16_t *S, const uint8_t *Z, const int8_t *xh, const int8_t *xl,
-                           const float *step, const float *xs, int64_t n, int64_t ng, int64_t hb) {
-    return 0.f;  /* never called: qinfer_int4_vnni says 0 */
-}
+static const int4_row_vnni_fn int4_rows_vnni[3] = {NULL, NULL, NULL};  /* never called: qinfer_int4_vnni says 0 */
 #endif
 
-/* -1: not asked yet; then whether the CPU has AVX-VNNI and qinfer_int4_vnni has not turned it off */
+/* Whether the CPU has VPDPBUSD as AVX-VNNI (1) or as AVX512-VNNI (2), and the compiler knew them */
+static int vnni_on_cpu(int loop) {
+#if QINFER_VNNI
+    if (loop == 1) return __builtin_cpu_supports("avxvnni") != 0;
+    if (loop == 2) return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+#endif
+    return 0;
+}
+
+/* -1: not asked yet; then which VNNI loop qinfer_int4_gemv takes (0: none, the AVX2 float loop) */
 static int int4_vnni = -1;
 
-/* Whether qinfer_int4_gemv takes the VNNI loop where a weight allows it; on = 0 or 1 sets it (1 only where the
- * CPU has AVX-VNNI), any other value leaves it. Returns the setting before the call. */
-int qinfer_int4_vnni(int on) {
-#if QINFER_VNNI
-    int has = __builtin_cpu_supports("avxvnni") != 0;
-#else
-    int has = 0;
-#endif
-    if (int4_vnni < 0) int4_vnni = has;
+/* Which VNNI loop qinfer_int4_gemv takes where a weight allows one: 0 none, 1 AVX-VNNI, 2 AVX512-VNNI (at first
+ * AVX-VNNI where the CPU has it, else AVX512-VNNI where it has that). loop = 0 turns them off, 1 or 2 takes that
+ * loop where the CPU has it (else leaves the setting), any other value only asks. Returns the setting before. */
+int qinfer_int4_vnni(int loop) {
+    if (int4_vnni < 0) int4_vnni = vnni_on_cpu(1) ? 1 : vnni_on_cpu(2) ? 2 : 0;
     int before = int4_vnni;
-    if (on == 0 || on == 1) int4_vnni = on && has;
+    if (loop == 0 || ((loop == 1 || loop == 2) && vnni_on_cpu(loop))) int4_vnni = loop;
     return before;
 }
 
@@ -478,7 +489,7 @@ int qinfer_int4_gemv(const qinfer_weight *wt, const void *x, const void *b, void
     /* a group's int32 lanes reach at most (G / 64) * 2 * 4 * 15 * 64 * 256 (+ the low bytes' far smaller sums):
      * below 2^31 for G up to 2^16. An fp32 row takes the float loop: x in 15-bit fixed point is finer than
      * bf16 but not fp32 (relative errors near 1e-4 where the float loop's are near 1e-6) */
-    int vnni = dtype != 0 && hb % 32 == 0 && G <= 65536 && qinfer_int4_vnni(-1);
+    int loop = dtype != 0 && hb % 32 == 0 && G <= 65536 ? qinfer_int4_vnni(-1) : 0, vnni = loop != 0;
     float *xe = malloc(sizeof(float) * (K + 2 * ng + 1) + 2 * K), *xo = xe + K / 2, *xs = xe + K, *step = xs + ng;
     if (!xe) return 1;
     int8_t *xh = (int8_t *)(step + ng), *xl = xh + K;  /* even entries, then odd ones, as xe and xo */
@@ -504,10 +515,11 @@ int qinfer_int4_gemv(const qinfer_weight *wt, const void *x, const void *b, void
             }
         }
     }
+    int4_row_vnni_fn row_vnni = vnni ? int4_rows_vnni[loop] : NULL;
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++)
-        store_out(y, b, dtype, n, vnni ? int4_row_vnni(Q, S, Z, xh, xl, step, xs, n, ng, hb)
-                                    : int4_row(Q, S, Z, xe, xo, xs, n, ng, hb));
+        store_out(y, b, dtype, n, row_vnni ? row_vnni(Q, S, Z, xh, xl, step, xs, n, ng, hb)
+                                        : int4_row(Q, S, Z, xe, xo, xs, n, ng, hb));
     free(xe);
     return 0;
 }

@@ -8,13 +8,14 @@ int4 weight-only kernel (``int4_cpu``) takes ~115 us for a 2048 x 640 weight of 
 through one int8 matmul per group (``int8_cpu``) and FP8 codes through an fp16 copy of the weight (``fp8_cpu``).
 ``gemv_cpu.c`` does each product in one pass over the stored bytes with AVX2/FMA/F16C: bf16 bits move into fp32 in
 registers; 4-bit codes are unpacked in registers, their nibbles meeting the row's even and odd entries (on a CPU
-with AVX-VNNI, groups of 64 or more, bf16 or fp16 rows: as bytes in integer dot products, VPDPBUSD, against x in
-15-bit fixed point per group, exact integer sums scaled once a group, within max|x in the group| / 32766 of each x
-where bf16 keeps 2^-9 of x itself; an fp32 row keeps the float loop); 2- and 3-bit codes, 8 to a 16- or 24-bit
-word, by a shift per lane; integer codes are summed against x per group and scaled once (``s * (sum q x - z * sum
-x)``; a group whose codes all equal its zero point is given scale 0, so it gives exactly 0 where the two sums would
-leave a residue times its scale); E4M3 codes move into fp16 bits (sign-extended, shifted, masked: exact, subnormals
-too) and F16C widens them. Rows split across OpenMP threads (PyTorch's own runtime: ``torch.set_num_threads``).
+with AVX-VNNI or AVX512-VNNI, groups of 64 or more, bf16 or fp16 rows: as bytes in integer dot products,
+VPDPBUSD, against x in 15-bit fixed point per group, exact integer sums scaled once a group, within max|x in the
+group| / 32766 of each x where bf16 keeps 2^-9 of x itself; an fp32 row keeps the float loop); 2- and 3-bit codes,
+8 to a 16- or 24-bit word, by a shift per lane; integer codes are summed against x per group and scaled once
+(``s * (sum q x - z * sum x)``; a group whose codes all equal its zero point is given scale 0, so it gives exactly 0
+where the two sums would leave a residue times its scale); E4M3 codes move into fp16 bits (sign-extended, shifted,
+masked: exact, subnormals too) and F16C widens them. Rows split across OpenMP threads (PyTorch's own runtime:
+``torch.set_num_threads``).
 Every product and sum is fp32 (the VNNI loop's are exact integers until each group's is scaled) and each output is
 rounded once to the row's dtype, a bias (Qwen2's q/k/v) added in fp32 before that, as PyTorch's ``linear`` adds
 it: the references' results up to the order of their sums (and the VNNI loop's fixed-point x), except where the
@@ -171,22 +172,49 @@ def pytorch_dequantize():
         _no_dequantize = prior
 
 
-def int4_vnni() -> bool:
-    """Whether 4-bit rows go through the AVX-VNNI loop (integer dot products against x in 15-bit fixed point per
-    group; groups of 64 or more): the CPU has AVX-VNNI, the compiler knew it, and :func:`without_vnni` is off."""
-    return available() and bool(_library()[0].qinfer_int4_vnni(-1))
+VNNI_LOOPS = {1: "AVX-VNNI", 2: "AVX512-VNNI"}  # qinfer_int4_vnni's numbers of the 4-bit VNNI loops
+
+
+def int4_vnni() -> str:
+    """Which VNNI loop 4-bit rows go through (integer dot products against x in 15-bit fixed point per group;
+    groups of 64 or more): "AVX-VNNI" or "AVX512-VNNI" where the CPU has it, the compiler knew it, and
+    :func:`without_vnni` is off; else "" (the AVX2 float loop)."""
+    return VNNI_LOOPS.get(_library()[0].qinfer_int4_vnni(-1), "") if available() else ""
+
+
+def vnni_loops() -> list[str]:
+    """The VNNI loops this CPU can run (AVX-VNNI first: the one 4-bit rows take where it has both)."""
+    loops = []
+    for name in VNNI_LOOPS.values():
+        with _vnni_loop(name) as taken:
+            loops += [name] if taken else []
+    return loops
 
 
 @contextlib.contextmanager
-def without_vnni():
-    """Inside it, 4-bit rows take the AVX2 float loop even where the CPU has AVX-VNNI (a side-by-side timing)."""
-    lib = _library()[0]
-    prior = lib.qinfer_int4_vnni(0) if lib is not None else 0
+def _vnni_loop(name: str):
+    lib = _library()[0] if available() else None
+    if lib is None:
+        yield False
+        return
+    code = {v: k for k, v in VNNI_LOOPS.items()}.get(name, 0)
+    prior = lib.qinfer_int4_vnni(code)
     try:
-        yield
+        yield lib.qinfer_int4_vnni(-1) == code
     finally:
-        if lib is not None:
-            lib.qinfer_int4_vnni(prior)
+        lib.qinfer_int4_vnni(prior)
+
+
+def without_vnni():
+    """Inside it, 4-bit rows take the AVX2 float loop even where the CPU has VNNI (a side-by-side timing)."""
+    return _vnni_loop("")
+
+
+def with_vnni(name: str):
+    """Inside it, 4-bit rows take the VNNI loop ``name`` (one of :func:`vnni_loops`), as a test compares them."""
+    if name not in vnni_loops():
+        raise ValueError(f"this CPU has no {name} loop (it has: {', '.join(vnni_loops()) or 'none'})")
+    return _vnni_loop(name)
 
 
 def unavailable_reason() -> str:
@@ -198,7 +226,7 @@ def describe() -> str:
     """What a decode step's one-row products run through on CPU, in a few words (``qinfer eval``'s reports)."""
     if not available():
         return f"PyTorch's one-row kernels ({unavailable_reason()})"
-    return "qinfer's C GEMVs (4-bit codes through AVX-VNNI)" if int4_vnni() else "qinfer's C GEMVs"
+    return f"qinfer's C GEMVs (4-bit codes through {int4_vnni()})" if int4_vnni() else "qinfer's C GEMVs"
 
 
 def _one_row(x: torch.Tensor, K: int) -> bool:

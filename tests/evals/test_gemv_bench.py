@@ -15,7 +15,8 @@ NORMS = re.compile(r"^decode step with the C GEMVs: (\S+) ms with PyTorch's norm
 FUSED = re.compile(r"^decode step with the C kernels: (\S+) ms with q/k/v and gate/up one linear at a time, (\S+) ms "
                    r"fused \((\S+)x\)$", re.M)
 VNNI = re.compile(r"^(decode step with the C kernels: (\S+) ms with 4-bit rows through the AVX2 float loop, (\S+) "
-                  r"ms through AVX-VNNI \((\S+)x\)|4-bit rows through AVX-VNNI: not measured \(no AVX-VNNI here\))$", re.M)
+                  r"ms through (AVX-VNNI|AVX512-VNNI) \((\S+)x\)|4-bit rows through VNNI: not measured \(no AVX-VNNI "
+                  r"or AVX512-VNNI here\))$", re.M)
 PAGES = re.compile(r"^(decode step with the C kernels: (\S+) ms with the weights in 4 KiB pages \(the file map\), "
                    r"(\S+) ms in 2 MiB pages \((\S+)x\)|weights in 2 MiB pages: not measured \(.+\))$", re.M)
 
@@ -35,7 +36,10 @@ def test_gemv_bench_times_every_linear_and_the_decode_step(tiny):  # noqa: F811
     fused = FUSED.search(result.stdout)
     assert fused and float(fused.group(1)) > 0 and fused.group(2) == step.group(2)
     vnni = VNNI.search(result.stdout)
-    assert vnni and (vnni.group(3) == step.group(2) if gemv_cpu.int4_vnni() else vnni.group(2) is None)
+    if gemv_cpu.int4_vnni():
+        assert vnni and vnni.group(3) == step.group(2) and vnni.group(4) == gemv_cpu.int4_vnni()
+    else:
+        assert vnni and vnni.group(2) is None
     assert PAGES.search(result.stdout)
 
 

@@ -1,6 +1,6 @@
 """The C one-row kernels against exact (float64) products, the dispatch to them, their build and their fallback."""
 
-import contextlib
+import functools
 import gc
 import os
 import subprocess
@@ -33,6 +33,12 @@ def _fixed_point_error(x: torch.Tensor, w: torch.Tensor, group: int) -> torch.Te
     (float64, [1, N])."""
     step = x.double().abs().reshape(-1, group).amax(dim=1).repeat_interleave(group) / 32766
     return step[None] @ w.abs().T
+
+
+def _int4_loops():
+    """Each loop a 4-bit row can take on this CPU, as (context that selects it, whether it is a VNNI one)."""
+    loops = [(functools.partial(gemv_cpu.with_vnni, name), True) for name in gemv_cpu.vnni_loops()]
+    return loops + [(gemv_cpu.without_vnni, False)]
 
 
 def _int(N, K, group_size, symmetric, seed=0, bits=4) -> QuantizedWeight:
@@ -93,14 +99,16 @@ def test_int_row_matches_the_exact_product(N, K, group_size, symmetric, dtype, b
     w = weight.dequantize(torch.float32).double()
     group = K if group_size == -1 else group_size
     # the VNNI loop for 4-bit bf16/fp16 rows, else the float loop (and below, always); fp32 rows keep fp32's precision
-    vnni = bits == 4 and group % 64 == 0 and dtype != torch.float32 and gemv_cpu.int4_vnni()
+    vnni = bits == 4 and group % 64 == 0 and dtype != torch.float32
     outs = []
-    for path in (contextlib.nullcontext, gemv_cpu.without_vnni):
+    for path, is_vnni in _int4_loops():
         with path():
             outs.append(gemv_cpu.int_gemv(x, weight))
-        fixed = _fixed_point_error(x, w, group) if vnni and path is contextlib.nullcontext else 0.0
+        fixed = _fixed_point_error(x, w, group) if vnni and is_vnni else 0.0
         _check(outs[-1], x.double() @ w.T, x.double().abs() @ w.abs().T, dtype, fixed)
-    if dtype == torch.float32:
+    if not vnni:  # every loop but the float one steps aside: the same call, the same bits
+        assert all(torch.equal(out, outs[-1]) for out in outs)
+    elif len(outs) == 3:  # AVX-VNNI and AVX512-VNNI: one body, the same exact integer sums
         assert torch.equal(outs[0], outs[1])
 
 
@@ -119,9 +127,18 @@ def test_int4_rows_carry_nan_and_infinity_and_take_a_zero_row():
     error = (gemv_cpu.int_gemv(tiny, weight).double() - tiny.double() @ w.T).abs()
     assert float((error / (tiny.double().abs() @ w.abs().T)).max()) < 1e-5
     before = gemv_cpu.int4_vnni()
+    assert before == (gemv_cpu.vnni_loops() or [""])[0]  # AVX-VNNI where the CPU has both
     with gemv_cpu.without_vnni():
         assert not gemv_cpu.int4_vnni() and gemv_cpu.describe() == "qinfer's C GEMVs"
-    assert gemv_cpu.int4_vnni() == before and ("AVX-VNNI" in gemv_cpu.describe()) == before
+    assert gemv_cpu.int4_vnni() == before and (f"through {before})" in gemv_cpu.describe()) == bool(before)
+    for name in gemv_cpu.vnni_loops():
+        with gemv_cpu.with_vnni(name):
+            assert gemv_cpu.int4_vnni() == name
+    assert gemv_cpu.int4_vnni() == before
+    missing = [name for name in gemv_cpu.VNNI_LOOPS.values() if name not in gemv_cpu.vnni_loops()]
+    for name in missing + ["AVX10"]:
+        with pytest.raises(ValueError, match="has no"):
+            gemv_cpu.with_vnni(name)
 
 
 
@@ -147,7 +164,7 @@ def test_a_group_of_zero_weights_with_a_large_scale_gives_exactly_zero(bits, sym
     x[0, ::97] = 300.0  # outliers far from zero mean: sum q x and z sum x are large and nearly equal
     w = weight.dequantize(torch.float32).double()
     for dtype in (torch.bfloat16, torch.float32):
-        for path in (contextlib.nullcontext, gemv_cpu.without_vnni):
+        for path, _ in _int4_loops():
             with path():
                 y = gemv_cpu.int_gemv(x.to(dtype), weight).double()
             assert y[0, 0] == 0.0, (dtype, path)
