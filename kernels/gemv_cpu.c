@@ -127,6 +127,12 @@ static inline __m256 e4m3x8(const uint8_t *p) {
     return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(c, 7), _mm_set1_epi16((short)0xBF80)));
 }
 
+/* 16 E4M3 codes -> their fp16 bits (as e4m3x8), in one register */
+static inline __m256i e4m3x16(const uint8_t *p) {
+    __m256i c = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_and_si256(_mm256_slli_epi16(c, 7), _mm256_set1_epi16((short)0xBF80));
+}
+
 static inline __m256 load8(const void *p, int dtype, int64_t i) { /* 8 elements of dtype from p[i] as fp32 */
     if (dtype == 1) return bf16x8((const uint16_t *)p + i);
     if (dtype == 2) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
@@ -700,12 +706,13 @@ int qinfer_fp8_gemv(const qinfer_weight *wt, const void *x, const void *b, void 
         const uint8_t *w = W + n * ldw;
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
         int64_t k = 0;
-        for (; k < k32; k += 32) {
+        for (; k < k32; k += 32) {  /* 16 codes a widening: fewer instructions than e4m3x8 twice */
             PREFETCH(w + k);
-            a0 = _mm256_fmadd_ps(e4m3x8(w + k), _mm256_loadu_ps(xf + k), a0);
-            a1 = _mm256_fmadd_ps(e4m3x8(w + k + 8), _mm256_loadu_ps(xf + k + 8), a1);
-            a2 = _mm256_fmadd_ps(e4m3x8(w + k + 16), _mm256_loadu_ps(xf + k + 16), a2);
-            a3 = _mm256_fmadd_ps(e4m3x8(w + k + 24), _mm256_loadu_ps(xf + k + 24), a3);
+            __m256i h0 = e4m3x16(w + k), h1 = e4m3x16(w + k + 16);
+            a0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h0)), _mm256_loadu_ps(xf + k), a0);
+            a1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h0, 1)), _mm256_loadu_ps(xf + k + 8), a1);
+            a2 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h1)), _mm256_loadu_ps(xf + k + 16), a2);
+            a3 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h1, 1)), _mm256_loadu_ps(xf + k + 24), a3);
         }
         for (; k < K; k += 8) a0 = _mm256_fmadd_ps(e4m3x8(w + k), _mm256_loadu_ps(xf + k), a0);
         float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
