@@ -106,7 +106,7 @@ def test_int_row_matches_the_exact_product(N, K, group_size, symmetric, dtype, b
             outs.append(gemv_cpu.int_gemv(x, weight))
         fixed = _fixed_point_error(x, w, group) if vnni and is_vnni else 0.0
         _check(outs[-1], x.double() @ w.T, x.double().abs() @ w.abs().T, dtype, fixed)
-    if not vnni:  # every loop but the float one steps aside: the same call, the same bits
+    if not vnni:  # no VNNI loop takes this row: whichever is selected, the float loop runs, the same bits
         assert all(torch.equal(out, outs[-1]) for out in outs)
     elif len(outs) == 3:  # AVX-VNNI and AVX512-VNNI: one body, the same exact integer sums
         assert torch.equal(outs[0], outs[1])
