@@ -32,6 +32,7 @@ compile during the timed runs (which would be timed as decoding) is an error.
 The prompt is fixed pseudo-random token ids: the work of a forward does not depend on which tokens.
 """
 
+import contextlib
 import copy
 import statistics
 import time
@@ -39,13 +40,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch._dynamo.utils import counters
 from tqdm import tqdm
 
 from qinfer.errors import QinferError
 from qinfer.evals.costs import decode_bytes, decode_flops, prefill_bytes, prefill_flops, prefill_flops_by_dtype
 from qinfer.evals.roofline import DTYPES, Roofline, mbu, mfu
-from qinfer.generate import compile_failure_reason, compiled_decode_step, decode_step, greedy, prefill
+from qinfer.generate import (compile_failure_reason, compiled_decode_step, compiled_graphs, decode_step, greedy,
+                             prefill)
 from qinfer.kv_cache import KVCache, make_cache
 from qinfer.model import Transformer
 
@@ -147,13 +148,13 @@ def measure_speeds(
         _run(model, prompt[:, :_WARMUP_PROMPT], _WARMUP_STEPS, kv_dtype)  # eager first: builds weight layouts
     step = compiled_decode_step() if compiled else None
     compile_s: list[float | None] = [None] * len(models)
-    # a graph or two per model (dynamo's default limit, 8 per function, would leave later models eager)
-    with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 2 * len(models))):
+    # a graph or two per model
+    with _recompile_limit(2 * len(models)) if compiled else contextlib.nullcontext():
         if compiled:
             for i, (model, prompt) in enumerate(tqdm(list(zip(models, prompts)), desc="compiling the decode step",
                                                      unit="model", disable=not progress)):
                 compile_s[i] = _compile(model, prompt, decode_steps, kv_dtype, step)
-        graphs = counters["stats"]["unique_graphs"]
+        graphs = compiled_graphs() if compiled else 0
         times: list[list[tuple[float, float, float | None]]] = [[] for _ in models]
         caches: list[KVCache | None] = [None] * len(models)
         with tqdm(total=repeats * len(models), desc=desc, unit="run", disable=not progress) as bar:
@@ -163,13 +164,21 @@ def measure_speeds(
                     ttft, tpot, caches[i], compiled_tpot = _run(model, prompt, decode_steps, kv_dtype, **extra)
                     times[i].append((ttft, tpot, compiled_tpot))
                     bar.update()
-    if compiled and counters["stats"]["unique_graphs"] != graphs:
+    if compiled and compiled_graphs() != graphs:
         raise QinferError("the compiled decode step compiled again during the timed runs, so its time would count "
                           "compiling: measure without --compile, and report this as a bug")
     return [
         _result(model, runs, cache, roofline, kv_dtype, prompt_tokens, decode_steps, seconds)
         for model, runs, cache, seconds in zip(models, times, caches, compile_s)
     ]
+
+
+def _recompile_limit(graphs: int):
+    """Dynamo's recompile limit raised to at least ``graphs`` (its default, 8 per function, would leave later models
+    eager); imports torch._dynamo, so only where compiling."""
+    import torch._dynamo
+
+    return torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, graphs))
 
 
 def _compile(model: Transformer, prompt: torch.Tensor, steps: int, kv_dtype: str, step) -> float:

@@ -131,9 +131,14 @@ def _build(cc: str, path: Path) -> str:
         tmp.unlink(missing_ok=True)
 
 
-@torch.compiler.assume_constant_result  # a traced graph keeps the path it was traced with
 def available() -> bool:
     return not _disabled and _library()[0] is not None
+
+
+# A traced graph keeps the path it was traced with: torch.compile takes available() as a constant. This is the mark
+# torch.compiler.assume_constant_result sets (tests check it still is), set without importing torch._dynamo, which
+# that function does: 150 MiB of memory and a second in every command that never compiles.
+available._dynamo_marked_constant = True
 
 
 @contextlib.contextmanager

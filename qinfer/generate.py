@@ -6,7 +6,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-from torch._dynamo.utils import counters
 
 from qinfer.errors import QinferError, check_seed
 from qinfer.kv_cache import KVCache, make_cache
@@ -127,6 +126,14 @@ def compiled_decode_step() -> Callable:
     return torch.compile(decode_step, dynamic=True)
 
 
+def compiled_graphs() -> int:
+    """The graphs torch.compile has built in this process. Imports torch._dynamo (150 MiB, a second): only for
+    callers that compile."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 _COMPILE_ERRORS: list[str] = []  # why compiling the decode step failed in this process: not tried again
 
 
@@ -205,10 +212,10 @@ def _tokens(model, prompt_ids, params, stop_ids, stats, should_stop, compiled, c
         if pos == max_len - 1 or should_stop():
             break
         compiling = compiled and pos > len(prompt_ids)  # the first step stays eager (see the docstring)
-        graphs, errors = counters["stats"]["unique_graphs"], len(_COMPILE_ERRORS)
+        graphs, errors = compiled_graphs() if compiling else 0, len(_COMPILE_ERRORS)
         t0 = time.perf_counter()
         token = sample(_step_logits(compiling, model, token, pos, cache), params, generator)
-        if compiling and (counters["stats"]["unique_graphs"] > graphs or len(_COMPILE_ERRORS) > errors):
+        if compiling and (compiled_graphs() > graphs or len(_COMPILE_ERRORS) > errors):
             stats.compile_seconds += time.perf_counter() - t0
             stats.compile_steps += 1
         else:

@@ -357,6 +357,23 @@ def test_compiled_calls_are_the_opaque_operators_and_match_eager():
     assert {"qinfer.bf16_gemv", "qinfer.int_gemv", "qinfer.fp8_gemv"} <= targets, targets
 
 
+def test_available_carries_the_mark_torch_compiler_sets_for_a_constant():
+    # set by hand so that no command imports torch._dynamo to set it; the compiled test above needs it
+    def f():
+        return True
+
+    assert torch.compiler.assume_constant_result(f) is f and vars(f) == {"_dynamo_marked_constant": True}
+    assert gemv_cpu.available._dynamo_marked_constant is True
+
+
+def test_the_commands_leave_torch_dynamo_unimported():
+    # ~150 MiB of memory and a second of start-up in every command: imported only by what compiles
+    code = ("import sys, qinfer.cli, qinfer.quantize, qinfer.generate, qinfer.chat, qinfer.evals.runner, "
+            "qinfer.evals.speed, qinfer.kernels.linear; print(sorted(m for m in sys.modules if 'torch._dynamo' in m))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_without_the_kernels_one_row_takes_pytorchs(monkeypatch, tmp_path):
     # no compiler, a compiler that fails, QINFER_CPU_GEMV=0 or no C source: not available, with the reason; rows
     # still multiply
