@@ -252,6 +252,9 @@ def quantize_model(
     X = embed_samples(model, ids, dtype) if needs_calib else None
     # Tuning and --fp-target aim at the unquantized model's outputs: carry that stream beside the quantized one.
     X_ref = X.clone() if tune.active or calib.fp_target else None
+    # check_finite and the BOS position read every weight into memory: let them go (each block's is faulted back
+    # in from the file when the loop reaches it; the embedding, a third of gemma3-270m, at the end)
+    drop_pages(model.parameters())
     quantized = {}  # "model.layers.{i}.{linear}" -> packed weight
     tensors: dict[str, torch.Tensor] = {}
     report = QuantizeReport(out, _folder_bytes(folder), 0, 0, 0, 0.0, 0, compute_dtype=str(dtype).removeprefix("torch."),

@@ -362,6 +362,22 @@ def test_calibration_reads_no_memory_it_did_not_write(tmp_path, calib_file, monk
     assert all(bool(t.float().isfinite().all()) for t in stored.values() if t.is_floating_point())
 
 
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_letting_the_checkpoints_pages_go_changes_nothing_written(tmp_path, calib_file, monkeypatch, method):
+    # quantize drops the memory-mapped weights' pages once read (qinfer.loader.drop_pages), to be faulted back in
+    # from the file when needed again: the same model comes out as when every page stays
+    make_model("gemma3", tmp_path / "src", dtype=torch.bfloat16)  # bf16, as loaded: the tensors stay in the map
+    scheme, calib = QuantScheme(method=method, bits=4, group_size=32), CalibConfig(str(calib_file), 8, 32)
+    real, dropped = qinfer.quantize.drop_pages, []
+    monkeypatch.setattr(qinfer.quantize, "drop_pages", lambda tensors: dropped.append(real(tensors)) or dropped[-1])
+    quantize_model(tmp_path / "src", tmp_path / "dropped", scheme, calib)
+    assert sum(dropped) > 0
+    monkeypatch.setattr(qinfer.quantize, "drop_pages", lambda tensors: 0)
+    quantize_model(tmp_path / "src", tmp_path / "kept", scheme, calib)
+    a, b = (load_file(tmp_path / name / "model.safetensors") for name in ("dropped", "kept"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_calibration_starts_windows_as_the_tokenizer_starts_text(tiny, tmp_path, calib_file):
     # a tokenizer that puts no BOS before text (SmolLM2, Qwen: add_bos_token false) is calibrated on windows without
     # one, as inference and eval see text (a BOS there cost SmolLM2's 4-bit GPTQ model twice the perplexity change)
