@@ -247,7 +247,9 @@ def load_model(
         model.model.embed_tokens.tie_to_packed(packed["lm_head.weight"], dtype)
     model.set_bos(bos)
     if run:
+        held = list(_cpu_tensors(model).values())
         fuse_linears(model)
+        drop_pages(held)  # the stacking read the fused linears' weights: their numbers live in the stacks now
         into_huge_pages(model)
     return model.eval()
 
@@ -288,6 +290,23 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     return whole[start : start + nbytes]
 
 
+COPY_SLICE = 16 << 20  # bytes copied between drops: the peak is one copy of the model and a slice, not two copies
+
+
+def _cpu_tensors(model: Transformer) -> dict[int, torch.Tensor]:
+    """The model's contiguous CPU tensors (parameters, buffers, packed weights' fields), by id."""
+    tensors: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        found = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        packed = getattr(module, "weight", None)
+        if dataclasses.is_dataclass(packed):
+            found += [getattr(packed, f.name) for f in dataclasses.fields(packed)]
+        for t in found:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous() and t.numel():
+                tensors[id(t)] = t
+    return tensors
+
+
 def into_huge_pages(model: Transformer) -> int:
     """Copy the model's contiguous CPU tensors (parameters, buffers, packed weights) into one anonymous map
     advised ``MADV_HUGEPAGE`` and point each tensor at its copy (``set_``: every holder of the tensor, a tied
@@ -301,15 +320,7 @@ def into_huge_pages(model: Transformer) -> int:
     """
     if huge_pages_reason():
         return 0
-    tensors: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        found = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-        packed = getattr(module, "weight", None)
-        if dataclasses.is_dataclass(packed):
-            found += [getattr(packed, f.name) for f in dataclasses.fields(packed)]
-        for t in found:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous() and t.numel():
-                tensors[id(t)] = t
+    tensors = _cpu_tensors(model)
     # Tensors that share a storage (a fused weight and its members' views of it) move together: the bytes they
     # span are copied once and each is pointed at its place in the copy.
     spans: dict[int, list] = {}  # storage address -> [first byte, end byte, tensors]
@@ -328,8 +339,11 @@ def into_huge_pages(model: Transformer) -> int:
     with torch.no_grad():
         for (start, end, found), size in zip(spans.values(), sizes):
             stored = torch.empty(0, dtype=torch.uint8).set_(found[0].untyped_storage())
-            whole[offset : offset + end - start].copy_(stored[start:end])
-            drop_pages(found)  # a file-mapped tensor's pages leave as it is copied: the peak is one copy, not two
+            for a in range(start, end, COPY_SLICE):  # a file-mapped span's pages leave as it is copied
+                b = min(a + COPY_SLICE, end)
+                whole[offset + a - start : offset + b - start].copy_(stored[a:b])
+                drop_pages([stored[a:b]])
+            drop_pages(found)  # (and the pages that straddle two slices)
             for t in found:
                 at = base + offset + t.storage_offset() * t.element_size() - start  # bytes into the map
                 t.set_(whole.untyped_storage(), at // t.element_size(), t.shape, t.stride())

@@ -6,12 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import save_file
 
+import qinfer.loader
 from qinfer.format import QuantScheme
 from qinfer.loader import HUGE_PAGE, drop_pages, huge_pages_reason, into_huge_pages, load_model, read_safetensors
 from qinfer.quantize import CalibConfig, quantize_model
-from tests.tiny_models import make_model
+from tests.tiny_models import COMMON, CONFIGS, make_model
 
 
 def _mapped_kib(path: Path) -> int:
@@ -63,6 +65,7 @@ def test_huge_pages_take_every_weight_and_change_no_output(tmp_path, monkeypatch
     monkeypatch.delenv("QINFER_HUGE_PAGES", raising=False)
     if huge_pages_reason():
         pytest.skip(huge_pages_reason())
+    monkeypatch.setattr(qinfer.loader, "COPY_SLICE", 3000)  # each weight copied in many slices, none page-aligned
     folder = tmp_path / "src"
     make_model("gemma3", folder)  # a tied embedding: one tensor under two names, or one packed lm_head
     if scheme is not None:
@@ -81,6 +84,28 @@ def test_huge_pages_take_every_weight_and_change_no_output(tmp_path, monkeypatch
     assert torch.equal(moved(ids[:, :1]), plain(ids[:, :1]))  # one row: the decode GEMVs, on the new pointers
     assert into_huge_pages(moved) > 0  # moving again is harmless
     assert torch.equal(moved(ids[:, :1]), plain(ids[:, :1]))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_the_weights_fusing_read_leave_before_the_copy_into_huge_pages(tmp_path, monkeypatch):
+    # load_model(run=True) stacks q/k/v and gate/up, reading them from the file map: their pages go before every
+    # weight is copied into huge pages, so the copy's peak holds one copy of the model, not two
+    wide = {**COMMON, "hidden_size": 256, "intermediate_size": 512, "head_dim": 64, "num_hidden_layers": 2}
+    monkeypatch.setitem(CONFIGS, "llama-wide", lambda: transformers.LlamaConfig(**wide))
+    make_model("llama-wide", tmp_path, dtype=torch.bfloat16)  # bf16, as loaded: the weights stay in the map
+    real, resident = qinfer.loader.into_huge_pages, []
+
+    def measured(model):
+        resident.append(_mapped_kib(tmp_path / "model.safetensors"))
+        return real(model)
+
+    monkeypatch.setattr(qinfer.loader, "into_huge_pages", measured)
+    moved = load_model(tmp_path, run=True)
+    # at most the pages the 10 stacked weights (1.5 MiB) share with their neighbours, two each
+    assert resident and resident[0] * 1024 <= 20 * mmap.PAGESIZE, resident
+    ids = torch.tensor([[0, 7, 7, 300, 5]])
+    plain = load_model(tmp_path)
+    assert torch.equal(moved(ids), plain(ids)) and torch.equal(moved(ids[:, :1]), plain(ids[:, :1]))
 
 
 def test_huge_pages_off_leaves_the_weights_in_the_file_map(tmp_path, monkeypatch):
