@@ -27,9 +27,11 @@ error each passage reports for itself, and their KLs by 1.3-2.7x (median 2.0x). 
 of text: a model quantized again on other calibration samples moves as well.
 
 Memory: the baseline's logits are computed once per window and shared by all models (no second
-baseline forward per model), and log-softmaxes are taken ``chunk`` positions at a time, so at most a
-window's logits per model and a few ``[chunk, V]`` fp32 blocks exist at once, never ``[T, V]`` over the
-whole text (Gemma's V = 262144 makes that 1 MB per token in fp32).
+baseline forward per model); the models then run one after another, each model's logits let go before the
+next one's forward, and log-softmaxes are taken ``chunk`` positions at a time, so at most two windows'
+logits (the baseline's and one model's) and a few ``[chunk, V]`` fp32 blocks exist at once, never ``[T, V]``
+over the whole text (Gemma's V = 262144 makes that 1 MB per token in fp32; a 511-position window's logits are
+0.27 GB in bf16). The baseline's log-softmax is taken again for each model, a few percent of the time.
 """
 
 from collections.abc import Mapping
@@ -154,25 +156,33 @@ def token_series(
     """The per-position figures :func:`text_metrics` reduces, for each of ``models``, in one pass over the text."""
     if not models:
         raise QinferError("text_metrics got no models to measure")
-    parts = {name: ([], [], [], []) for name in models}  # nll, baseline nll, kl, agreement: one tensor per chunk
+    parts = {name: ([], [], [], []) for name in models}  # nll, baseline nll, kl, agreement: one tensor per window
     bar = tqdm(windows(tokens.numel(), window, stride), desc=f"perplexity + KL ({len(models)} model"
                f"{'s' * (len(models) > 1)})", unit="window", disable=not progress)
     for start, end, first in bar:
         ids = tokens[start : end - 1]  # the window's last token is only ever a target
         targets = tokens[first:end]  # logits at positions first-1..end-2 predict these
         base = baseline(ids, first - 1 - start)  # [n, V]
-        logits = {name: None if fn is baseline else fn(ids, first - 1 - start) for name, fn in models.items()}
-        for i in range(0, targets.numel(), chunk):
-            lp = torch.log_softmax(base[i : i + chunk].float(), dim=-1)  # [c, V]
-            base_top = lp.argmax(dim=-1)
-            t = targets[i : i + chunk, None].to(lp.device)
-            base_nll = -lp.gather(-1, t)[:, 0].double().cpu()
-            for name, own in logits.items():
-                lq = lp if own is None else torch.log_softmax(own[i : i + chunk].float(), dim=-1)
-                nll, bnll, kl, agree = parts[name]
-                nll.append(-lq.gather(-1, t)[:, 0].double().cpu())
-                bnll.append(base_nll)
-                # kl_div(input=log q, target=log p, log_target=True) = p * (log p - log q), elementwise
-                kl.append(F.kl_div(lq, lp, reduction="none", log_target=True).sum(-1).double().cpu())
-                agree.append((lq.argmax(dim=-1) == base_top).cpu())
+        for name, fn in models.items():
+            own = None if fn is baseline else fn(ids, first - 1 - start)
+            for part, values in zip(parts[name], _window_figures(base, own, targets, chunk)):
+                part.append(values)
+            del own  # before the next model's forward: one model's window logits beside the baseline's at a time
     return {name: TokenSeries(*(torch.cat(x) for x in p)) for name, p in parts.items()}
+
+
+def _window_figures(base: torch.Tensor, own: torch.Tensor | None, targets: torch.Tensor, chunk: int,
+                   ) -> tuple[torch.Tensor, ...]:
+    """(nll, baseline nll, kl, agreement) at a window's scored positions, each one tensor, from the baseline's
+    logits ``base`` and a model's ``own`` (None: the baseline itself), log-softmaxed ``chunk`` positions at a time."""
+    nll, base_nll, kl, agree = [], [], [], []
+    for i in range(0, targets.numel(), chunk):
+        lp = torch.log_softmax(base[i : i + chunk].float(), dim=-1)  # [c, V]
+        lq = lp if own is None else torch.log_softmax(own[i : i + chunk].float(), dim=-1)
+        t = targets[i : i + chunk, None].to(lp.device)
+        nll.append(-lq.gather(-1, t)[:, 0].double().cpu())
+        base_nll.append(-lp.gather(-1, t)[:, 0].double().cpu())
+        # kl_div(input=log q, target=log p, log_target=True) = p * (log p - log q), elementwise
+        kl.append(F.kl_div(lq, lp, reduction="none", log_target=True).sum(-1).double().cpu())
+        agree.append((lq.argmax(dim=-1) == lp.argmax(dim=-1)).cpu())
+    return tuple(torch.cat(x) for x in (nll, base_nll, kl, agree))

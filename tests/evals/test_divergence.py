@@ -1,4 +1,5 @@
 import math
+import weakref
 
 import pytest
 import torch
@@ -85,6 +86,32 @@ def test_perplexity_matches_the_sliding_window_perplexity(tmp_path):
     ref = perplexity(forward, tokens, window=64, stride=24, progress=False)
     assert got.tokens == ref.tokens
     assert got.ppl == pytest.approx(ref.ppl, rel=1e-5)
+
+
+def test_each_models_window_logits_are_let_go_before_the_next_models_forward():
+    tokens = torch.randint(0, V, (120,), generator=torch.Generator().manual_seed(4))
+    alive, calls = [], []  # weak references to the logits each model returned; (model, how many still alive)
+
+    def tracked(name, fn):
+        def logits(ids, first):
+            calls.append((name, sum(ref() is not None for ref in alive)))
+            out = fn(ids, first).clone()
+            alive.append(weakref.ref(out))
+            return out
+        return logits
+
+    base = tracked("base", _positional(0))
+    models = {name: tracked(name, _positional(seed)) for seed, name in enumerate("abc", start=1)}
+    got = text_metrics(base, models, tokens, window=40, stride=16, progress=False)
+    per_window = len(list(windows(tokens.numel(), 40, 16)))
+    # in each window: the baseline's forward, then a, b, c in turn, each seeing only the baseline's logits alive
+    assert [name for name, _ in calls] == ["base", "a", "b", "c"] * per_window
+    assert [held for name, held in calls if name != "base"] == [1] * (3 * per_window)
+    assert all(held <= 1 for _, held in calls)  # never more than one window's logits held at any forward
+    for name, seed in zip("abc", range(1, 4)):  # the same figures as each model measured alone
+        alone = text_metrics(_positional(0), {name: _positional(seed)}, tokens, window=40, stride=16,
+                             progress=False)[name]
+        assert got[name] == alone
 
 
 def test_no_models_is_an_error():
