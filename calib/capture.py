@@ -227,9 +227,13 @@ def _add_input(s: LinearStats, x: torch.Tensor) -> None:
 
 
 def _add_shift(s: LinearStats, x_ref: torch.Tensor, x: torch.Tensor) -> None:
-    """``D += (x_ref - x)^T x`` for one batch: the reference stream's inputs against the quantized one's."""
-    x = x.float()
-    s.D += (x_ref.float() - x).T @ x
+    """``D += (x_ref - x)^T x`` for one batch: the reference stream's inputs against the quantized one's. As the
+    Gram's, the product is in the activations' dtype, summed into D in fp32 (bf16: 2.3x as fast as in fp32 on a
+    2-core Zen 4 for gemma3's widths)."""
+    if x.dtype == s.D.dtype:
+        s.D.addmm_((x_ref - x).T, x)
+    else:  # a bf16 product, summed in fp32
+        s.D += ((x_ref.to(x.dtype) - x).T @ x).float()
 
 
 def _symmetric(H: torch.Tensor) -> torch.Tensor:

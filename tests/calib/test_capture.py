@@ -158,6 +158,21 @@ def test_staged_pass_matches_a_capture_per_group(tiny_model, monkeypatch, keep):
     torch.testing.assert_close(staged.k_absmax, changed_kv.k_absmax)  # with the quantized q/k/v
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_the_shift_is_summed_in_fp32_from_products_in_the_activations_dtype(dtype, tol):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 48, generator=g).to(dtype)
+    x_ref = (x.float() + 0.05 * torch.randn(300, 48, generator=g)).to(dtype)
+    s = capture._new_stats(48, True)
+    for _ in range(2):
+        capture._add_shift(s, x_ref, x)
+    exact = 2 * (x_ref.double() - x.double()).T @ x.double()
+    assert s.D.dtype == torch.float32
+    assert _rel(s.D.double(), exact) < tol  # bf16: the difference and each batch's product rounded to bf16
+    if dtype == torch.bfloat16:
+        assert _rel(s.D.double(), exact) > 1e-6  # (and it did run in bf16)
+
+
 def test_staged_pass_without_a_reference_is_the_block_forward(tiny_model):
     model = tiny_model
     groups = tuple(g.linears for g in model.config.arch.linear_groups)
