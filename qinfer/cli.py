@@ -34,7 +34,7 @@ def _kv_scales_note(lm, model: str, kv_cache: str) -> None:
     """Say on stderr when an int8 KV cache has no calibrated scales to use (its accuracy then suffers)."""
     if kv_cache == "int8" and not getattr(lm, "kv_scales", None):
         # int8's even steps suffer from a few wide channels setting a position's range (gemma3-270m: KL 0.008 to
-        # the bf16 cache against 0.002 calibrated, README); FP8's relative precision barely does: no note there
+        # the bf16 cache against 0.002 calibrated, docs/format.md); FP8's relative precision barely does: no note there
         click.echo(f"note: {model} stores no KV-cache scales, so the int8 cache scales each position's keys and "
                    "values alike over their channels (less accurate: quantizing the original model with --kv-cache "
                    "int8 calibrates scales per channel)", err=True)
@@ -61,7 +61,7 @@ def _compile_option(f):
     return click.option(
         "--compile", "compiled", is_flag=True,
         help="Decode through torch.compile (inductor): up to a minute to compile at the second token, then "
-             "1.05-1.12x the eager decode tokens/s on gemma3-270m with 2 CPU cores (see README); needs a C++ "
+             "1.05-1.12x the eager decode tokens/s on gemma3-270m with 2 CPU cores (see docs/results.md); needs a C++ "
              "compiler.",
     )(f)
 
@@ -170,7 +170,7 @@ def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed, kv_c
               help="32, 64, 128, or -1 for per-channel; not given: 128, or the largest that divides every K.")
 @click.option("--sym/--asym", default=None,
               help="Symmetric (implicit zero) or asymmetric (a zero point per group; the default for integers, "
-                   "more accurate on gemma3-270m, see README). FP8 is always symmetric.")
+                   "more accurate on gemma3-270m, see docs/results.md). FP8 is always symmetric.")
 @click.option("--act-order/--no-act-order", default=None,
               help="GPTQ: visit columns by decreasing Hessian diagonal, with static groups (default on for GPTQ).")
 @click.option("--format", "fmt", type=click.Choice(["int", "fp8"]), default="int", show_default=True,

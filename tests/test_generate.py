@@ -304,7 +304,7 @@ def test_generate_and_chat_run_over_the_kv_cache_asked_for_with_the_stored_scale
 
     assert chat_cli("int8") != chat_cli("bf16")
     # a folder without scales: an int8 cache says what it does instead, and how to calibrate; FP8 does about
-    # as well without (README): no note
+    # as well without (docs/format.md): no note
     proc = run_qinfer("generate", str(tmp_path / "src"), "It is", "--max-tokens", "2", "--kv-cache", "fp8")
     assert proc.returncode == 0, proc.stderr
     assert "KV-cache scales" not in proc.stderr
