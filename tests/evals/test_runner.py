@@ -1,6 +1,8 @@
 import dataclasses
+import errno
 import json
 import math
+import os
 import shutil
 
 import pytest
@@ -254,6 +256,22 @@ def test_a_folder_where_the_roofline_cache_goes_is_refused_before_any_work(env, 
 def test_missing_model_is_a_clear_error(env):
     with pytest.raises(QinferError, match="no such file or folder"):
         run_eval(EvalConfig(models=(env["model"], "./no/such/model"), text=env["text"], **SMALL))
+
+
+def test_a_full_disk_names_the_output_folder_and_leaves_no_results(env, monkeypatch):
+    # a write() that meets a full disk names no file; the one-line error would say "while writing output"
+    from qinfer.evals import plots
+
+    def full(results, text_description, path):
+        path.write_bytes(b"\x89PNG")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(plots, "plot_pareto", full)
+    out = env["root"] / "out"
+    with pytest.raises(OSError) as e:
+        run_eval(EvalConfig(models=(env["model"],), text=env["text"], **{**SMALL, "out": str(out)}))
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(out)
+    assert list(out.iterdir()) == []  # neither results.json nor the temp folder
 
 
 def test_text_too_short_for_one_window_is_a_clear_error(env):
