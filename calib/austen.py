@@ -17,16 +17,13 @@ import hashlib
 import re
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from qinfer.cache import atomic_dir, cache_dir
 from qinfer.calib.debian import download_deb, read_deb_files
 from qinfer.calib.rlazyload import character_vector, open_lazyload_db
-from qinfer.calib.sampling import sample_windows
 from qinfer.errors import QinferError
 
 PACKAGE = "r-cran-janeaustenr"
@@ -109,16 +106,6 @@ def calibration_documents() -> list[str]:
 def heldout_text() -> str:
     """The full text of the held-out novel (*Persuasion*), for perplexity."""
     return load_books()[HELDOUT_BOOK]
-
-
-def calibration_samples(
-    tokenize: Callable[[str], Sequence[int]], n_samples: int, seq_len: int, seed: int = 0
-) -> torch.Tensor:
-    """``n_samples`` random windows of ``seq_len`` token ids from the calibration novels: ``[n_samples, seq_len]``.
-
-    See :func:`qinfer.calib.sampling.sample_windows`; ``tokenize`` should not add BOS/EOS.
-    """
-    return sample_windows(calibration_documents(), tokenize, n_samples, seq_len, seed=seed)
 
 
 def _verified(folder: Path) -> bool:

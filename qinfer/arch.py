@@ -152,7 +152,6 @@ class ModelConfig:
     max_position_embeddings: int
     activation: str = "silu"  # one of ACTIVATIONS' values
     bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -198,8 +197,6 @@ class ModelConfig:
             head_dim = int(raw.get("head_dim") or hidden // n_heads)
             layer_types, window = _layer_types(raw, model_type, n_layers)
             rope_global, rope_local = _rope_configs(raw, model_type)
-            eos = raw.get("eos_token_id")
-            eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             return cls(
                 model_type=model_type,
                 vocab_size=int(raw["vocab_size"]),
@@ -220,7 +217,6 @@ class ModelConfig:
                 max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
                 activation=_activation(raw, ARCHS[model_type]),
                 bos_token_id=raw.get("bos_token_id"),
-                eos_token_ids=eos_ids,
             )
         except KeyError as e:
             raise QinferError(f"config.json lacks {e.args[0]!r}: is this a complete Hugging Face model config?") from None

@@ -53,7 +53,6 @@ BUILTINS: dict[str, BuiltinModel] = {
         ),
     )
 }
-DEFAULT_MODEL = "gemma3-270m"
 PULL_TEMP = "qinfer-pull-"  # a download's temp folder in the cache
 
 

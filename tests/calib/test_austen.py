@@ -5,6 +5,8 @@ import pytest
 import torch
 
 from qinfer.calib import austen, debian
+from qinfer.calib.sampling import sample_windows
+from qinfer.calib.sources import load_calibration_documents
 from qinfer.errors import QinferError
 
 DEB_NAME = "r-cran-janeaustenr_1.0.0-1_all.deb"
@@ -162,14 +164,16 @@ def test_calibration_and_heldout_text(cache, cached_deb, no_apt, calib_builders)
     assert austen.heldout_text() == expected_text(calib_builders.fake_books["persuasion"])
 
 
-def test_calibration_samples_are_seeded(cache, cached_deb, no_apt):
+def test_calibration_windows_are_seeded_slices_of_the_calibration_split(cache, cached_deb, no_apt):
     def tokenize(text):
         return list(text.encode("utf-8"))
 
-    first = austen.calibration_samples(tokenize, n_samples=6, seq_len=32, seed=1)
+    def windows(seed):
+        return sample_windows(load_calibration_documents("austen"), tokenize, n_samples=6, seq_len=32, seed=seed)
+
+    first = windows(1)
     assert first.shape == (6, 32) and first.dtype == torch.long
-    assert torch.equal(first, austen.calibration_samples(tokenize, n_samples=6, seq_len=32, seed=1))
-    assert not torch.equal(first, austen.calibration_samples(tokenize, n_samples=6, seq_len=32, seed=2))
+    assert torch.equal(first, windows(1)) and not torch.equal(first, windows(2))
     # Each window is a slice of the stream: inside one chapter or across two (chapters outlast 32 bytes).
     docs = [doc.encode("utf-8") for doc in austen.calibration_documents()]
     assert all(any(bytes(row.tolist()) in a + b for a in docs for b in docs) for row in first)
