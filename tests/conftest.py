@@ -4,6 +4,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.tiny_models import TEXT, make_model
+
 # Without a GPU the Triton kernels run in Triton's interpreter, which triton picks for its own library when it
 # is first imported (torch may import it before any kernel module), so the choice is made here, first. The
 # model sends only CUDA tensors to Triton kernels, so this changes no other test.
@@ -24,6 +26,22 @@ def _isolated_cache(request, tmp_path_factory, monkeypatch):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def calib_file(tmp_path_factory):
+    """A plain-text calibration file of the tiny models' text, for ``qinfer quantize --calib``."""
+    path = tmp_path_factory.mktemp("calib") / "calib.txt"
+    path.write_text("\n\n".join([TEXT] * 40))
+    return path
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def tiny(request, tmp_path_factory):
+    """A tiny random model folder of each architecture family (Llama and Gemma 3)."""
+    folder = tmp_path_factory.mktemp(request.param)
+    make_model(request.param, folder)
+    return folder
 
 
 def builtin_gguf(gguf_name: str) -> Path:

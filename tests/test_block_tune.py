@@ -16,7 +16,7 @@ from qinfer.format import QuantScheme
 from qinfer.loader import load_model
 from qinfer.quantize import CalibConfig, calibration_batch, quantize_model
 from qinfer.tokenizer import Tokenizer
-from tests.test_quantize import calib_file, logits_error, tiny, with_salient_channels  # noqa: F401 (fixtures)
+from tests.test_quantize import logits_error, with_salient_channels
 from tests.tiny_models import TEXT
 
 

@@ -25,20 +25,6 @@ from tests.tiny_models import COMMON, CONFIGS, TEXT, VOCAB, make_model
 CALIB = CalibConfig(samples=16, seq_len=64)
 
 
-@pytest.fixture(scope="module")
-def calib_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("calib") / "calib.txt"
-    path.write_text("\n\n".join([TEXT] * 40))
-    return path
-
-
-@pytest.fixture(scope="module", params=["llama", "gemma3"])
-def tiny(request, tmp_path_factory):
-    folder = tmp_path_factory.mktemp(request.param)
-    make_model(request.param, folder)
-    return folder
-
-
 def logits_error(src, out, ids):
     ref, q = load_model(src, dtype=torch.float32), load_model(out, dtype=torch.float32)
     with torch.no_grad():

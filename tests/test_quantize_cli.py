@@ -12,7 +12,6 @@ import transformers
 from qinfer.format import QuantScheme
 from qinfer.loader import load_model
 from tests.test_cli_errors import assert_one_line_error, run_qinfer
-from tests.test_quantize import calib_file, tiny  # noqa: F401 (fixtures)
 from tests.tiny_models import COMMON, TEXT, make_model, write_tokenizer
 
 

@@ -6,7 +6,6 @@ from qinfer.evals.block_errors import main
 from qinfer.format import QuantScheme
 from qinfer.quantize import CalibConfig, quantize_model
 from tests.evals.eval_fixtures import block_quantized
-from tests.test_quantize import calib_file, tiny  # noqa: F401 (fixtures)
 from tests.tiny_models import make_model
 
 

@@ -5,7 +5,6 @@ from click.testing import CliRunner
 
 from qinfer.evals.block_swap import main
 from tests.evals.eval_fixtures import block_quantized
-from tests.test_quantize import calib_file, tiny  # noqa: F401 (fixtures)
 from tests.tiny_models import make_model
 
 LINE = re.compile(r"^(as quantized|block (\d) restored): perplexity (\S+), KL (\S+), top-1", re.M)

@@ -4,7 +4,6 @@ from click.testing import CliRunner
 
 from qinfer.evals.decode_profile import main
 from qinfer.kernels import gemv_cpu
-from tests.test_quantize import tiny  # noqa: F401 (fixture)
 from tests.tiny_models import VOCAB
 
 HEADER = re.compile(r"^\S+: (\S+) ms a decode step \(median of 2; (\S+) under the profiler\)", re.M)

@@ -5,7 +5,6 @@ from click.testing import CliRunner
 
 from qinfer.evals.gemv_bench import main
 from qinfer.kernels import gemv_cpu
-from tests.test_quantize import tiny  # noqa: F401 (fixture)
 
 ROW = re.compile(r"^\s*(\S+)\s+(\d+) x (\d+)\s+(\d+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)$", re.M)
 STEP = re.compile(r"^decode step \(16-token prompt\): (\S+) ms with PyTorch's kernels, (\S+) ms with the C kernels "

@@ -13,7 +13,6 @@ from qinfer.evals.text_spread import main
 from qinfer.loader import load_model
 from qinfer.tokenizer import Tokenizer
 from tests.evals.eval_fixtures import block_quantized
-from tests.test_quantize import calib_file, tiny  # noqa: F401 (fixtures)
 
 WHOLE = re.compile(r"^(\S+): (\d+) scored tokens, perplexity (\S+)% against the reference, KL (\S+)$", re.M)
 SEGMENTS = re.compile(r"^  (\d+) segments of (\d+) tokens: (.*)$", re.M)

@@ -287,7 +287,7 @@ def test_kv_cache_scales_export_per_tensor_as_fp8(src, tmp_path, kv):
     scheme = dataclasses.replace(SCHEMES["int4-sym"], kv_cache=kv)
     quantize_model(src, tmp_path / "q", scheme, CalibConfig(samples=2, seq_len=16, keep_bos=False))
     report = export_folder(tmp_path / "q", tmp_path / "ct", "compressed-tensors")
-    assert report.notes == [f"KV-cache scales written per tensor for an FP8 cache (kv_cache_scheme, as vLLM's "
+    assert report.notes == ["KV-cache scales written per tensor for an FP8 cache (kv_cache_scheme, as vLLM's "
                             "--kv-cache-dtype fp8 reads them): 3 layers' keys and values, each its largest "
                             "calibrated absmax over 448 (the finer scales are not kept)"]
     config = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from qinfer.kernels import gemv_cpu
-from qinfer.kernels.attention import _key_spans, attention, attention_ref, dequantize_kv
+from qinfer.kernels.attention import _key_spans, attention, attention_ref
 
 # the module itself (qinfer.kernels re-exports its function under the same name)
 attention_module = importlib.import_module("qinfer.kernels.attention")
