@@ -321,7 +321,6 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-@lru_cache(maxsize=8)
 class _GenerationBlock(jinja2.ext.Extension):
     """``{% generation %}...{% endgeneration %}``: the marks fine-tuning templates put around the assistant's
     text (for a loss mask). As in transformers when no mask is asked for, the block renders as its body."""
@@ -337,6 +336,7 @@ class _GenerationBlock(jinja2.ext.Extension):
         return caller()
 
 
+@lru_cache(maxsize=8)  # a chat compiles its template once, not every turn
 def _compile_template(source: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[jinja2.ext.loopcontrols, _GenerationBlock])

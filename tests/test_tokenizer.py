@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 from sentencepiece import SentencePieceProcessor
 
+import qinfer.tokenizer as tokenizer_module
 from qinfer.errors import QinferError
 from qinfer.gguf_convert import generation_config
 from qinfer.gguf_vocab import GGUFVocab, resolve_special_tokens, sentencepiece_proto, write_tokenizer_files
@@ -262,6 +263,16 @@ def test_template_generation_marks_render_as_transformers_does(tmp_path):
     assert ours == "U: HiA: HelloU: ByeA:"  # trim_blocks takes the newline after a block tag
     theirs = AutoTokenizer.from_pretrained(tmp_path / "templated")
     assert ours == theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def test_a_template_is_compiled_once_per_text(monkeypatch):
+    compiled = []
+    monkeypatch.setattr(tokenizer_module.ImmutableSandboxedEnvironment, "from_string",
+                        lambda env, source: compiled.append(source) or source)
+    tokenizer_module._compile_template.cache_clear()
+    for source in ["{{ 1 }}", "{{ 1 }}", "{{ 2 }}", "{{ 1 }}"]:
+        tokenizer_module._compile_template(source)
+    assert compiled == ["{{ 1 }}", "{{ 2 }}"]
 
 
 def test_template_tojson_and_jinja_file(tmp_path):
