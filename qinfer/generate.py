@@ -47,6 +47,7 @@ class GenerationStats:
     generated_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    decode_steps: int = 0  # the steps in decode_seconds: one per token after prefill's, and one more for a stop id
     compile_seconds: float = 0.0  # the decode steps that compiled (with ``compiled``): not in decode_seconds
     compile_steps: int = 0
 
@@ -56,9 +57,9 @@ class GenerationStats:
 
     @property
     def decode_tps(self) -> float:
-        # The first token comes out of prefill; decode speed counts the steps after it (a compiling one apart).
-        steps = self.generated_tokens - 1 - self.compile_steps
-        return steps / self.decode_seconds if self.decode_seconds and steps > 0 else 0.0
+        # The first token comes out of prefill; decode speed counts the steps timed after it (a compiling one
+        # apart), including the step whose token was a stop id, which is timed but not yielded.
+        return self.decode_steps / self.decode_seconds if self.decode_seconds and self.decode_steps else 0.0
 
     def summary(self) -> str:
         compiled = f", compiling the decode step {self.compile_seconds:.0f} s" if self.compile_steps else ""
@@ -220,3 +221,4 @@ def _tokens(model, prompt_ids, params, stop_ids, stats, should_stop, compiled, c
             stats.compile_steps += 1
         else:
             stats.decode_seconds += time.perf_counter() - t0
+            stats.decode_steps += 1

@@ -60,6 +60,8 @@ def test_stop_ids_end_generation(tiny):
     stopped = list(generate(tiny, prompt, SamplingParams(max_tokens=8), stop_ids=(free[3],), stats=stats))
     assert stopped == free[: free.index(free[3])]
     assert stats.generated_tokens == len(stopped) and stats.prompt_tokens == 4
+    # the step that produced the stop id was timed too: the rate counts it, or a short reply reads slow
+    assert stats.decode_steps == len(stopped) and stats.decode_tps == pytest.approx(len(stopped) / stats.decode_seconds)
 
 
 def test_seeded_sampling_is_reproducible(tiny):
@@ -202,9 +204,10 @@ def test_a_request_longer_than_the_context_is_refused_before_any_output(tmp_path
 
 def test_one_token_has_no_decode_rate_to_report():
     """The only token came out of prefill: no decode step was timed, so no "0.0 tok/s" either."""
-    one = GenerationStats(prompt_tokens=3, generated_tokens=1, prefill_seconds=0.5, decode_seconds=0.0).summary()
+    one = GenerationStats(prompt_tokens=3, generated_tokens=1, prefill_seconds=0.5).summary()
     assert one == "prefill 3 tok at 6.0 tok/s, decode 1 tok (no decode step after prefill's to time)"
-    three = GenerationStats(prompt_tokens=3, generated_tokens=3, prefill_seconds=0.5, decode_seconds=0.5).summary()
+    three = GenerationStats(prompt_tokens=3, generated_tokens=3, prefill_seconds=0.5, decode_seconds=0.5,
+                            decode_steps=2).summary()
     assert three.endswith("decode 3 tok at 4.0 tok/s")
 
 
