@@ -31,8 +31,10 @@ T = typing.TypeVar("T")
 CACHE_VERSION = 2
 
 
-# Modules whose code decides what an eval measures (besides the kernels package, which is read whole).
-RUNTIME_MODULES = ("qinfer.model", "qinfer.kv_cache", "qinfer.loader", "qinfer.format", "qinfer.generate")
+# Modules whose code decides what an eval measures (besides the kernels package, which is read whole): the
+# decoder and every qinfer module it imports that computes (errors and the cache's paths do not).
+RUNTIME_MODULES = ("qinfer.arch", "qinfer.model", "qinfer.kv_cache", "qinfer.loader", "qinfer.format",
+                   "qinfer.generate")
 
 
 @functools.cache

@@ -1,9 +1,12 @@
+import ast
 import dataclasses
 import errno
+import importlib
 import json
 import math
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -121,6 +124,18 @@ def test_speeds_measured_on_a_busy_machine_are_shown_but_not_cached(env, count_l
     count_loads.clear()
     run_eval(config)
     assert count_loads == []  # an idle machine's speeds are
+
+
+def test_the_runtime_fingerprint_reads_every_module_the_runtime_imports():
+    """A fix in a module the decoder imports (the architecture table: attention scale, sliding windows) must not
+    leave cached numbers of the old code in use."""
+    imported = set()
+    for name in result_cache.RUNTIME_MODULES:
+        tree = ast.parse(Path(importlib.import_module(name).__file__).read_text())
+        imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        imported |= {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+    runtime = {m for m in imported if m.startswith("qinfer.") and not m.startswith("qinfer.kernels")}
+    assert runtime - {"qinfer.errors", "qinfer.cache"} <= set(result_cache.RUNTIME_MODULES)
 
 
 def test_a_runtime_code_change_is_a_cache_miss(env, count_loads, monkeypatch):
