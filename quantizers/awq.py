@@ -54,7 +54,7 @@ import torch
 
 from qinfer.errors import QinferError
 from qinfer.format import QuantizedWeight, QuantScheme, check_int_shape, dequantize_codes
-from qinfer.quantizers.rtn import FP16_MAX, check_finite, quantize_codes, rtn_params
+from qinfer.quantizers.rtn import FP16_MAX, LEAST_SCALE, check_finite, quantize_codes, rtn_params
 
 FP16_MIN_NORMAL = 2.0**-14
 MIN_SCALE = 1e-4  # floor for x_mean^ratio: dead channels (x_mean = 0) must not produce a zero or infinite 1/s
@@ -392,10 +392,13 @@ def fold_scales_into_quantized(qw: QuantizedWeight, s: torch.Tensor) -> Quantize
     """Divide the outputs of an already-quantized linear ``[K, K_in]`` by ``s [K]``: row ``k``'s float16 group
     scales are divided by ``s_k`` (codes and zero points, which are in code units, stay). Exact up to the
     float16 rounding of the new scales; None when a new scale would leave float16's normal range, where that
-    rounding is no longer relative (the caller then leaves this input unscaled)."""
+    rounding is no longer relative (the caller then leaves this input unscaled). Groups at RTN's least scale
+    (all-zero groups: every code dequantizes to within 15 x 2^-24 of 0) keep it and are left out of that check."""
     s = _check_scales(s, qw.shape[0], "fold_scales_into_quantized")
-    scale = qw.scale.float() / s[:, None]
-    if bool((scale.abs() > FP16_MAX).any()) or bool(((scale != 0) & (scale.abs() < FP16_MIN_NORMAL)).any()):
+    least = qw.scale.float() <= LEAST_SCALE
+    scale = torch.where(least, qw.scale.float(), qw.scale.float() / s[:, None])
+    out_of_range = (scale.abs() > FP16_MAX) | ((scale != 0) & (scale.abs() < FP16_MIN_NORMAL))
+    if bool((out_of_range & ~least).any()):
         return None
     return dataclasses.replace(qw, scale=scale.half())
 

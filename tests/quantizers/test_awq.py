@@ -306,6 +306,20 @@ def test_folding_into_a_quantized_linear_scales_its_rows(symmetric):
         fold_scales_into_quantized(qw, torch.ones(K + 1))
 
 
+def test_an_all_zero_group_does_not_stop_folding_into_a_quantized_linear():
+    # RTN gives an all-zero group the least float16 scale, below the normal range: any scale reproduces its zeros
+    g = torch.Generator().manual_seed(5)
+    W = torch.randn(K, 64, generator=g) * 0.05
+    W[3, :32] = 0  # a pruned row's group
+    qw = rtn_quantize(W, QuantScheme(bits=4, group_size=32))
+    s = torch.exp(torch.randn(K, generator=g) * 0.5)
+    folded = fold_scales_into_quantized(qw, s)
+    assert folded is not None
+    after = folded.dequantize(torch.float32)
+    torch.testing.assert_close(after, qw.dequantize(torch.float32) / s[:, None], rtol=2.0**-11, atol=0.0)
+    assert not after[3, :32].any()
+
+
 def test_search_then_fold_reproduces_the_searched_error():
     # The searched error is what the folded, RTN-quantized block actually produces on its inputs.
     g = torch.Generator().manual_seed(3)
