@@ -27,8 +27,10 @@ INT8_MAX = 127.0
 
 def _scale_from_absmax(absmax: torch.Tensor, qmax: float) -> torch.Tensor:
     # An all-zero channel/head has no range to map; 1.0 reproduces its zeros and is vLLM's default KV scale.
+    # A range of fp32 subnormals would give a scale of 0 (and NaN codes): the least normal float32 instead.
     absmax = absmax.float()
-    return torch.where(absmax > 0, absmax / qmax, torch.ones_like(absmax))
+    scale = (absmax / qmax).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.where(absmax > 0, scale, torch.ones_like(absmax))
 
 
 def fp8_cast(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

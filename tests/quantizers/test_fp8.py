@@ -74,6 +74,16 @@ def test_zero_rows_and_bad_input():
         fp8_quantize(torch.randn(4, 16), QuantScheme())
 
 
+def test_a_row_of_fp32_subnormals_gets_a_positive_scale_not_nan_codes():
+    W = _weight(N=2, K=16)
+    W[0] = torch.tensor([1e-44, 0.0, -1e-45] * 5 + [0.0])  # absmax / 448 underflows float32 to 0
+    fw = fp8_quantize(W, _scheme())
+    assert bool((fw.scale > 0).all()) and not fw.dequantize(torch.float32).isnan().any()
+    assert fw.dequantize(torch.float32)[0].abs().max() <= 1e-44
+    assert bool((fp8_kv_scale(torch.tensor([1e-44, 0.0])) > 0).all())
+    assert bool((int8_kv_scale(torch.tensor([1e-44])) > 0).all())
+
+
 def test_kv_scales():
     absmax = torch.tensor([448.0, 0.0, 4.48, 127.0])
     assert torch.allclose(fp8_kv_scale(absmax), torch.tensor([1.0, 1.0, 0.01, 127.0 / 448.0]))
