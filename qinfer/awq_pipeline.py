@@ -40,7 +40,8 @@ NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")
 
 
 def apply_awq(model: Transformer, layer_idx: int, stats: BlockStats, scheme: QuantScheme) -> dict[str, float]:
-    """Rescale and clip block ``layer_idx``'s linears in place; returns the chosen ratio per group."""
+    """Rescale and clip block ``layer_idx``'s linears in place; returns the chosen ratio per group. A rescaled
+    group's statistics in ``stats`` become those of its new inputs ``X / s`` (what its rounding is scored on)."""
     arch = model.config.arch
     block = model.model.layers[layer_idx]
     ratios = {}
@@ -63,6 +64,7 @@ def apply_awq(model: Transformer, layer_idx: int, stats: BlockStats, scheme: Qua
                     prev.bias.data = b.to(prev.bias.dtype)
             weights = [scale_linear_inputs(W, s) for W in weights]
             H = H / s[:, None] / s[None, :]  # the Gram matrix of the rescaled inputs X / s
+            captured.H, captured.abs_sum = captured.H / s[:, None] / s[None, :], captured.abs_sum / s  # (shared)
         for name, module, W in zip(group.linears, linears, weights):
             module.weight.data = clip_linear(name, W, H, scheme).to(module.weight.dtype)
     return ratios

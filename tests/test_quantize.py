@@ -539,3 +539,24 @@ def test_kv_scales_cover_what_the_stored_model_writes(tiny, tmp_path, calib_file
     for i, (k, v) in model.kv_scales.items():
         torch.testing.assert_close(k * 127, seen[i, "k"], rtol=1e-3, atol=0)
         torch.testing.assert_close(v * 127, seen[i, "v"], rtol=1e-3, atol=0)
+
+
+def test_awq_leaves_each_rescaled_group_the_statistics_of_its_new_inputs(tiny, monkeypatch):
+    # The rounding (and the report's layer errors) of a rescaled group is scored on its inputs X / s, not on X.
+    # Without clipping the block computes the same function, so a fresh capture shows what those inputs are.
+    from qinfer import awq_pipeline
+
+    monkeypatch.setattr(awq_pipeline, "clip_linear", lambda name, W, H, scheme: W)
+    model = load_model(tiny, dtype=torch.float32)
+    groups = tuple(g.linears for g in model.config.arch.linear_groups)
+    X = embed_samples(model, calibration_batch(tiny, CALIB), torch.float32)
+    stats = capture_block(model, 0, X, groups)
+    before = {g[0]: stats.linears[g[0]].H.clone() for g in groups}
+    ratios = awq_pipeline.apply_awq(model, 0, stats, QuantScheme(method="awq", bits=4, group_size=32))
+    fresh = capture_block(model, 0, X, groups)
+    for g in groups:
+        got, want = stats.linears[g[0]], fresh.linears[g[0]]
+        assert all(stats.linears[name] is got for name in g)  # one LinearStats per group, still
+        torch.testing.assert_close(got.H, want.H, rtol=1e-4, atol=1e-4 * float(want.H.abs().max()))
+        torch.testing.assert_close(got.abs_sum, want.abs_sum, rtol=1e-4, atol=1e-6)
+    assert any(not torch.allclose(before[g], stats.linears[g].H, rtol=1e-2) for g in ratios)  # some were rescaled
