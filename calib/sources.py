@@ -81,6 +81,11 @@ def _jsonl_documents(path: Path) -> list[str]:
             raise QinferError(f'{path}:{lineno}: expected an object with a "text" field')
         if not isinstance(record["text"], str):
             raise QinferError(f'{path}:{lineno}: the "text" field is {type(record["text"]).__name__}, not a string')
+        try:  # JSON may escape half a character (web text cut mid-emoji); the tokenizer takes only whole ones
+            record["text"].encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise QinferError(f'{path}:{lineno}: the "text" field holds an unpaired surrogate escape '
+                              f'(\\u{ord(exc.object[exc.start]):04x}, half a character): fix or drop that line') from None
         if record["text"].strip():
             docs.append(record["text"])
     return docs

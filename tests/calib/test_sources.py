@@ -39,6 +39,8 @@ def test_jsonl_reads_the_text_field(tmp_path):
         ('{"body": "no text"}', r'calib.jsonl:2: expected an object with a "text" field'),
         ('["a", "list"]', r'calib.jsonl:2: expected an object with a "text" field'),
         ('{"text": 42}', r'calib.jsonl:2: the "text" field is int, not a string'),
+        ('{"text": "cut mid-emoji \\ud83d"}', r'calib.jsonl:2: the "text" field holds an unpaired surrogate escape '
+                                              r'\(\\ud83d, half a character\)'),
     ],
 )
 def test_jsonl_errors_name_the_line(tmp_path, line, message):
