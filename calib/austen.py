@@ -113,7 +113,11 @@ def _verified(folder: Path) -> bool:
     if not sums_file.is_file():
         return False
     expected = {}
-    for line in sums_file.read_text(encoding="utf-8").splitlines():
+    try:
+        sums = sums_file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):  # unreadable or garbled: fetch again, as for a mismatch
+        return False
+    for line in sums.splitlines():
         digest, _, name = line.partition("  ")
         expected[name] = digest
     if set(expected) != {f"{name}.txt" for name in BOOKS}:

@@ -65,7 +65,7 @@ def test_verified_corpus_is_not_refetched(cache, cached_deb, no_apt):
     assert austen.fetch_austen() == folder
 
 
-@pytest.mark.parametrize("damage", ["edit", "delete_book", "delete_sums"])
+@pytest.mark.parametrize("damage", ["edit", "delete_book", "delete_sums", "garble_sums"])
 def test_checksum_mismatch_refetches(cache, cached_deb, no_apt, damage, capsys):
     folder = austen.fetch_austen()
     original = (folder / "emma.txt").read_text(encoding="utf-8")
@@ -73,6 +73,8 @@ def test_checksum_mismatch_refetches(cache, cached_deb, no_apt, damage, capsys):
         (folder / "emma.txt").write_text(original[:-1] + "!", encoding="utf-8")
     elif damage == "delete_book":
         (folder / "emma.txt").unlink()
+    elif damage == "garble_sums":
+        (folder / "SHA256SUMS").write_bytes(b"\xff\xfe not utf-8\n")
     else:
         (folder / "SHA256SUMS").unlink()
     capsys.readouterr()
