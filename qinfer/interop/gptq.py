@@ -130,11 +130,11 @@ def scheme_from_gptq_config(config: dict) -> QuantScheme:
         raise QinferError(f"quantization_config (gptq): {e}") from None
 
 
-def _check_shape(N: int, K: int, name: str) -> None:
+def _check_shape(N: int, K: int, name: str, fix: str = "export this model with --format compressed-tensors") -> None:
     if K % 32 or N % 32:
         raise QinferError(
             f"{name}: GPTQ needs in_features and out_features that are multiples of 32 (its readers size their "
-            f"buffers in 32-column blocks), got [N={N}, K={K}]; export this model with --format compressed-tensors"
+            f"buffers in 32-column blocks), got [N={N}, K={K}]; {fix}"
         )
 
 
@@ -180,7 +180,7 @@ def from_gptq_tensors(prefix: str, tensors: dict[str, torch.Tensor], scheme: Qua
             f"{prefix}: qweight's {qweight.shape[0]} words per column hold {K} codes of bits={b}, but g_idx has "
             f"{g_idx.numel()} input channels: quantization_config's bits does not match the stored weights"
         )
-    _check_shape(N, K, prefix)
+    _check_shape(N, K, prefix, "qinfer reads no other GPTQ shapes: quantize the original model with qinfer instead")
     n_g = group_count(K, G)
     if G != -1 and K % G:
         raise QinferError(f"{prefix}: group_size {G} does not divide in_features K={K}")

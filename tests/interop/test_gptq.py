@@ -278,6 +278,12 @@ def test_import_errors():
         scales[1, 3] = bad
         with pytest.raises(QinferError, match=f"^p.scales holds {word} scales: the checkpoint is corrupt"):
             from_gptq_tensors("p", dict(t, **{"p.scales": scales}), scheme)
+    # a shape GPTQ's readers cannot hold: an import has nothing of the user's to export, so it says what to do
+    odd = {"p.qweight": torch.zeros(8, 40, dtype=torch.int32), "p.qzeros": torch.zeros(2, 5, dtype=torch.int32),
+           "p.scales": torch.ones(2, 40, dtype=torch.float16)}
+    with pytest.raises(QinferError, match=r"got \[N=40, K=64\]; qinfer reads no other GPTQ shapes: quantize the "
+                                          r"original model with qinfer instead$"):
+        from_gptq_tensors("p", odd, scheme)
     # g_idx may be absent; bf16 scales that fit float16 exactly are accepted
     ok = {k: v for k, v in t.items() if not k.endswith("g_idx")}
     ok["p.scales"] = torch.full_like(t["p.scales"], 0.125, dtype=torch.bfloat16)
