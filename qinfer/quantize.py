@@ -223,12 +223,13 @@ def quantize_model(
     if calib.fp_target and calib.true_sequential is False:
         raise QinferError("--fp-target calibrates each linear group after the ones before it: drop --no-true-sequential")
     calib = calib.resolved(scheme.method)
+    flags = "--method rtn --format fp8" if scheme.method == "fp8" else f"--method {scheme.method}"  # (FP8 RTN's)
     if calib.true_sequential and scheme.method not in ("gptq", "awq"):
         raise QinferError(
-            f"--true-sequential calibrates GPTQ or AWQ group by group inside each block: drop it for --method {scheme.method}"
+            f"--true-sequential calibrates GPTQ or AWQ group by group inside each block: drop it for {flags}"
         )
     if calib.fp_target and scheme.method not in ("gptq", "awq"):
-        raise QinferError(f"--fp-target aims GPTQ or AWQ at the unquantized model: drop it for --method {scheme.method}")
+        raise QinferError(f"--fp-target aims GPTQ or AWQ at the unquantized model: drop it for {flags}")
     start = time.perf_counter()
     reuse_freed_memory()
     model = load_model(folder, dtype=torch.bfloat16)

@@ -15,7 +15,7 @@ from tests.test_cli_errors import assert_one_line_error, run_qinfer
 from tests.tiny_models import COMMON, TEXT, make_model, write_tokenizer
 
 
-def test_same_options_write_the_same_bytes(tiny, tmp_path, calib_file):  # noqa: F811
+def test_same_options_write_the_same_bytes(tiny, tmp_path, calib_file):
     # two processes (safetensors orders several metadata keys per process), the same options and seed: the same
     # files byte for byte, so a checksum verifies a model
     args = ["--group-size", "32", "--calib", str(calib_file), "--samples", "4", "--seq-len", "32", "--seed", "3"]
@@ -26,7 +26,7 @@ def test_same_options_write_the_same_bytes(tiny, tmp_path, calib_file):  # noqa:
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
 
 
-def test_cli_quantize_then_generate(tiny, tmp_path, calib_file):  # noqa: F811
+def test_cli_quantize_then_generate(tiny, tmp_path, calib_file):
     out = tmp_path / "cli"
     proc = run_qinfer("quantize", str(tiny), "-o", str(out), "--bits", "4", "--group-size", "32",
                       "--calib", str(calib_file), "--samples", "8", "--seq-len", "32")
@@ -84,6 +84,7 @@ def test_cli_quantize_then_generate(tiny, tmp_path, calib_file):  # noqa: F811
         (["--bits", "8", "--format", "fp8", "--mse-clip"], "drop --mse-clip"),
         (["--method", "rtn", "--true-sequential"], "drop it for --method rtn"),
         (["--method", "rtn", "--fp-target"], "drop it for --method rtn"),
+        (["--method", "rtn", "--bits", "8", "--format", "fp8", "--fp-target"], "drop it for --method rtn --format fp8"),
         (["--fp-target", "--no-true-sequential"], "drop --no-true-sequential"),
         (["--fp-target", "--fp-target-damp", "0"], "--fp-target-damp must be a finite number > 0"),
         (["--fp-target", "--fp-target-damp", "inf"], "--fp-target-damp must be a finite number > 0"),
@@ -102,7 +103,7 @@ def test_cli_quantize_then_generate(tiny, tmp_path, calib_file):  # noqa: F811
         (["--calib", "", "--group-size", "32"], "--calib is empty: name austen (the default)"),
     ],
 )
-def test_cli_bad_options(tiny, tmp_path, args, needle):  # noqa: F811
+def test_cli_bad_options(tiny, tmp_path, args, needle):
     short = tmp_path / "short.txt"
     short.write_text("Too short.")
     args = [str(short) if a == "SHORT" else a for a in args]
@@ -112,13 +113,13 @@ def test_cli_bad_options(tiny, tmp_path, args, needle):  # noqa: F811
 
 
 @pytest.mark.parametrize("command", ["quantize", "export"])
-def test_an_empty_output_name_is_refused(tiny, tmp_path, command):  # noqa: F811
+def test_an_empty_output_name_is_refused(tiny, tmp_path, command):
     # not taken for "." (this folder) and refused as one that exists
     extra = ["--format", "gptq"] if command == "export" else []
     assert_one_line_error(run_qinfer(command, str(tiny), "-o", " ", *extra), "--out is empty: name a folder")
 
 
-def test_the_default_group_size_fits_the_model(tiny, tmp_path):  # noqa: F811
+def test_the_default_group_size_fits_the_model(tiny, tmp_path):
     # the tiny llama's linears read 64 and 96 channels: the default 128 fits neither, 32 both (as 64 does SmolLM2's
     # 576); a group size the user chose is kept, and refused if it does not fit (test_cli_errors)
     proc = run_qinfer("quantize", str(tiny), "-o", str(tmp_path / "q"), "--method", "rtn")
@@ -149,7 +150,7 @@ def test_a_model_no_group_size_fits_is_told_to_quantize_per_channel(tmp_path):
     assert run_qinfer(*args, str(tmp_path / "q"), "--group-size", "-1").returncode == 0
 
 
-def test_cli_says_when_rtn_reads_no_calibration_text(tiny, tmp_path):  # noqa: F811
+def test_cli_says_when_rtn_reads_no_calibration_text(tiny, tmp_path):
     # RTN alone reads no text: calibration options given for it are named as unused, not silently dropped
     missing = str(tmp_path / "missing.txt")
     rtn = run_qinfer("quantize", str(tiny), "-o", str(tmp_path / "rtn"), "--method", "rtn", "--group-size", "32",
@@ -166,7 +167,7 @@ def test_cli_says_when_rtn_reads_no_calibration_text(tiny, tmp_path):  # noqa: F
     assert "note:" not in kv.stderr
 
 
-def test_cli_notes_calibration_windows_that_repeat_the_text(tiny, tmp_path, calib_file):  # noqa: F811
+def test_cli_notes_calibration_windows_that_repeat_the_text(tiny, tmp_path, calib_file):
     # windows taking more tokens than the text holds are drawn anyway, overlapping: a note says how often each
     # token is read, and the report records the text's length; a text long enough gets no note
     short = tmp_path / "short.txt"
@@ -184,7 +185,7 @@ def test_cli_notes_calibration_windows_that_repeat_the_text(tiny, tmp_path, cali
     assert json.loads((tmp_path / "q2" / "quantize_report.json").read_text())["calibration_text_tokens"] >= 4 * 31
 
 
-def test_interrupt_leaves_no_output(tmp_path, calib_file):  # noqa: F811
+def test_interrupt_leaves_no_output(tmp_path, calib_file):
     make_model("llama", tmp_path / "src")
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "qinfer", "quantize", str(tmp_path / "src"), "-o", str(out), "--group-size", "32",
