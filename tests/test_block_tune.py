@@ -20,7 +20,7 @@ from tests.test_quantize import logits_error, with_salient_channels
 from tests.tiny_models import TEXT
 
 
-def test_tuning_lowers_block_error_and_keeps_codes(tiny):  # noqa: F811
+def test_tuning_lowers_block_error_and_keeps_codes(tiny):
     model = load_model(tiny, dtype=torch.bfloat16)
     block = model.model.layers[1]
     torch.manual_seed(0)
@@ -61,7 +61,7 @@ def rtn_block(model, i, scheme):
 
 
 @pytest.mark.parametrize("symmetric", [False, True])
-def test_rounding_residual_puts_the_weight_back_between_its_levels(tiny, symmetric):  # noqa: F811
+def test_rounding_residual_puts_the_weight_back_between_its_levels(tiny, symmetric):
     model = load_model(tiny, dtype=torch.float32)
     W = model.model.layers[0].get_submodule(model.config.arch.linear_names[0]).weight.data
     w = rtn_quantize(W, QuantScheme(method="rtn", bits=3, group_size=32, symmetric=symmetric))
@@ -75,7 +75,7 @@ def test_rounding_residual_puts_the_weight_back_between_its_levels(tiny, symmetr
     assert torch.equal(torch.round(levels + r), levels)  # rounding it gives back the codes
 
 
-def test_learned_rounding_lowers_block_error_further_and_moves_codes_by_one(tiny):  # noqa: F811
+def test_learned_rounding_lowers_block_error_further_and_moves_codes_by_one(tiny):
     torch.manual_seed(0)
     scheme = QuantScheme(method="rtn", bits=3, group_size=32, symmetric=False)
     losses, tuned = {}, {}
@@ -100,7 +100,7 @@ def test_learned_rounding_lowers_block_error_further_and_moves_codes_by_one(tiny
     assert moved > 0
 
 
-def test_zero_steps_change_nothing(tiny):  # noqa: F811
+def test_zero_steps_change_nothing(tiny):
     model = load_model(tiny, dtype=torch.float32)
     block = model.model.layers[0]
     X = torch.randn(2, 8, model.config.hidden_size)
@@ -111,7 +111,7 @@ def test_zero_steps_change_nothing(tiny):  # noqa: F811
 
 
 @pytest.mark.parametrize("rounding,holdout,lr", [(False, 0, 3.0), (True, 0, 3.0), (True, 2, 3.0), (False, 0, 1e6)])
-def test_tuning_that_raises_the_error_is_undone(tiny, rounding, holdout, lr):  # noqa: F811
+def test_tuning_that_raises_the_error_is_undone(tiny, rounding, holdout, lr):
     model = load_model(tiny, dtype=torch.bfloat16)
     block = model.model.layers[1]
     X = (torch.randn(4, 16, model.config.hidden_size, generator=torch.Generator().manual_seed(2)) * 2).to(torch.bfloat16)
@@ -129,7 +129,7 @@ def test_tuning_that_raises_the_error_is_undone(tiny, rounding, holdout, lr):  #
         assert p.dtype == before[n].dtype and torch.equal(p, before[n]), n
 
 
-def test_holdout_keeps_the_check_with_the_least_held_out_error(tiny):  # noqa: F811
+def test_holdout_keeps_the_check_with_the_least_held_out_error(tiny):
     model = load_model(tiny, dtype=torch.float32)
     X = torch.randn(12, 16, model.config.hidden_size, generator=torch.Generator().manual_seed(3)) * 2
     Y = run_block(model, 1, X)
@@ -146,7 +146,7 @@ def test_holdout_keeps_the_check_with_the_least_held_out_error(tiny):  # noqa: F
     assert held < 0.95 * result.held_out[0][1]
 
 
-def test_holdout_undoes_tuning_that_only_fits_the_training_samples(tiny):  # noqa: F811
+def test_holdout_undoes_tuning_that_only_fits_the_training_samples(tiny):
     """Held-out targets the quantized block already meets exactly: every step away from the quantizer's own
     parameters raises the held-out error, though it lowers the training samples' error."""
     results = {}
@@ -164,7 +164,7 @@ def test_holdout_undoes_tuning_that_only_fits_the_training_samples(tiny):  # noq
     assert all(loss > results[2].held_out[0][1] for _, loss in results[2].held_out[1:])
 
 
-def test_kv_scales_come_from_the_tuned_block(tiny, tmp_path, calib_file):  # noqa: F811
+def test_kv_scales_come_from_the_tuned_block(tiny, tmp_path, calib_file):
     calib = CalibConfig(source=str(calib_file), samples=8, seq_len=32)
     scheme = QuantScheme(method="rtn", bits=3, group_size=32, kv_cache="int8")
     quantize_model(tiny, tmp_path / "q", scheme, calib, tune=TuneConfig(steps=20, lr=2e-2))
@@ -196,7 +196,7 @@ def test_bad_config_is_refused():
         TuneConfig(steps=3, holdout=-1)
 
 
-def test_pipeline_tuning_brings_the_model_closer(tiny, tmp_path, calib_file):  # noqa: F811
+def test_pipeline_tuning_brings_the_model_closer(tiny, tmp_path, calib_file):
     tiny = with_salient_channels(tiny, tmp_path)
     calib = CalibConfig(source=str(calib_file), samples=16, seq_len=64)
     ids = torch.tensor([Tokenizer.from_folder(tiny).encode(TEXT)[:64]])
@@ -212,7 +212,7 @@ def test_pipeline_tuning_brings_the_model_closer(tiny, tmp_path, calib_file):  #
     assert "tuning left" in report.summary()
 
 
-def test_pipeline_learned_rounding_brings_the_model_closer_than_scales_alone(tiny, tmp_path, calib_file):  # noqa: F811
+def test_pipeline_learned_rounding_brings_the_model_closer_than_scales_alone(tiny, tmp_path, calib_file):
     tiny = with_salient_channels(tiny, tmp_path)
     calib = CalibConfig(source=str(calib_file), samples=16, seq_len=64)
     ids = torch.tensor([Tokenizer.from_folder(tiny).encode(TEXT)[:64]])
@@ -242,7 +242,7 @@ def kl_to(ref_logits, logits):
     return float((p.exp() * (p - logits.float().log_softmax(-1))).sum(-1).mean())
 
 
-def test_end_to_end_tuning_lowers_kl_and_keeps_codes(tiny):  # noqa: F811
+def test_end_to_end_tuning_lowers_kl_and_keeps_codes(tiny):
     model = load_model(tiny, dtype=torch.float32)
     ids = torch.randint(0, model.config.vocab_size, (10, 24))
     with torch.no_grad():
@@ -269,7 +269,7 @@ def test_end_to_end_tuning_lowers_kl_and_keeps_codes(tiny):  # noqa: F811
     assert own == pytest.approx(result.loss_after, rel=1e-3)
 
 
-def test_end_to_end_tuning_that_raises_the_kl_is_undone(tiny):  # noqa: F811
+def test_end_to_end_tuning_that_raises_the_kl_is_undone(tiny):
     model = load_model(tiny, dtype=torch.float32)
     ids = torch.randint(0, model.config.vocab_size, (4, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -288,7 +288,7 @@ def test_end_to_end_tuning_that_raises_the_kl_is_undone(tiny):  # noqa: F811
         assert p.dtype == before[n].dtype and torch.equal(p, before[n]), n
 
 
-def test_pipeline_end_to_end_tuning_brings_the_model_closer(tiny, tmp_path, calib_file):  # noqa: F811
+def test_pipeline_end_to_end_tuning_brings_the_model_closer(tiny, tmp_path, calib_file):
     tiny = with_salient_channels(tiny, tmp_path)
     calib = CalibConfig(source=str(calib_file), samples=16, seq_len=64)
     # the samples the stage tuned on (a tiny random model's tuning need not carry over to other text): what is

@@ -10,7 +10,7 @@ HEADER = re.compile(r"^\S+: (\S+) ms a decode step \(median of 2; (\S+) under th
 ROW = re.compile(r"^\s*(\d+\.\d+)\s+(\d+)  (\S.*)$", re.M)
 
 
-def test_decode_profile_lists_the_ops_and_the_lm_head(tiny):  # noqa: F811
+def test_decode_profile_lists_the_ops_and_the_lm_head(tiny):
     result = CliRunner().invoke(main, [str(tiny), "--prompt-tokens", "16", "--steps", "2", "--top", "4",
                                        "--min-share", "0"])
     assert result.exit_code == 0, result.output
@@ -26,7 +26,7 @@ def test_decode_profile_lists_the_ops_and_the_lm_head(tiny):  # noqa: F811
     assert len(lm_head) == 1 and str(VOCAB) in lm_head[0]  # one product as wide as the vocabulary a step
 
 
-def test_decode_profile_names_a_bad_model_or_a_long_prompt_in_one_line(tiny, tmp_path):  # noqa: F811
+def test_decode_profile_names_a_bad_model_or_a_long_prompt_in_one_line(tiny, tmp_path):
     for args in ([str(tmp_path / "missing")], [str(tiny), "--prompt-tokens", "100000"]):
         result = CliRunner().invoke(main, args)
         assert result.exit_code == 1 and "Traceback" not in result.output
@@ -34,7 +34,7 @@ def test_decode_profile_names_a_bad_model_or_a_long_prompt_in_one_line(tiny, tmp
 
 
 
-def test_decode_profile_words_a_long_prompt_in_the_options_given(tiny):  # noqa: F811
+def test_decode_profile_words_a_long_prompt_in_the_options_given(tiny):
     # the tiny model reads 256 positions; --steps 8 times 8 steps and profiles 8 more, after 4 warm-up steps
     result = CliRunner().invoke(main, [str(tiny), "--prompt-tokens", "250"])
     assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1
@@ -46,7 +46,7 @@ def test_decode_profile_words_a_long_prompt_in_the_options_given(tiny):  # noqa:
     assert "lower --steps or --rounds" in result.output
 
 
-def test_decode_profile_refuses_a_min_share_outside_0_to_1(tiny):  # noqa: F811
+def test_decode_profile_refuses_a_min_share_outside_0_to_1(tiny):
     for share in ("-0.5", "1.5", "nan"):
         result = CliRunner().invoke(main, [str(tiny), "--prompt-tokens", "16", "--steps", "1", "--min-share", share])
         assert result.exit_code == 1 and "--min-share is a share of the profiled time, in 0..1" in result.output
@@ -57,7 +57,7 @@ COMPILED = re.compile(r"^torch\.compile\(decode_step, dynamic=True\): (\d+) s to
                       r"rounds\); greedy tokens (the same|differ)$", re.M)
 
 
-def test_decode_profile_compares_a_compiled_decode_step(tiny):  # noqa: F811
+def test_decode_profile_compares_a_compiled_decode_step(tiny):
     result = CliRunner().invoke(main, [str(tiny), "--prompt-tokens", "16", "--steps", "2", "--top", "2",
                                        "--compile", "--rounds", "2"])
     assert result.exit_code == 0, result.output

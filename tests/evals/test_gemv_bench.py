@@ -21,7 +21,7 @@ PAGES = re.compile(r"^(decode step with the C kernels: (\S+) ms with the weights
 
 
 @pytest.mark.skipif(not gemv_cpu.available(), reason=f"no C GEMV here: {gemv_cpu.unavailable_reason()}")
-def test_gemv_bench_times_every_linear_and_the_decode_step(tiny):  # noqa: F811
+def test_gemv_bench_times_every_linear_and_the_decode_step(tiny):
     result = CliRunner().invoke(main, [str(tiny), "--prompt-tokens", "16", "--steps", "2", "--rounds", "2",
                                        "--calls", "3"])
     assert result.exit_code == 0, result.output
@@ -49,7 +49,7 @@ def test_gemv_bench_names_a_bad_model_in_one_line(tmp_path):
 
 
 @pytest.mark.skipif(not gemv_cpu.available(), reason=f"no C GEMV here: {gemv_cpu.unavailable_reason()}")
-def test_gemv_bench_refuses_a_long_prompt_before_timing_the_linears(tiny):  # noqa: F811
+def test_gemv_bench_refuses_a_long_prompt_before_timing_the_linears(tiny):
     # the tiny model reads 256 positions: 250 + 4 warm-up steps + 1 round of 8 steps do not fit
     result = CliRunner().invoke(main, [str(tiny), "--prompt-tokens", "250", "--rounds", "1", "--calls", "1"])
     assert result.exit_code == 1 and "medians over" not in result.output

@@ -19,14 +19,14 @@ SEGMENTS = re.compile(r"^  (\d+) segments of (\d+) tokens: (.*)$", re.M)
 WINDOW = dict(window=32, stride=16)
 
 
-def _metrics(tiny, other, calib_file, max_tokens, block=None):  # noqa: F811
+def _metrics(tiny, other, calib_file, max_tokens, block=None):
     tok = Tokenizer.from_folder(tiny)
     tokens = text_tokens(tok, load_text(str(calib_file))[0], max_tokens)
     fns = [window_logits(load_model(f), "bf16", tok.leading_bos) for f in (tiny, other)]
     return text_metrics(fns[0], {"m": fns[1]}, tokens, progress=False, block=block, **WINDOW)["m"]
 
 
-def test_text_spread_scores_the_whole_text_and_its_segments_as_eval_would(tiny, tmp_path, calib_file):  # noqa: F811
+def test_text_spread_scores_the_whole_text_and_its_segments_as_eval_would(tiny, tmp_path, calib_file):
     other = block_quantized(tiny, tmp_path / "quantized")
     args = [str(tiny), str(other), "--text", str(calib_file), "--max-tokens", "300", "--segment", "64",
             "--window", "32", "--stride", "16"]
@@ -58,7 +58,7 @@ def test_text_spread_scores_the_whole_text_and_its_segments_as_eval_would(tiny, 
                                              (["--window", "5000", "--segment", "6000", "--max-tokens", "20000"],
                                               "context of 256 tokens"),
                                              (["MODEL", "SMOLLM"], "tokens (config.json vocab_size)")])
-def test_text_spread_bad_input_is_one_line(tiny, tmp_path, calib_file, extra, message):  # noqa: F811
+def test_text_spread_bad_input_is_one_line(tiny, tmp_path, calib_file, extra, message):
     models = [str(tiny), str(block_quantized(tiny, tmp_path / "quantized"))]
     if extra[0] == "MODEL":  # a vocabulary of another size (refused before the weights are read)
         other = shutil.copytree(tiny, tmp_path / "other")
@@ -71,7 +71,7 @@ def test_text_spread_bad_input_is_one_line(tiny, tmp_path, calib_file, extra, me
     assert len(result.output.strip().splitlines()) == 1 and message in result.output
 
 
-def test_text_spread_refuses_an_unquantized_model(tiny, tmp_path, calib_file):  # noqa: F811
+def test_text_spread_refuses_an_unquantized_model(tiny, tmp_path, calib_file):
     args = [str(tiny), str(block_quantized(tiny, tmp_path / "quantized")), str(tiny), "--text", str(calib_file),
             "--segment", "64", "--window", "32", "--stride", "16"]
     result = CliRunner().invoke(main, args)
