@@ -189,6 +189,9 @@ def from_gptq_tensors(prefix: str, tensors: dict[str, torch.Tensor], scheme: Qua
     if tuple(scales.shape) != (n_g, N):
         raise QinferError(f"{prefix}.scales: expected [{n_g}, {N}], got {list(scales.shape)}")
     g_idx_key = f"{prefix}.g_idx"
+    if g_idx_key not in tensors and scheme.act_order and G != -1:
+        raise QinferError(f"{prefix}: desc_act is true but the checkpoint has no g_idx, which alone says which group "
+                          "each input channel is in: the checkpoint is incomplete")
     perm = group_order(tensors[g_idx_key], K, G, g_idx_key) if g_idx_key in tensors else None
 
     zero = unpack_words(qzeros, b, N).T.to(torch.int16) + 1  # [N, n_g], in [1, 2^b]

@@ -2,6 +2,8 @@
 QuantLinear (pack loop, and the shift tables of its torch dequantization), element by element in Python
 integers, not by inverting qinfer's own packing."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -284,6 +286,9 @@ def test_import_errors():
     with pytest.raises(QinferError, match=r"got \[N=40, K=64\]; qinfer reads no other GPTQ shapes: quantize the "
                                           r"original model with qinfer instead$"):
         from_gptq_tensors("p", odd, scheme)
+    # without g_idx, desc_act's groups are unknown (and static ones would be assumed wrongly)
+    with pytest.raises(QinferError, match="p: desc_act is true but the checkpoint has no g_idx"):
+        from_gptq_tensors("p", {k: v for k, v in t.items() if k != "p.g_idx"}, replace(scheme, act_order=True))
     # g_idx may be absent; bf16 scales that fit float16 exactly are accepted
     ok = {k: v for k, v in t.items() if not k.endswith("g_idx")}
     ok["p.scales"] = torch.full_like(t["p.scales"], 0.125, dtype=torch.bfloat16)
