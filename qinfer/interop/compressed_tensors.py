@@ -144,11 +144,15 @@ def scheme_from_compressed_tensors_config(config: dict, *, method: str = "rtn") 
         got = config.get("quant_method") if isinstance(config, dict) else type(config).__name__
         raise QinferError(f"quantization_config: quant_method is {got!r}, not {QUANT_METHOD!r}")
     groups = config.get("config_groups") or {}
+    if not isinstance(groups, dict):
+        raise _config_error(f"config_groups is of type {type(groups).__name__}, not an object of named groups")
     if len(groups) != 1:
         raise _config_error(
             f"{len(groups)} config groups; qinfer converts checkpoints with exactly one (no mixed precision)"
         )
     (group,) = groups.values()
+    if not isinstance(group, dict):
+        raise _config_error(f"the config group is of type {type(group).__name__}, not an object")
     weights = group.get("weights")
     fmt = group.get("format") or config.get("format")
     if not isinstance(weights, dict):
@@ -156,6 +160,8 @@ def scheme_from_compressed_tensors_config(config: dict, *, method: str = "rtn") 
     if group.get("output_activations"):
         raise _config_error("output activation quantization is not supported")
     acts = group.get("input_activations")
+    if acts is not None and not isinstance(acts, dict):
+        raise _config_error(f"input_activations is of type {type(acts).__name__}, not an object")
     kind, strategy, bits = weights.get("type"), weights.get("strategy"), weights.get("num_bits")
     quantize_lm_head = "lm_head" not in (config.get("ignore") or [])
     if weights.get("dynamic", False) is not False:

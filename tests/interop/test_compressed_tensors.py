@@ -240,6 +240,14 @@ def test_config_errors():
     two = cfg | {"config_groups": {"a": cfg["config_groups"]["group_0"], "b": cfg["config_groups"]["group_0"]}}
     with pytest.raises(QinferError, match="2 config groups"):
         scheme_from_compressed_tensors_config(two)
+    # hand-edited shapes: one line each, not an AttributeError
+    group = cfg["config_groups"]["group_0"]
+    for bad, message in [({"config_groups": [group]}, "config_groups is of type list, not an object of named groups"),
+                         ({"config_groups": {"group_0": "W4A16"}}, "the config group is of type str, not an object"),
+                         ({"config_groups": {"group_0": group | {"input_activations": 8}}},
+                          "input_activations is of type int, not an object")]:
+        with pytest.raises(QinferError, match=message):
+            scheme_from_compressed_tensors_config(cfg | bad)
 
 
 def test_act_order_group_checkpoint_imports_and_exports_to_gptq_only():
