@@ -51,6 +51,7 @@ from qinfer.calib.capture import (
     capture_block,
     compute_dtype,
     embed_samples,
+    first_kept,
     return_freed_memory,
     reuse_freed_memory,
     run_block,
@@ -442,8 +443,8 @@ def _lm_head(model: Transformer, X: torch.Tensor | None, scheme: QuantScheme, te
         return
     head_scheme = scheme.lm_head_scheme()
     H = None
-    if X is not None and head_scheme.method == "gptq":
-        h = model.model.norm(X).reshape(-1, X.shape[-1])
+    if X is not None and head_scheme.method == "gptq":  # (a stored BOS position's logits are not the head's)
+        h = model.model.norm(X[:, first_kept(model):]).reshape(-1, X.shape[-1])
         H = (h.T @ h).float()
     qw, err = _quantize_rows(W, H, head_scheme, "lm_head")
     # AWQ's per-channel scales would fold into the final norm, which every position's logits share: to nearest

@@ -560,3 +560,22 @@ def test_awq_leaves_each_rescaled_group_the_statistics_of_its_new_inputs(tiny, m
         torch.testing.assert_close(got.H, want.H, rtol=1e-4, atol=1e-4 * float(want.H.abs().max()))
         torch.testing.assert_close(got.abs_sum, want.abs_sum, rtol=1e-4, atol=1e-6)
     assert any(not torch.allclose(before[g], stats.linears[g].H, rtol=1e-2) for g in ratios)  # some were rescaled
+
+
+def test_the_lm_head_hessian_leaves_out_a_stored_bos_position(tmp_path, calib_file, monkeypatch):
+    # --keep-bos: position 0's logits come from the stored unquantized output, so like every other statistic
+    # the lm_head's Hessian is taken over the other positions
+    make_model("llama", tmp_path / "src")
+    seen = {}
+    real_lm_head, real_rows = qinfer.quantize._lm_head, qinfer.quantize._quantize_rows
+    monkeypatch.setattr(qinfer.quantize, "_lm_head", lambda model, X, *a: seen.update(model=model, X=X.clone())
+                        or real_lm_head(model, X, *a))
+    monkeypatch.setattr(qinfer.quantize, "_quantize_rows",
+                        lambda W, H, *a, **k: seen.update(H=H) or real_rows(W, H, *a, **k))
+    scheme = QuantScheme(method="gptq", bits=4, group_size=32, quantize_lm_head=True)
+    quantize_model(tmp_path / "src", tmp_path / "q", scheme, CalibConfig(str(calib_file), 4, 32))
+    with torch.no_grad():
+        h = seen["model"].model.norm(seen["X"])
+    gram = lambda x: (x.reshape(-1, x.shape[-1]).T @ x.reshape(-1, x.shape[-1])).float()
+    torch.testing.assert_close(seen["H"], gram(h[:, 1:]))
+    assert not torch.allclose(seen["H"], gram(h), rtol=1e-3)
