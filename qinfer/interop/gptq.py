@@ -45,7 +45,9 @@ Shapes: ``K`` and ``N`` must be multiples of 32 (the buffers AutoGPTQ allocates 
 ``N // 32 * b`` words). qinfer's static groups make ``g_idx`` trivial, so ``desc_act`` is written false even
 for a scheme with ``act_order`` (a true ``desc_act`` tells kernels to reorder by ``g_idx``). An imported
 ``g_idx`` that is not ``k // G`` (act-order without static groups: G channels per group, in act order) is
-kept as the format's column permutation ``perm`` and written back as it was, with ``desc_act`` true. The layout does not record the algorithm: RTN and AWQ weights export as
+kept as the format's column permutation ``perm`` and written back as it was, with ``desc_act`` true; a checkpoint
+whose ``desc_act`` is true must hold ``g_idx`` (without it, static groups are assumed only when ``desc_act`` is
+false). The layout does not record the algorithm: RTN and AWQ weights export as
 ``"gptq"`` checkpoints too (AutoAWQ's own GEMM layout is a different, interleaved format).
 
 ``quantization_config`` (the ``config.json`` entry): ``quant_method "gptq"``, ``bits``, ``group_size``,
