@@ -26,10 +26,14 @@ _BLOCKS: dict[int, tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None, 
 
 
 def supported(x: torch.Tensor, weight: QuantizedWeight) -> bool:
+    # The op's AVX-512 kernel (torch 2.13) reads past a K that is not a multiple of 16 and returns garbage (up to
+    # inf); groups of 32-128 always are, a per-channel weight's K (its one group) need not be.
+    group = weight.shape[1] if weight.group_size == -1 else weight.group_size
     return (
         x.device.type == "cpu"
         and x.numel() == x.shape[-1]
         and x.dtype == torch.bfloat16
+        and group % 16 == 0
         and hasattr(torch.ops.aten, "_weight_int8pack_mm")
     )
 

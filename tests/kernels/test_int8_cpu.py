@@ -40,6 +40,21 @@ def test_one_row_matches_the_exact_product(bits, group_size, symmetric):
     assert err < 4e-3 and err <= 2 * ref + 1e-3  # bf16 roundings, like the reference's
 
 
+@pytest.mark.parametrize("bits", [3, 8])
+@pytest.mark.parametrize("c_kernels", [True, False])
+def test_a_per_channel_k_off_the_16_grid_is_multiplied_right(bits, c_kernels):
+    # PyTorch's int8 weight-only kernel (AVX-512) returns garbage for such a K: no path may hand it one
+    if c_kernels and not gemv_cpu.available():
+        pytest.skip(f"no C GEMV here: {gemv_cpu.unavailable_reason()}")
+    weight = _weight(40, 1000, bits, -1, True)
+    x = torch.randn(1, 1000, generator=torch.Generator().manual_seed(1)).bfloat16()
+    assert not int8_cpu.supported(x, weight)
+    with contextlib.nullcontext() if c_kernels else gemv_cpu.disabled():
+        got = linear(x, weight)
+    exact = _exact(x, weight)
+    assert float((got.double() - exact).norm() / exact.norm()) < 4e-3
+
+
 @pytest.mark.parametrize("c_kernels", [True, False])
 def test_dispatch(c_kernels):
     # one bf16 row: the C kernels for 4 and 8 bits where built (gemv_cpu); else the int4 kernel for grouped
