@@ -162,6 +162,15 @@ def sentencepiece_proto(vocab: GGUFVocab, specials: SpecialTokens) -> sp_pb2.Mod
             raise QinferError(f"the GGUF vocabulary has an empty or repeated piece {token!r}; it cannot be loaded")
         seen.add(token)
         proto.pieces.add(piece=token, score=score, type=kind)
+    if all(t == NORMAL for t in vocab.token_types):  # no tokenizer.ggml.token_type (optional, as in llama.cpp)
+        for p in proto.pieces:
+            if len(p.piece) == 6 and p.piece.startswith("<0x") and p.piece.endswith(">"):
+                p.type = BYTE  # llama.cpp finds byte pieces by their text
+        for i in (specials.bos_id, specials.eos_id, specials.pad_id):
+            if i is not None:
+                proto.pieces[i].type = CONTROL
+    if specials.unk_id is not None:
+        proto.pieces[specials.unk_id].type = UNKNOWN  # SentencePiece loads no model whose unk piece is not
 
     def piece(i, default):
         return vocab.tokens[i] if i is not None else default
@@ -169,7 +178,7 @@ def sentencepiece_proto(vocab: GGUFVocab, specials: SpecialTokens) -> sp_pb2.Mod
     spec = proto.trainer_spec
     spec.model_type = sp_pb2.TrainerSpec.BPE
     spec.vocab_size = len(vocab.tokens)
-    spec.byte_fallback = BYTE in vocab.token_types
+    spec.byte_fallback = any(p.type == BYTE for p in proto.pieces)
     spec.split_digits = True
     spec.allow_whitespace_only_pieces = True
     spec.unk_id = specials.unk_id if specials.unk_id is not None else -1
