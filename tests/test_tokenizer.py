@@ -68,6 +68,34 @@ def test_sentencepiece_proto_settings():
     assert (sp.bos_id(), sp.eos_id(), sp.unk_id(), sp.pad_id()) == (2, 1, 3, 0)
 
 
+def test_a_gguf_without_token_types_still_makes_a_sentencepiece_model(tmp_path):
+    # tokenizer.ggml.token_type is optional (llama.cpp then finds the specials by id and byte pieces by their text);
+    # SentencePiece loads no model without a piece typed UNKNOWN
+    meta = sp_vocab_metadata()
+    del meta["tokenizer.ggml.token_type"]
+    tok = Tokenizer.from_folder(_folder(tmp_path, meta))
+    for text in TEXTS:
+        assert tok.decode(tok.encode(text)) == text
+    vocab = GGUFVocab.from_metadata(meta)
+    types = {p.piece: p.type for p in sentencepiece_proto(vocab, resolve_special_tokens(vocab)).pieces}
+    assert (types["<unk>"], types["<bos>"], types["<eos>"], types["<0x41>"], types["Hello"]) == (2, 3, 3, 6, 1)
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("tokenizer_config.json", b'{"x": "Smol\xffM"}', r"tokenizer_config.json is not UTF-8 text \(byte 11\)"),
+        ("generation_config.json", b"[1, 2]", "generation_config.json holds a JSON list, not an object"),
+        ("chat_template.jinja", b'{{ "caf\xe9" }}', r"chat_template.jinja is not UTF-8 text"),
+    ],
+)
+def test_unreadable_tokenizer_side_files_are_one_line(tmp_path, name, content, message):
+    folder = _folder(tmp_path, sp_vocab_metadata())
+    (folder / name).write_bytes(content)
+    with pytest.raises(QinferError, match=message):
+        Tokenizer.from_folder(folder)
+
+
 @pytest.mark.parametrize("text", TEXTS)
 def test_sentencepiece_round_trip(sp_tok, text):
     assert sp_tok.decode(sp_tok.encode(text)) == text
