@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from qinfer.errors import Group, QinferError
+from qinfer.errors import Group, QinferError, Terminated
 
 DTYPES = ("bf16", "fp32")
 
@@ -97,7 +97,8 @@ def list_models():
         kind = "(imported)" if (c.parent / QUANT_CONFIG_FILE).exists() else "(converted gguf)"
         broken = damage(c.parent)
         click.echo(f"{kind:24s} {c.parent}" + (f" damaged ({broken}): made again on next use" if broken else ""))
-    for q in sorted(cache_root().joinpath("quantized").glob(f"*/{QUANT_CONFIG_FILE}")):  # the main job's models
+    quantized = sorted(cache_root().joinpath("quantized").glob(f"*/{QUANT_CONFIG_FILE}"))
+    for q in (q for q in quantized if not q.parent.name.startswith(".")):  # the main job's models (not temp folders)
         click.echo(f"{'(qinfer demo)':24s} {q.parent}")
 
 
@@ -131,7 +132,7 @@ def generate(model, prompt, dtype, max_tokens, temperature, top_p, top_k, seed, 
         click.echo(f"stopped (Ctrl-C): {stats.summary() if stats.generated_tokens else 'before the first token'}",
                    err=True)
         raise SystemExit(128 + signal.SIGINT) from None
-    except Exception:  # a failure mid-way (OSError, QinferError...): its Error line must not run on after the text
+    except (Exception, Terminated):  # a failure or SIGTERM mid-way: its Error line must not run on after the text
         sys.stdout.write("\n")
         sys.stdout.flush()
         raise

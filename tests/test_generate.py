@@ -446,3 +446,26 @@ def test_ctrl_c_ends_generates_line_and_says_how_far_it_got(tmp_path, monkeypatc
     assert result.stderr.strip().startswith(stopped), result.stderr
     if after:
         assert "decode 3 tok" in result.stderr
+
+
+@pytest.mark.parametrize("failure", ["sigterm", "error"])
+def test_a_generation_ended_mid_way_puts_its_error_on_a_line_of_its_own(tmp_path, monkeypatch, failure):
+    import signal
+
+    from click.testing import CliRunner
+
+    import qinfer.generate as generate_module
+    from qinfer.cli import cli
+    from qinfer.errors import Terminated
+
+    make_model("llama", tmp_path)
+
+    def cut_short(model, prompt_ids, params, **kwargs):
+        yield from prompt_ids[:3]
+        raise Terminated(128 + signal.SIGTERM) if failure == "sigterm" else QinferError("the model went away")
+
+    monkeypatch.setattr(generate_module, "generate", cut_short)
+    result = CliRunner().invoke(cli, ["generate", str(tmp_path), "Hello world, hello"])
+    assert result.exit_code == (128 + signal.SIGTERM if failure == "sigterm" else 1)
+    errors = [line for line in result.output.splitlines() if "Error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("Error:"), result.output
