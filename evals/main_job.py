@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qinfer.block_tune import TuneConfig
-from qinfer.cache import cache_dir, check_writable
+from qinfer.cache import cache_dir
 from qinfer.errors import QinferError
 from qinfer.format import QuantScheme
-from qinfer.quantize import CalibConfig, code_fingerprint, quantize_model, recorded_calibration
+from qinfer.quantize import CalibConfig, code_fingerprint, quantize_model, recorded_calibration, source_identity
 from qinfer.sources import resolve_model
 
 MODEL = "gemma3-270m"
@@ -53,12 +53,13 @@ def quantized_dir(model: str, name: str) -> Path:
     return cache_dir() / "quantized" / f"{model}-{name}"
 
 
-def _matches(folder: Path, scheme: QuantScheme, calib: CalibConfig) -> bool:
-    """True when ``folder`` is a finished quantization with this scheme and calibration, by this code."""
+def _matches(folder: Path, source: Path, scheme: QuantScheme, calib: CalibConfig) -> bool:
+    """True when ``folder`` is a finished quantization of ``source`` as it is now, with this scheme and
+    calibration, by this code."""
     try:
         report = json.loads((folder / "quantize_report.json").read_text())
         same = report.get("calibration") == recorded_calibration(scheme, calib, TuneConfig())
-        same = same and report.get("code") == code_fingerprint()
+        same = same and report.get("code") == code_fingerprint() and report.get("source") == source_identity(source)
         return QuantScheme.load(folder) == scheme and same
     except (OSError, ValueError, QinferError):
         return False
@@ -70,7 +71,8 @@ def _say(message: str) -> None:
 
 def run_main_job(config: MainJobConfig):
     from qinfer.evals.report import format_table
-    from qinfer.evals.runner import EvalConfig, run_eval
+    from qinfer.evals import runner
+    from qinfer.evals.runner import EvalConfig
 
     start = time.perf_counter()
     calib = CalibConfig(samples=config.samples, seq_len=config.seq_len)
@@ -84,12 +86,12 @@ def run_main_job(config: MainJobConfig):
         f"{eval_config.repeats} runs"
     )
     _say(f"qinfer main job: {config.model} as bf16 reference, {', '.join(SCHEMES)}\n{settings}")
-    check_writable(config.out, option="--out")  # before the quantizing, not after it
+    runner.check_destinations(eval_config)  # before the quantizing, not after it
     folder = resolve_model(config.model)
     models, skipped = [config.model], []
     for name, scheme in SCHEMES.items():
         target = quantized_dir(config.model, name)
-        if _matches(target, scheme, calib):
+        if _matches(target, folder, scheme, calib):
             _say(f"{name}: reusing {target}")
         else:
             t0 = time.perf_counter()
@@ -99,10 +101,10 @@ def run_main_job(config: MainJobConfig):
                 _say(f"{name}: skipped: {exc}")
                 skipped.append(name)
                 continue
-            _say(f"{name}: {report.summary().splitlines()[-1]} ({time.perf_counter() - t0:.0f} s)")
+            _say(f"{name}: {report.sizes()} ({time.perf_counter() - t0:.0f} s)")
         models.append(str(target))
     eval_config = dataclasses.replace(eval_config, models=tuple(models))
-    results = run_eval(eval_config)
+    results = runner.run_eval(eval_config)
     print(format_table(results))
     print(settings)
     if skipped:

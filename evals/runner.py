@@ -130,16 +130,21 @@ class _Model:
     tokenizer: Tokenizer = field(compare=False)  # read once per model
 
 
-def run_eval(config: EvalConfig) -> list[ModelResult]:
-    """Measure every model of ``config``, write the outputs to ``config.out``, return one result per model."""
+def check_destinations(config: EvalConfig) -> None:
+    """Refuse, before anything is measured, an ``--out`` or a cache that ``run_eval(config)`` could not write."""
     if config.out is not None:
         from qinfer.evals.report import check_out
 
-        check_writable(config.out, option="--out")  # before the measuring, not after it
+        check_writable(config.out, option="--out")
         check_out(config.out)
     if config.speed:
         check_roofline_path(eval_device())  # its cache could not be written after the text part's minutes
     cache_dir("eval")  # nor the results' (a file in the way)
+
+
+def run_eval(config: EvalConfig) -> list[ModelResult]:
+    """Measure every model of ``config``, write the outputs to ``config.out``, return one result per model."""
+    check_destinations(config)
     examples = {task: load_task(task, config.limit) for task in config.tasks}  # unknown task: fails here, early
     models, baseline, tokens, text_desc = comparison(config)
     text_fields = dict(baseline=baseline.key, baseline_kv=BASELINE_KV, kv=config.kv_cache, window=config.window,

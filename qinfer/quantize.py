@@ -31,6 +31,7 @@ norms are tuned towards that stream's block-i output. That doubles the activatio
 """
 
 import functools
+import hashlib
 import json
 import resource
 import shutil
@@ -73,17 +74,23 @@ from qinfer.tokenizer import Tokenizer
 LM_HEAD_ROWS = 32768
 
 # The code that decides what a quantization writes; its fingerprint goes into quantize_report.json so a
-# cached quantized folder (the main job's) is redone after a change to any of it.
+# cached quantized folder (the main job's) is redone after a change to any of it: this module and every qinfer
+# module it and they import (which windows are drawn, how they tokenize, how the blocks compute), bar the
+# errors, the cache's paths and qinfer.interop.folders (of which quantize reads only the side files' names).
 QUANTIZE_MODULES = (
-    "qinfer.quantize", "qinfer.awq_pipeline", "qinfer.block_tune", "qinfer.calib.capture", "qinfer.model",
-    "qinfer.loader", "qinfer.format",
+    "qinfer.quantize", "qinfer.awq_pipeline", "qinfer.block_tune", "qinfer.calib.capture", "qinfer.calib.sampling",
+    "qinfer.calib.sources", "qinfer.calib.austen", "qinfer.calib.debian", "qinfer.calib.rlazyload",
+    "qinfer.tokenizer", "qinfer.arch", "qinfer.model", "qinfer.kv_cache", "qinfer.loader", "qinfer.format",
+    "qinfer.preflight",
 )
+QUANTIZE_PACKAGES = ("qinfer.quantizers", "qinfer.kernels")  # read whole
 
 
 @functools.cache
 def code_fingerprint() -> str:
-    """sha256 over the source of :data:`QUANTIZE_MODULES` and of every module in ``qinfer.quantizers``."""
-    return source_fingerprint(QUANTIZE_MODULES, "qinfer.quantizers")
+    """sha256 over the source of :data:`QUANTIZE_MODULES` and of every module in :data:`QUANTIZE_PACKAGES`."""
+    parts = [source_fingerprint(QUANTIZE_MODULES)] + [source_fingerprint((), package) for package in QUANTIZE_PACKAGES]
+    return hashlib.sha256("".join(parts).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -145,14 +152,15 @@ class QuantizeReport:
     def effective_bits(self) -> float:
         return self.quantized_bits / max(self.quantized_params, 1)
 
-    def summary(self) -> str:
+    def sizes(self) -> str:
+        """The summary's one line of sizes, bits per weight, time and memory."""
         mib = 1 << 20
-        text = (
-            f"wrote {self.out}\n"
-            f"size {self.bytes_before / mib:.1f} MiB -> {self.bytes_after / mib:.1f} MiB; "
-            f"{self.effective_bits:.3f} bits per quantized weight (scales included); "
-            f"{self.seconds:.0f} s; peak RSS {self.peak_rss_bytes / mib:.0f} MiB"
-        )
+        return (f"size {self.bytes_before / mib:.1f} MiB -> {self.bytes_after / mib:.1f} MiB; "
+                f"{self.effective_bits:.3f} bits per quantized weight (scales included); "
+                f"{self.seconds:.0f} s; peak RSS {self.peak_rss_bytes / mib:.0f} MiB")
+
+    def summary(self) -> str:
+        text = f"wrote {self.out}\n{self.sizes()}"
         kept = sorted(after / before for before, after in self.tune_losses.values() if before > 0)
         if kept:
             text += f"\ntuning left {kept[len(kept) // 2]:.0%} of the block output error (median over blocks)"
@@ -371,7 +379,8 @@ def quantize_model(
         report.seconds = time.perf_counter() - start
         report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         # inside the temp folder: OUT appears with its report, never without
-        (tmp / "quantize_report.json").write_text(json.dumps(_report_json(report, scheme, calib, tune), indent=2))
+        record = _report_json(report, scheme, calib, tune, source_identity(folder))
+        (tmp / "quantize_report.json").write_text(json.dumps(record, indent=2))
     return report
 
 
@@ -474,7 +483,17 @@ def _folder_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in weight_files(folder))
 
 
-def _report_json(report: QuantizeReport, scheme: QuantScheme, calib: CalibConfig, tune: TuneConfig) -> dict:
+def source_identity(folder: Path) -> dict:
+    """What quantize_report.json records of the source model: its folder, and the size and modification time of
+    each file there (weights, config, tokenizer), so a cached quantization of a model since re-pulled or edited is
+    told apart from a current one (the main job's)."""
+    files = sorted(f for f in Path(folder).iterdir() if f.is_file() and not f.name.startswith("."))
+    return {"folder": str(Path(folder).resolve()),
+            "files": {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files}}
+
+
+def _report_json(report: QuantizeReport, scheme: QuantScheme, calib: CalibConfig, tune: TuneConfig,
+                 source: dict) -> dict:
     return {
         "scheme": json.loads(scheme.to_json()),
         "calibration": recorded_calibration(scheme, calib, tune),
@@ -497,4 +516,5 @@ def _report_json(report: QuantizeReport, scheme: QuantScheme, calib: CalibConfig
         "compute_dtype": report.compute_dtype,
         "kept_bos": report.kept_bos,
         "code": code_fingerprint(),
+        "source": source,
     }

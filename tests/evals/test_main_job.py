@@ -1,8 +1,14 @@
+import ast
+import dataclasses
+import importlib
+import importlib.util
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
 
 from qinfer.cache import cache_dir
 from qinfer.cli import cli
@@ -94,3 +100,57 @@ def test_an_unwritable_out_is_refused_before_any_quantizing(job, tmp_path):
     with pytest.raises(QinferError, match="is a file, not a folder; choose an --out"):
         main_job.run_main_job(main_job.MainJobConfig(out=tmp_path / "file" / "results", model=config.model))
     assert quantized == [] and evals == []
+
+
+def test_each_quantized_variant_is_reported_by_its_sizes(job, capsys):
+    config, _, _ = job
+    main_job.run_main_job(config)
+    line = next(ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("rtn-w4g32: "))
+    assert "MiB ->" in line and "bits per quantized weight" in line
+
+
+def test_a_folder_quantized_from_the_model_before_it_changed_is_not_reused(job):
+    config, quantized, _ = job
+    main_job.run_main_job(config)
+    weights = Path(config.model) / "model.safetensors"
+    tensors = load_file(weights)
+    save_file({name: t * 1.5 for name, t in tensors.items()}, weights)  # re-pulled, say: new weights
+    main_job.run_main_job(config)
+    assert quantized == ["rtn", "awq", "rtn", "awq"]
+
+
+def test_an_out_where_eval_cannot_write_is_refused_before_any_quantizing(job, tmp_path):
+    config, quantized, evals = job
+    (tmp_path / "bad" / "results.md").mkdir(parents=True)
+    with pytest.raises(QinferError, match="results.md there is a folder"):
+        main_job.run_main_job(dataclasses.replace(config, out=tmp_path / "bad"))
+    assert quantized == [] and evals == []
+
+
+def test_the_quantize_fingerprint_reads_every_module_quantize_imports():
+    """A change to how windows are drawn, text tokenized or blocks computed changes what quantize writes: the
+    main job must not reuse a folder quantized before it."""
+    from qinfer import quantize
+
+    imported = set()
+    for name in quantize.QUANTIZE_MODULES:
+        tree = ast.parse(Path(importlib.import_module(name).__file__).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:  # from a package, its modules: qinfer.calib.austen
+                package = importlib.util.find_spec(node.module).submodule_search_locations is not None
+                modules = {f"{node.module}.{a.name}" for a in node.names} if package else set()
+                imported |= {m for m in modules if importlib.util.find_spec(m)} or {node.module}
+            elif isinstance(node, ast.Import):
+                imported |= {a.name for a in node.names}
+    inside = {m for m in imported if m.startswith("qinfer.")}
+    uncovered = {m for m in inside if not m.startswith(tuple(p + "." for p in quantize.QUANTIZE_PACKAGES))}
+    exempt = {"qinfer.errors", "qinfer.cache", "qinfer.interop.folders"}  # (see QUANTIZE_MODULES' comment)
+    assert uncovered - set(quantize.QUANTIZE_PACKAGES) - exempt <= set(quantize.QUANTIZE_MODULES)
+
+
+def test_list_leaves_out_the_temp_folders_of_a_killed_quantize(job):
+    main_job.run_main_job(job[0])
+    done = shutil.copytree(main_job.quantized_dir(job[0].model, "rtn-w4g32"), cache_dir() / "quantized" / "m-rtn")
+    shutil.copytree(done, cache_dir() / "quantized" / ".m-rtn.tmp-999999-abc")  # left by a SIGKILL
+    listed = CliRunner().invoke(cli, ["list"]).output
+    assert str(done) in listed and ".tmp-" not in listed
