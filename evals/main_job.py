@@ -3,14 +3,13 @@
 Pulls gemma3-270m, quantizes it 4-bit with group size 128 by RTN, GPTQ and AWQ, and to FP8 (E4M3,
 per channel), then evaluates all four against the bf16 reference with :func:`qinfer.evals.runner.run_eval`
 and writes the outputs to ``out``. Quantized folders live in ``cache_dir()/quantized/`` and are reused
-when their ``quant_config.json`` and calibration settings match, so a second run only evaluates (and
-the eval cache makes that instant too). Sample counts are cut down so the whole job fits in about 20
+when their ``quant_config.json``, calibration settings, source model files and quantizing code all match, so
+a second run only evaluates (and the eval cache makes that instant too). Sample counts are cut down so the whole job fits in about 20
 minutes on a 2-core CPU; they are printed with the results.
 
 Run it as ``python -m qinfer.evals.main_job`` or ``qinfer demo``.
 """
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -18,9 +17,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import click
+
 from qinfer.block_tune import TuneConfig
 from qinfer.cache import cache_dir
-from qinfer.errors import QinferError
+from qinfer.errors import Command, QinferError
 from qinfer.format import QuantScheme
 from qinfer.quantize import CalibConfig, code_fingerprint, quantize_model, recorded_calibration, source_identity
 from qinfer.sources import resolve_model
@@ -114,16 +115,14 @@ def run_main_job(config: MainJobConfig):
     return results
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m qinfer.evals.main_job", description=__doc__.partition("\n")[0])
-    parser.add_argument("--out", default="qinfer-results", help="output folder (default qinfer-results)")
-    args = parser.parse_args(argv)
-    try:
-        run_main_job(MainJobConfig(out=Path(args.out)))
-    except QinferError as exc:
-        print(f"Error: {exc}", file=sys.stderr)
-        raise SystemExit(1) from None
+@click.command(cls=Command)
+@click.option("--out", default="qinfer-results", show_default=True, help="Folder for the results and plots.")
+def main(out):
+    """The main job, as `qinfer demo` runs it (the same one-line errors, Ctrl-C and SIGTERM handling)."""
+    if not out.strip():
+        raise QinferError("--out is empty: name a folder (--out . for this one)")
+    run_main_job(MainJobConfig(out=Path(out)))
 
 
 if __name__ == "__main__":
-    main()
+    main(prog_name="python -m qinfer.evals.main_job")

@@ -154,3 +154,18 @@ def test_list_leaves_out_the_temp_folders_of_a_killed_quantize(job):
     shutil.copytree(done, cache_dir() / "quantized" / ".m-rtn.tmp-999999-abc")  # left by a SIGKILL
     listed = CliRunner().invoke(cli, ["list"]).output
     assert str(done) in listed and ".tmp-" not in listed
+
+
+@pytest.mark.parametrize("failure", ["ctrl-c", "out of memory"])
+def test_python_m_main_job_ends_in_one_line_as_qinfer_demo_does(job, tmp_path, monkeypatch, failure):
+    def fail(name):
+        if failure == "ctrl-c":
+            raise KeyboardInterrupt
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 2147483648 bytes")
+
+    monkeypatch.setattr(main_job, "resolve_model", fail)
+    result = CliRunner().invoke(main_job.main, ["--out", str(tmp_path / "results")])
+    assert result.exit_code == (130 if failure == "ctrl-c" else 1)
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and ("interrupted" if failure == "ctrl-c" else "out of memory") in errors[0]
+    assert not isinstance(result.exception, (KeyboardInterrupt, RuntimeError))  # no traceback
