@@ -4,8 +4,8 @@ Pulls gemma3-270m, quantizes it 4-bit with group size 128 by RTN, GPTQ and AWQ, 
 per channel), then evaluates all four against the bf16 reference with :func:`qinfer.evals.runner.run_eval`
 and writes the outputs to ``out``. Quantized folders live in ``cache_dir()/quantized/`` and are reused
 when their ``quant_config.json``, calibration settings, source model files and quantizing code all match, so
-a second run only evaluates (and the eval cache makes that instant too). Sample counts are cut down so the whole job fits in about 20
-minutes on a 2-core CPU; they are printed with the results.
+a second run only evaluates (and the eval cache makes that instant too). Sample counts are cut down so the
+whole job fits in about 20 minutes on a 2-core CPU; they are printed with the results.
 
 Run it as ``python -m qinfer.evals.main_job`` or ``qinfer demo``.
 """
