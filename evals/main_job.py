@@ -47,6 +47,8 @@ class MainJobConfig:
     repeats: int = 3
 
     def __post_init__(self):
+        if not str(self.out).strip():  # (Path("") would be this folder)
+            raise QinferError("--out is empty: name a folder (--out . for this one)")
         object.__setattr__(self, "out", Path(self.out))
 
 
@@ -119,9 +121,7 @@ def run_main_job(config: MainJobConfig):
 @click.option("--out", default="qinfer-results", show_default=True, help="Folder for the results and plots.")
 def main(out):
     """The main job, as `qinfer demo` runs it (the same one-line errors, Ctrl-C and SIGTERM handling)."""
-    if not out.strip():
-        raise QinferError("--out is empty: name a folder (--out . for this one)")
-    run_main_job(MainJobConfig(out=Path(out)))
+    run_main_job(MainJobConfig(out=out))
 
 
 if __name__ == "__main__":

@@ -361,7 +361,6 @@ def demo(out):
     """The main job: pull gemma3-270m, quantize it (RTN, GPTQ, AWQ 4-bit; FP8), eval all, plot."""
     from qinfer.evals.main_job import MainJobConfig, run_main_job
 
-    _check_out_name(out)
     run_main_job(MainJobConfig(out=out))
 
 
