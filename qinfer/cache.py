@@ -325,11 +325,11 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def source_fingerprint(modules: tuple[str, ...], package: str | None = None) -> str:
-    """sha256 over the source files of ``modules`` and of every module in ``package`` (by file name and bytes):
-    a cached result keyed on it is redone after any change to the code that produced it."""
+def source_fingerprint(modules: tuple[str, ...], *packages: str) -> str:
+    """sha256 over the source files of ``modules`` and of every module in each of ``packages`` (by file name and
+    bytes): a cached result keyed on it is redone after any change to the code that produced it."""
     files = [Path(importlib.import_module(m).__file__) for m in modules]
-    if package is not None:
+    for package in packages:
         folder = Path(importlib.import_module(package).__file__).parent
         files += sorted(folder.glob("*.py")) + sorted(folder.glob("*.c"))  # C kernels built at first use
     h = hashlib.sha256()

@@ -31,7 +31,6 @@ norms are tuned towards that stream's block-i output. That doubles the activatio
 """
 
 import functools
-import hashlib
 import json
 import resource
 import shutil
@@ -89,8 +88,7 @@ QUANTIZE_PACKAGES = ("qinfer.quantizers", "qinfer.kernels")  # read whole
 @functools.cache
 def code_fingerprint() -> str:
     """sha256 over the source of :data:`QUANTIZE_MODULES` and of every module in :data:`QUANTIZE_PACKAGES`."""
-    parts = [source_fingerprint(QUANTIZE_MODULES)] + [source_fingerprint((), package) for package in QUANTIZE_PACKAGES]
-    return hashlib.sha256("".join(parts).encode()).hexdigest()
+    return source_fingerprint(QUANTIZE_MODULES, *QUANTIZE_PACKAGES)
 
 
 @dataclass(frozen=True)
