@@ -1,3 +1,6 @@
+import ast
+import importlib
+import importlib.util
 import os
 from pathlib import Path
 
@@ -42,6 +45,22 @@ def tiny(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
     make_model(request.param, folder)
     return folder
+
+
+def qinfer_imports(modules) -> set[str]:
+    """The qinfer modules that ``modules`` import, read from their source (``from a package import name`` counts
+    as the module ``package.name`` where there is one)."""
+    imported = set()
+    for name in modules:
+        tree = ast.parse(Path(importlib.import_module(name).__file__).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                package = importlib.util.find_spec(node.module).submodule_search_locations is not None
+                names = {f"{node.module}.{a.name}" for a in node.names} if package else set()
+                imported |= {m for m in names if importlib.util.find_spec(m)} or {node.module}
+            elif isinstance(node, ast.Import):
+                imported |= {a.name for a in node.names}
+    return {m for m in imported if m.startswith("qinfer.")}
 
 
 def builtin_gguf(gguf_name: str) -> Path:

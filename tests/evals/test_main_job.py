@@ -1,7 +1,4 @@
-import ast
 import dataclasses
-import importlib
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -16,6 +13,7 @@ from qinfer.errors import QinferError
 from qinfer.evals import main_job, runner
 from qinfer.format import QuantScheme
 from qinfer.quantize import quantize_model
+from tests.conftest import qinfer_imports
 from tests.evals.eval_fixtures import tiny_model
 
 RTN = QuantScheme(method="rtn", bits=4, group_size=32)
@@ -132,17 +130,7 @@ def test_the_quantize_fingerprint_reads_every_module_quantize_imports():
     main job must not reuse a folder quantized before it."""
     from qinfer import quantize
 
-    imported = set()
-    for name in quantize.QUANTIZE_MODULES:
-        tree = ast.parse(Path(importlib.import_module(name).__file__).read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module:  # from a package, its modules: qinfer.calib.austen
-                package = importlib.util.find_spec(node.module).submodule_search_locations is not None
-                modules = {f"{node.module}.{a.name}" for a in node.names} if package else set()
-                imported |= {m for m in modules if importlib.util.find_spec(m)} or {node.module}
-            elif isinstance(node, ast.Import):
-                imported |= {a.name for a in node.names}
-    inside = {m for m in imported if m.startswith("qinfer.")}
+    inside = qinfer_imports(quantize.QUANTIZE_MODULES)
     uncovered = {m for m in inside if not m.startswith(tuple(p + "." for p in quantize.QUANTIZE_PACKAGES))}
     exempt = {"qinfer.errors", "qinfer.cache", "qinfer.interop.folders"}  # (see QUANTIZE_MODULES' comment)
     assert uncovered - set(quantize.QUANTIZE_PACKAGES) - exempt <= set(quantize.QUANTIZE_MODULES)

@@ -1,12 +1,9 @@
-import ast
 import dataclasses
 import errno
-import importlib
 import json
 import math
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +18,7 @@ from qinfer.evals.runner import EvalConfig, ModelResult, run_eval
 from qinfer.kernels import gemv_cpu
 from qinfer.kernels.linear import native_half_gemm
 from qinfer.loader import huge_pages_reason, weight_pages
+from tests.conftest import qinfer_imports
 from tests.evals.eval_fixtures import install_roofline, install_tasks, text_file, tiny_model
 
 SMALL = dict(window=64, stride=32, max_tokens=300, tasks=(), speed=False, out=None, progress=False)
@@ -129,12 +127,7 @@ def test_speeds_measured_on_a_busy_machine_are_shown_but_not_cached(env, count_l
 def test_the_runtime_fingerprint_reads_every_module_the_runtime_imports():
     """A fix in a module the decoder imports (the architecture table: attention scale, sliding windows) must not
     leave cached numbers of the old code in use."""
-    imported = set()
-    for name in result_cache.RUNTIME_MODULES:
-        tree = ast.parse(Path(importlib.import_module(name).__file__).read_text())
-        imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
-        imported |= {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
-    runtime = {m for m in imported if m.startswith("qinfer.") and not m.startswith("qinfer.kernels")}
+    runtime = {m for m in qinfer_imports(result_cache.RUNTIME_MODULES) if not m.startswith("qinfer.kernels")}
     assert runtime - {"qinfer.errors", "qinfer.cache"} <= set(result_cache.RUNTIME_MODULES)
 
 
