@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 from qinfer.calib import austen
-from qinfer.errors import QinferError
+from qinfer.errors import QinferError, read_text
 
 DEFAULT_SOURCE = "austen"
 # Streaming caps the download from web-scale corpora (C4 is terabytes); 10k documents is tens of MB of
@@ -54,11 +54,8 @@ def load_calibration_documents(source: str = DEFAULT_SOURCE) -> list[str]:
 
 
 def _read_text(path: Path) -> str:
-    try:
-        # utf-8-sig: editors on Windows prepend a BOM that would otherwise open the first document.
-        return path.read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise QinferError(f"calibration file {path} is not UTF-8 (byte {exc.start}); re-save it as UTF-8") from None
+    # utf-8-sig: editors on Windows prepend a BOM that would otherwise open the first document.
+    return read_text(path, "re-save the calibration file as UTF-8", encoding="utf-8-sig")
 
 
 def _text_documents(path: Path) -> list[str]:

@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from qinfer.errors import QinferError
+from qinfer.errors import QinferError, read_json_object
 
 
 @dataclass(frozen=True)
@@ -116,22 +116,10 @@ class RopeConfig:
 
 def read_config(folder: Path) -> dict:
     """``folder``'s config.json as a dict, or one line naming what is wrong with it."""
-    path = Path(folder) / "config.json"
     try:
-        raw = json.loads(path.read_text())
+        return read_json_object(Path(folder) / "config.json", "copy the model's config.json again")
     except FileNotFoundError:
         raise QinferError(f"{folder} has no config.json: point qinfer at a Hugging Face model folder") from None
-    except json.JSONDecodeError as e:
-        raise QinferError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}): fix it or copy the model's "
-                          "config.json again") from None
-    except UnicodeDecodeError:
-        raise QinferError(f"{path} is not UTF-8 text: copy the model's config.json again") from None
-    except OSError as e:  # a directory, a file this user may not read, an I/O error
-        raise QinferError(f"{path} cannot be read ({e.strerror or e}): make it a readable file (copy the model's "
-                          "config.json again)") from None
-    if not isinstance(raw, dict):
-        raise QinferError(f"{path} is not a JSON object: copy the model's config.json again")
-    return raw
 
 
 @dataclass(frozen=True)

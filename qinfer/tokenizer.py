@@ -29,7 +29,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from sentencepiece import SentencePieceProcessor
 from tokenizers import Tokenizer as HFTokenizer
 
-from qinfer.errors import QinferError
+from qinfer.errors import QinferError, read_json_object, read_text
 
 
 class _Backend(Protocol):
@@ -186,7 +186,7 @@ class Tokenizer:
         if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         if (path / "chat_template.jinja").is_file():  # newer transformers save the template beside the config
-            template = _read_text(path / "chat_template.jinja")
+            template = read_text(path / "chat_template.jinja", _FOLDER_FIX)
 
         generation, model_config = _read_json(path / "generation_config.json"), _read_json(path / "config.json")
         bos_token, eos_token = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
@@ -351,21 +351,8 @@ def _token_text(token: Any) -> str | None:
     return token.get("content") if isinstance(token, dict) else token
 
 
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise QinferError(f"{path} is not UTF-8 text (byte {e.start}); fix or re-create the model folder") from None
+_FOLDER_FIX = "fix or re-create the model folder"
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        value = json.loads(_read_text(path))
-    except json.JSONDecodeError as e:
-        raise QinferError(f"{path} is not valid JSON ({e}); fix or re-create the model folder") from e
-    if not isinstance(value, dict):
-        raise QinferError(f"{path} holds a JSON {type(value).__name__}, not an object; fix or re-create the model "
-                          "folder")
-    return value
+    return read_json_object(path, _FOLDER_FIX) if path.is_file() else {}

@@ -36,7 +36,7 @@ import torch
 
 from qinfer.arch import ModelConfig, read_config
 from qinfer.cache import atomic_dir, check_output, damage, save_tensors, write_manifest
-from qinfer.errors import QinferError
+from qinfer.errors import QinferError, read_json_object
 from qinfer.format import QUANT_CONFIG_FILE, QuantScheme, packed_weight
 from qinfer.interop import compressed_tensors as ct
 from qinfer.interop import gptq
@@ -73,17 +73,11 @@ def foreign_quant_config(folder: Path, config: dict | None = None) -> dict | Non
     it too), else None (not quantized)."""
     folder = Path(folder)
     q = (read_config(folder) if config is None else config).get("quantization_config")
-    where = f"{folder}/config.json: quantization_config"
     if q is None and (folder / AUTOGPTQ_CONFIG_FILE).is_file():
-        where = f"{folder}/{AUTOGPTQ_CONFIG_FILE}"
-        try:
-            q = json.loads((folder / AUTOGPTQ_CONFIG_FILE).read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise QinferError(f"{where} is not valid JSON ({e}): fix or remove it") from None
-        if isinstance(q, dict):
-            q = {"quant_method": gptq.CHECKPOINT_FORMAT, **q}
+        old_style = read_json_object(folder / AUTOGPTQ_CONFIG_FILE, "fix or remove it")
+        q = {"quant_method": gptq.CHECKPOINT_FORMAT, **old_style}
     if q is not None and not isinstance(q, dict):
-        raise QinferError(f"{where} is not a JSON object")
+        raise QinferError(f"{folder}/config.json: quantization_config is not a JSON object")
     return q
 
 

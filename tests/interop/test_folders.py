@@ -14,7 +14,7 @@ from qinfer.cache import cache_dir
 from qinfer.errors import QinferError
 from qinfer.format import QUANT_CONFIG_FILE, QuantizedWeight, QuantScheme
 from qinfer.interop import compressed_tensors as ct
-from qinfer.interop.folders import export_folder, import_folder
+from qinfer.interop.folders import export_folder, foreign_quant_config, import_folder
 from qinfer.loader import load_model, read_folder_tensors
 from qinfer.quantize import CalibConfig, quantize_model
 from qinfer.sources import resolve_model
@@ -354,6 +354,18 @@ def test_older_autogptq_quantize_config_json_is_read(quantized, tmp_path):
     assert torch.equal(logits(resolve_model(str(tmp_path / "gptq"))), logits(quantized / "int4-asym"))
     assert_one_line_error(run_qinfer("quantize", str(tmp_path / "gptq"), "-o", str(tmp_path / "q")),
                           "is already quantized (gptq)")
+
+
+@pytest.mark.parametrize("text, message", [
+    (b"[4, 128]", "quantize_config.json holds a JSON list, not an object: fix or remove it"),
+    (b'{"bits": 4,', "quantize_config.json is not valid JSON \\(Expecting property name enclosed in double quotes at line 1\\): fix"),
+    (b'{"bits": "\xff"}', r"quantize_config.json is not UTF-8 text \(byte 10\): fix or remove it"),
+])
+def test_a_broken_older_autogptq_quantize_config_json_is_one_line(tmp_path, text, message):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "quantize_config.json").write_bytes(text)
+    with pytest.raises(QinferError, match=message):
+        foreign_quant_config(tmp_path)
 
 
 def test_force_never_deletes_a_foreign_folder_being_read(quantized, tmp_path):
