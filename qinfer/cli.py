@@ -53,7 +53,8 @@ def _sampling_options(f):
 def _kv_cache_option(f):
     return click.option(
         "--kv-cache", type=click.Choice(["bf16", "int8", "fp8"]), default="bf16", show_default=True,
-        help="KV-cache dtype; int8 and fp8 use the scales `quantize --kv-cache` stored, else the prompt's range.",
+        help="KV-cache dtype; int8 and fp8 scale each position per KV head as it is written, over the channel "
+             "scales `quantize --kv-cache` stored (1 without them).",
     )(f)
 
 
@@ -164,7 +165,9 @@ def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed, kv_c
 
 @cli.command()
 @click.argument("model")
-@click.option("-o", "--out", required=True, type=click.Path(), help="Output folder (written atomically).")
+@click.option("-o", "--out", type=click.Path(),
+              help="Output folder (written atomically); default: MODEL's name and the scheme's in this folder, "
+                   "e.g. ./gemma3-270m-gptq-w4g128.")
 @click.option("--bits", type=int, default=4, show_default=True, help="2, 3, 4 or 8 (8 with --format fp8 for FP8).")
 @click.option("--method", type=click.Choice(["gptq", "awq", "rtn"]), default="gptq", show_default=True)
 @click.option("--group-size", type=int, default=128, show_default=True,
@@ -203,7 +206,7 @@ def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed, kv_c
               help="With --tune-steps: keep N calibration samples out of the steps and keep, per block, the "
                    "parameters of the check (every steps/10) with the least output error on them.")
 @click.option("--mse-clip", is_flag=True,
-              help="Integer formats: each group's range is the shrink of its min/max (100 steps down to 0.2x) "
+              help="Integer formats: each group's range is the shrink of its min/max (1, 0.99, ..., 0.21x) "
                    "with the least |w - q(w)|^2.4, instead of the min/max itself.")
 @click.option("--true-sequential/--no-true-sequential", default=None,
               help="GPTQ (default on) and AWQ (default off): inside each block too, calibrate each linear group "
@@ -233,7 +236,8 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
     from qinfer.quantize import CalibConfig, quantize_model, uses_calibration
     from qinfer.sources import resolve_model
 
-    _check_out_name(out)
+    if out is not None:
+        _check_out_name(out)
     ctx = click.get_current_context()
     given = {name for name in ctx.params if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE}
     if "lm_head_bits" in given and not quantize_lm_head:
@@ -266,6 +270,8 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
                                fp_target_damp=CalibConfig.fp_target_damp if fp_target_damp is None else fp_target_damp)
     tune = TuneConfig(steps=tune_steps, lr=tune_lr, batch=tune_batch, e2e_steps=e2e_steps, seed=seed,
                       rounding=tune_rounding, holdout=tune_holdout)
+    if out is None:
+        out = _default_out(model, scheme)
     unused = [f"--{name.replace('_', '-')}" for name in ("calib", "samples", "seq_len", "seed") if name in given]
     if unused and not uses_calibration(scheme, tune):
         click.echo(f"note: --method rtn rounds to nearest and reads no calibration text: {', '.join(unused)} "
@@ -362,6 +368,13 @@ def demo(out):
     from qinfer.evals.main_job import MainJobConfig, run_main_job
 
     run_main_job(MainJobConfig(out=out))
+
+
+def _default_out(model: str, scheme) -> str:
+    """``<model's name>-<scheme's tag>`` in the current folder: ``gemma3-270m-gptq-w4g128``."""
+    path = Path(model).expanduser()
+    name = path.resolve().name if path.exists() else model.rstrip("/").rsplit("/", 1)[-1]
+    return f"{name.removesuffix('.gguf') or 'model'}-{scheme.tag}"
 
 
 def _check_out_name(out: str) -> None:

@@ -4,9 +4,10 @@ A quantized checkpoint is a folder of safetensors files plus ``quant_config.json
 :class:`QuantScheme` with one extra key, ``"format_version": 1``. A quantized linear is stored under the
 Hugging Face name of its weight minus the ``.weight`` suffix, its prefix ``P`` (``model.layers.0.mlp.up_proj``).
 ``W`` is that linear's weight, shape ``[N, K]`` (out features, in features) as in ``torch.nn.Linear``.
-Tensors that are not quantized keep their original names and dtypes, except that norm weights which AWQ
-folded scales into, or the tuning stages fitted, are float32 where the norm multiplies by ``1 + w`` (Gemma):
-there bf16 would keep ``1 + w`` only to a few percent once it moves far from 1. A quantized lm_head follows
+Tensors that are not quantized keep their original names and are stored in bf16, whatever the source held,
+except float32 norm weights where the norm multiplies by ``1 + w`` (Gemma): those stay float32 (a source's, or
+what AWQ's fold or the tuning stages made), as bf16 would keep ``1 + w`` only to a few percent once it moves far
+from 1. A quantized lm_head follows
 ``scheme.lm_head_scheme()``: the same scheme with ``bits = lm_head_bits``.
 
 Tied embedding. When ``config.json`` sets ``tie_word_embeddings`` and the lm_head is quantized, the folder
@@ -36,7 +37,7 @@ Requires ``K % G == 0`` and ``K * b % 8 == 0``.
 tensor          dtype    shape           content
 ==============  =======  ==============  ======================================================
 ``P.qweight``   uint8    [N, K * b / 8]  codes ``q[n, k]`` in [0, 2^b), bit-packed as below
-``P.scale``     float16  [N, K / G]      ``scale[n, g]``, finite and >= 0 (0: a group of zeros)
+``P.scale``     float16  [N, K / G]      ``scale[n, g]``, finite and >= 0
 ``P.zero``      uint8    [N, K / G]      ``zero[n, g]`` in [0, 2^b); only when not ``symmetric``
 ==============  =======  ==============  ======================================================
 
@@ -47,6 +48,8 @@ Dequantization, with ``g(k) = k // G``::
 evaluated in float32 (codes and zeros are small integers, the fp16 scale widens exactly), then cast to
 the compute dtype. A symmetric scheme stores no ``P.zero``; its zero is the constant ``2^(b-1)``, so
 ``q - zero`` spans [-2^(b-1), 2^(b-1) - 1].
+An all-zero group is written with scale 2^-24 (float16's least) and zero 2^(b-1); readers take a scale of 0
+there too.
 
 GPTQ with ``act_order`` visits columns by decreasing Hessian diagonal but uses *static groups*: each
 group's scale and zero are fixed from the columns ``[g*G, (g+1)*G)`` in their original order, so
@@ -187,6 +190,13 @@ class QuantScheme:
         if self.act_order and self.method != "gptq":
             raise QinferError(f"act_order (--act-order) applies only to --method gptq, not {self.method!r}: "
                               "drop --act-order")
+
+    @property
+    def tag(self) -> str:
+        """A short name: ``gptq-w4g128`` (``-w4`` per channel), ``fp8`` (round to nearest), ``gptq-fp8``."""
+        if self.format == "fp8":
+            return "fp8" if self.method == "fp8" else f"{self.method}-fp8"
+        return f"{self.method}-w{self.bits}" + (f"g{self.group_size}" if self.group_size != -1 else "")
 
     @property
     def maxq(self) -> int:

@@ -10,9 +10,10 @@ import pytest
 from tests.tiny_models import make_model
 
 
-def run_qinfer(*args, env=None, timeout=300):
+def run_qinfer(*args, env=None, timeout=300, cwd=None):
     env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "qinfer", *args], capture_output=True, text=True, env=env, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "qinfer", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=cwd)
 
 
 def assert_one_line_error(proc, *needles):

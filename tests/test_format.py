@@ -306,3 +306,13 @@ def test_effective_bits_examples():
     assert effective_bits(QuantScheme(bits=4, group_size=128), (4096, 4096)) == 4.125
     assert effective_bits(QuantScheme(bits=4, group_size=128, symmetric=False), (4096, 4096)) == 4.1875
     assert effective_bits(QuantScheme(bits=3, group_size=-1), (4096, 4096)) == 3 + 16 / 4096
+
+
+@pytest.mark.parametrize("scheme, tag", [
+    (QuantScheme(method="gptq", bits=4, group_size=128, act_order=True), "gptq-w4g128"),
+    (QuantScheme(method="awq", bits=3, group_size=-1), "awq-w3"),
+    (QuantScheme(method="fp8", bits=8, group_size=-1, format="fp8", lm_head_bits=8), "fp8"),
+    (QuantScheme(method="gptq", bits=8, group_size=-1, format="fp8"), "gptq-fp8"),
+])
+def test_a_scheme_tag_names_method_bits_and_group(scheme, tag):
+    assert scheme.tag == tag

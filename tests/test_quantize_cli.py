@@ -119,6 +119,18 @@ def test_an_empty_output_name_is_refused(tiny, tmp_path, command):
     assert_one_line_error(run_qinfer(command, str(tiny), "-o", " ", *extra), "--out is empty: name a folder")
 
 
+def test_without_out_the_model_and_scheme_name_a_folder_here(tiny, tmp_path):
+    # `qinfer quantize gemma3-270m --bits 4` as the goal states it: OUT defaults to ./gemma3-270m-gptq-w4g128
+    proc = run_qinfer("quantize", str(tiny), "--method", "rtn", "--group-size", "32", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / f"{tiny.name}-rtn-w4g32"
+    assert f"wrote {out.name}" in proc.stdout
+    assert QuantScheme.load(out) == QuantScheme(method="rtn", bits=4, group_size=32, symmetric=False)
+    # run again: the folder is there, refused as any OUT is without --force
+    again = run_qinfer("quantize", str(tiny) + "/", "--method", "rtn", "--group-size", "32", cwd=tmp_path)
+    assert_one_line_error(again, out.name, "--force")
+
+
 def test_the_default_group_size_fits_the_model(tiny, tmp_path):
     # the tiny llama's linears read 64 and 96 channels: the default 128 fits neither, 32 both (as 64 does SmolLM2's
     # 576); a group size the user chose is kept, and refused if it does not fit (test_cli_errors)
