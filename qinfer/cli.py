@@ -119,8 +119,9 @@ def generate(model, prompt, dtype, max_tokens, temperature, top_p, top_k, seed, 
     lm, tok = _open(model, dtype)
     _kv_scales_note(lm, model, kv_cache)
     stats = GenerationStats()
-    stream = StreamDecoder(tok)
-    tokens = run(lm, tok.encode(prompt), params, stop_ids=tok.eos_ids, stats=stats, compiled=compiled,  # checked
+    ids = tok.encode(prompt)
+    stream = StreamDecoder(tok, context=ids[-1:])  # the prompt is printed as given: continue it from its last token
+    tokens = run(lm, ids, params, stop_ids=tok.eos_ids, stats=stats, compiled=compiled,  # checked
                  kv_dtype=kv_cache)
     sys.stdout.write(prompt)
     try:

@@ -283,15 +283,16 @@ class StreamDecoder:
     decodes to U+FFFD until its last byte arrives, and SentencePiece drops the leading space of the first
     piece it decodes. So we decode a window that starts one emitted step back (context for the space) and
     hold text back while it ends in an incomplete character. The concatenated output equals
-    ``decode(all_ids)`` once ``flush`` is called.
+    ``decode(all_ids)`` once ``flush`` is called. ``context``, ids already shown (a prompt's last token), is
+    the first window's start, so a continuation's first piece keeps its leading space.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, context: Sequence[int] = ()):
         self._tok = tokenizer
         self._skip = skip_special_tokens
-        self._ids: list[int] = []
+        self._ids: list[int] = [int(i) for i in context]
         self._prefix = 0  # window start: the previous emit point
-        self._read = 0  # ids up to here are emitted
+        self._read = len(self._ids)  # ids up to here are emitted
 
     def _pending(self) -> str:
         done = self._tok.decode(self._ids[self._prefix : self._read], self._skip)

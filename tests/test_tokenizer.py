@@ -234,6 +234,30 @@ def test_stream_multibyte_and_leading_space(sp_tok):
     assert stream.flush() == ""
 
 
+@pytest.mark.parametrize("decoder", ["metaspace", "strip"])
+def test_stream_continuing_a_prompt_keeps_the_first_pieces_space(tmp_path, decoder):
+    # `qinfer generate` prints the prompt, then the stream. Llama 2 / Mistral tokenizers drop the leading space of
+    # the first piece decoded (a Metaspace decoder, or the older Replace, ..., Strip(left=1)): "isParis" unless the
+    # stream starts from the prompt's last token
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    hf = HFTokenizer(models.BPE(unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    hf.decoder = (decoders.Metaspace(replacement="\u2581", prepend_scheme="first") if decoder == "metaspace" else
+                  decoders.Sequence([decoders.Replace("\u2581", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)]))
+    hf.train_from_iterator(["The capital of France is Paris."] * 20,
+                           trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>", "<s>", "</s>"]))
+    hf.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    tok = Tokenizer.from_folder(tmp_path)
+    prompt = tok.encode("The capital of France is")
+    continuation = tok.encode("The capital of France is Paris.")[len(prompt):]
+    assert tok.decode(continuation[:1]).startswith("P")  # decoded alone, the piece loses its space
+    stream = StreamDecoder(tok, context=prompt[-1:])
+    assert "".join(stream.feed(i) for i in continuation) + stream.flush() == " Paris."
+
+
 def test_stream_flush_returns_unfinished_character(sp_tok):
     stream = StreamDecoder(sp_tok)
     first_two_bytes = sp_tok.encode("日", add_bos=False)[:2]
