@@ -77,9 +77,9 @@ class ChatSession:
             ids = _encoded(self.tokenizer, self.messages)
             tokens = generate(self.model, ids, self.params, stop_ids=self.tokenizer.eos_ids, stats=stats,
                               compiled=self.compiled, kv_dtype=self.kv_dtype)
-        except QinferError as e:  # the template refused the turn, or the conversation no longer fits: not kept
-            self.messages.pop()
-            if isinstance(e, ContextFull):
+        except BaseException as e:  # the template refused the turn, the conversation no longer fits, or Ctrl-C
+            self.messages.pop()  # before the answer began: the turn is not kept (nor two user turns in a row)
+            if not isinstance(e, QinferError) or isinstance(e, ContextFull):
                 raise
             raise TurnRefused(str(e)) from None
         stream = StreamDecoder(self.tokenizer)

@@ -333,6 +333,28 @@ def test_an_empty_system_message_is_sent_as_one(tmp_path):
     assert session.messages == [{"role": "system", "content": ""}]
 
 
+def test_a_ctrl_c_before_the_answer_begins_keeps_no_half_turn(tmp_path, monkeypatch):
+    # a Ctrl-C while the turn's KV cache is allocated: the question is dropped, so the next turn's history still
+    # alternates (Gemma's, Mistral's and Llama 2's templates refuse two user messages in a row)
+    from qinfer.chat import ChatSession
+
+    make_model("llama", tmp_path)
+    session = ChatSession(load_model(tmp_path, dtype=torch.float32), Tokenizer.from_folder(tmp_path),
+                          SamplingParams(max_tokens=2))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate_module, "make_cache", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        "".join(session.reply("first"))
+    assert session.messages == []
+    monkeypatch.setattr(generate_module, "make_cache", make_cache)
+    "".join(session.reply("second"))
+    assert [(m["role"], m["content"]) for m in session.messages][0] == ("user", "second")
+    assert [m["role"] for m in session.messages] == ["user", "assistant"]
+
+
 def test_chat_says_reset_only_when_there_is_a_conversation_to_clear(tmp_path):
     make_model("llama", tmp_path)
     long = " ".join(["word"] * 300)
