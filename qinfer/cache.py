@@ -1,7 +1,9 @@
 """Where pulled models and data live: ``$QINFER_CACHE`` or ``~/.cache/qinfer``; and the writing around it:
 atomic files and folders, output checks, the free memory, fingerprints of the code a cached result came from."""
 
+import ctypes
 import errno
+import functools
 import glob
 import hashlib
 import importlib
@@ -62,6 +64,7 @@ def check_output(out: Path, force: bool, source: Path | None = None) -> None:
     anything but a model folder (config.json) or an empty one, so a mistyped ``-o`` never replaces a home folder
     or a file; the ``source`` being read; a place no folder can be made in."""
     out = Path(out)
+    _restore_replaced(out)
     if source is not None and out.resolve() == Path(source).resolve():
         raise QinferError(f"-o {out} is the model being read: choose another -o")
     if source is not None and force and out.resolve() in Path(source).resolve().parents:
@@ -140,6 +143,7 @@ def atomic_dir(target: Path, force: bool = False):
     except FileExistsError:  # (a file further up: errors.py's unwritable path)
         raise QinferError(f"cannot write {target}: {target.parent} is a file, not a folder; move it, or write "
                           "elsewhere") from None
+    _restore_replaced(target)
     tmp = temp_path(target.parent, f".{target.name}.tmp-", folder=True)
     umask = os.umask(0)
     os.umask(umask)
@@ -148,12 +152,14 @@ def atomic_dir(target: Path, force: bool = False):
         with naming_full_disk(target):
             yield tmp
         if target.exists() and force:
-            old = temp_path(target.parent, f".{target.name}.old-", folder=True)
-            old.rmdir()
-            # Between the renames there is no target, and after them the old one must go: Ctrl-C waits.
-            with _signals_held():
-                target.rename(old)
-                tmp.rename(target)
+            with _signals_held():  # after the swap the old one must go: Ctrl-C waits
+                if _exchange(tmp, target):  # one step: target is never missing, even under SIGKILL
+                    old = tmp
+                else:  # two renames, with no target between them (a kill there: the next run puts it back)
+                    old = temp_path(target.parent, f".{target.name}.old-", folder=True)
+                    old.rmdir()
+                    target.rename(old)
+                    tmp.rename(target)
                 finished(target)
                 if old.is_dir() and not old.is_symlink():
                     shutil.rmtree(old, ignore_errors=True)
@@ -173,6 +179,41 @@ def atomic_dir(target: Path, force: bool = False):
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the paths ``a`` and ``b`` in one step (Linux's ``renameat2`` with ``RENAME_EXCHANGE``); False where
+    the C library or the file system has no such call."""
+    rename2 = getattr(_libc(), "renameat2", None)
+    if rename2 is None:
+        return False
+    at_cwd, exchange = -100, 2  # AT_FDCWD, RENAME_EXCHANGE
+    if rename2(at_cwd, os.fsencode(os.path.abspath(a)), at_cwd, os.fsencode(os.path.abspath(b)), exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+@functools.lru_cache(maxsize=1)
+def _libc():
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+def _restore_replaced(target: Path) -> None:
+    """Put back the folder a replace moved aside, if its run was killed before the new one moved in (``target``
+    missing, ``.<name>.old-<pid>-*`` there, that process gone); the finished new one in its temp folder is swept."""
+    if target.exists() or target.is_symlink():
+        return
+    for old in sorted(target.parent.glob(f"{glob.escape(f'.{target.name}.old-')}*")):
+        pid = old.name[len(f".{target.name}.old-"):].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            old.rename(target)
+            return
 
 
 @contextmanager

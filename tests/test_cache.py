@@ -52,6 +52,7 @@ def test_ctrl_c_between_the_renames_of_a_replace_waits_for_both(tmp_path, monkey
         return result
 
     monkeypatch.setattr(Path, "rename", rename_then_ctrl_c)
+    monkeypatch.setattr(cache, "_exchange", lambda a, b: False)  # the two renames, where there is no one-step swap
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # also under a shell that ignores it
     try:
         with pytest.raises(KeyboardInterrupt):
@@ -62,6 +63,49 @@ def test_ctrl_c_between_the_renames_of_a_replace_waits_for_both(tmp_path, monkey
     assert (target / "config.json").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     assert "(out is complete)" in _kept().replace(str(tmp_path) + os.sep, "")  # what the Ctrl-C line will say
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="renameat2 is Linux's")
+def test_a_replace_swaps_in_one_step_and_a_ctrl_c_waits_for_the_old_one_to_go(tmp_path, monkeypatch):
+    # one renameat2(RENAME_EXCHANGE): OUT is there at every instant, so even SIGKILL cannot lose both
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "config.json").write_text("old")
+    monkeypatch.setattr(Path, "rename", lambda self, dest: pytest.fail("renamed in two steps"))
+    exchange = cache._exchange
+
+    def exchange_then_ctrl_c(a, b):
+        assert exchange(a, b)
+        os.kill(os.getpid(), signal.SIGINT)
+        return True
+
+    monkeypatch.setattr(cache, "_exchange", exchange_then_ctrl_c)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with atomic_dir(target, force=True) as tmp:
+                (tmp / "config.json").write_text("new")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert (target / "config.json").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_the_old_output_of_a_replace_killed_between_its_renames_is_put_back(tmp_path):
+    # SIGKILL between the two renames (no one-step swap): OUT missing, the old folder hidden beside the new one.
+    # The next run puts the old one back before it checks -o, and sweeps the dead run's new one
+    pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                             text=True).stdout)
+    (tmp_path / f".out.old-{pid}-a").mkdir()
+    (tmp_path / f".out.old-{pid}-a" / "config.json").write_text("old")
+    (tmp_path / f".out.tmp-{pid}-b").mkdir()
+    with pytest.raises(QinferError, match="already exists"):
+        check_output(tmp_path / "out", force=False)
+    assert (tmp_path / "out" / "config.json").read_text() == "old"
+    with atomic_dir(tmp_path / "out", force=True) as tmp:
+        (tmp / "config.json").write_text("new")
+    assert (tmp_path / "out" / "config.json").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def test_atomic_dir_replacing_a_file_leaves_nothing_behind(tmp_path):
