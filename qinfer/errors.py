@@ -135,7 +135,8 @@ def _termination_unwinds():
     def terminate(signum, frame):
         raise Terminated(128 + signum)
 
-    previous = {sig: signal.signal(sig, terminate) for sig in TERMINATING}
+    # a signal the command was started ignoring stays ignored (`nohup qinfer quantize ...` survives a logout)
+    previous = {sig: signal.signal(sig, terminate) for sig in TERMINATING if signal.getsignal(sig) != signal.SIG_IGN}
     try:
         yield
     finally:

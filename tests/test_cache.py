@@ -264,9 +264,11 @@ class _FullFile:
 def _writer(target, how):
     with atomic_dir(Path(target)) as tmp:
         (tmp / "config.json").write_text("{}")
-        if how in ("term", "hup"):
+        if how in ("term", "hup", "hup then finish"):
             os.kill(os.getpid(), signal.SIGTERM if how == "term" else signal.SIGHUP)
-            time.sleep(10)
+            time.sleep(10 if how != "hup then finish" else 0.1)
+        if how == "hup then finish":
+            return
         if how == "full":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         if how != "term after":
@@ -285,6 +287,17 @@ def test_sigterm_sighup_and_ctrl_c_unwind_and_leave_nothing_half_written(tmp_pat
     assert list(tmp_path.iterdir()) == []
     # the handlers are the command's only
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)) == previous
+
+
+def test_a_sighup_ignored_at_the_start_stays_ignored(tmp_path):
+    # nohup: the run outlives its terminal; the output is written whole
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        result = CliRunner().invoke(_writer, [str(tmp_path / "out"), "hup then finish"])
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert result.exit_code == 0, result.output
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
 def test_a_signal_after_the_output_is_whole_says_it_is_kept(tmp_path):
