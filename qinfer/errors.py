@@ -97,11 +97,10 @@ class _OneLineErrors:
         except (MemoryError, RuntimeError) as e:
             if isinstance(e, RuntimeError) and not _out_of_memory(e):
                 raise
-            raise click.ClickException(
-                f"out of memory{_request(e)}: close other programs, or ask for less "
-                "(quantize: fewer --samples or a shorter --seq-len; eval: a smaller --max-tokens)"
-            ) from None
+            raise click.ClickException(f"out of memory{_request(e)}: {_LESS}") from None
         except OSError as e:
+            if e.errno == errno.ENOMEM:  # a map the address-space limit (ulimit -v) or strict overcommit refused
+                raise click.ClickException(f"out of memory{_request(e)}: {_LESS}") from None
             if e.errno == errno.ENOSPC:
                 where = e.filename or "output"
                 raise click.ClickException(f"disk full while writing {where}: free space and retry") from None
@@ -150,6 +149,10 @@ class Command(_OneLineErrors, click.Command):
 
 class Group(_OneLineErrors, click.Group):
     """A click group whose commands' user-facing failures end as one line."""
+
+
+_LESS = ("close other programs, or ask for less (quantize: fewer --samples or a shorter --seq-len; eval: a smaller "
+         "--max-tokens)")
 
 
 def _out_of_memory(e: RuntimeError) -> bool:

@@ -11,6 +11,7 @@ of 2 MiB pages (Linux's transparent huge pages), see :func:`into_huge_pages`.
 """
 
 import dataclasses
+import errno
 import json
 import math
 import mmap
@@ -334,7 +335,12 @@ def into_huge_pages(model: Transformer) -> int:
     total = sum(sizes)
     if not total:
         return 0
-    whole, offset = huge_page_buffer(total), 0
+    try:
+        whole, offset = huge_page_buffer(total), 0
+    except OSError as e:  # no room for a second copy under an address-space limit (ulimit -v, strict overcommit)
+        if e.errno != errno.ENOMEM:
+            raise
+        return 0  # the weights stay where they are, in 4 KiB pages
     base = whole.storage_offset()
     with torch.no_grad():
         for (start, end, found), size in zip(spans.values(), sizes):

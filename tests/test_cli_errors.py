@@ -161,6 +161,25 @@ def test_out_of_memory_is_one_line(tmp_path, monkeypatch):
     assert "fewer --samples or a shorter --seq-len" in result.output
 
 
+def test_a_map_the_address_space_limit_refuses_is_out_of_memory(tmp_path, monkeypatch):
+    # under ulimit -v (or strict overcommit) mmap fails with ENOMEM, an OSError, not the allocator's RuntimeError
+    import errno
+
+    from click.testing import CliRunner
+
+    import qinfer.quantize
+    from qinfer.cli import cli
+
+    def refuse(*args, **kwargs):
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    monkeypatch.setattr(qinfer.quantize, "quantize_model", refuse)
+    make_model("llama", tmp_path / "src")
+    result = CliRunner().invoke(cli, ["quantize", str(tmp_path / "src"), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert result.output.startswith("Error: out of memory: close other programs, or ask for less")
+
+
 @pytest.mark.parametrize("terminal", [True, False])
 def test_ctrl_c_message_starts_its_own_line_at_a_terminal(terminal):
     # a terminal echoes ^C where the cursor is; the Error line must not run on after it

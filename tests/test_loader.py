@@ -1,6 +1,8 @@
 """Loader memory: dropping the pages of memory-mapped tensors that are done with; weights in huge pages."""
 
+import errno
 import mmap
+import os
 import sys
 from pathlib import Path
 
@@ -84,6 +86,20 @@ def test_huge_pages_take_every_weight_and_change_no_output(tmp_path, monkeypatch
     assert torch.equal(moved(ids[:, :1]), plain(ids[:, :1]))  # one row: the decode GEMVs, on the new pointers
     assert into_huge_pages(moved) > 0  # moving again is harmless
     assert torch.equal(moved(ids[:, :1]), plain(ids[:, :1]))
+
+
+def test_no_room_for_the_huge_page_copy_keeps_the_weights_where_they_are(tmp_path, monkeypatch):
+    # under ulimit -v the second copy's map is refused (ENOMEM): the model runs from its own pages
+    make_model("llama", tmp_path)
+    monkeypatch.setattr(qinfer.loader, "huge_pages_reason", lambda: "")
+
+    def refuse(nbytes):
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    monkeypatch.setattr(qinfer.loader, "huge_page_buffer", refuse)
+    plain, kept = load_model(tmp_path), load_model(tmp_path, run=True)
+    ids = torch.tensor([[0, 7, 7, 300, 5]])
+    assert torch.equal(kept(ids), plain(ids))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
