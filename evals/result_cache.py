@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from qinfer.cache import cache_dir, source_fingerprint, write_atomic
+from qinfer.cache import cache_dir, cache_root, source_fingerprint, write_atomic
 from qinfer.errors import QinferError
 from qinfer.kernels import gemv_cpu
 from qinfer.loader import weight_pages
@@ -128,5 +128,17 @@ def _fits(value, hint) -> bool:
 
 
 def store(part: str, key: str, value: dict) -> None:
-    path = _path(part, key)
-    write_atomic(path, json.dumps(value, indent=1))
+    """Keep ``value`` under ``key``; a cache that cannot be written (read-only, full) is said once, and the
+    measurement still reaches the outputs."""
+    try:
+        write_atomic(_path(part, key), json.dumps(value, indent=1))
+    except (OSError, QinferError) as e:
+        _not_kept(str(e) if isinstance(e, QinferError) else f"{cache_root() / 'eval'}: {e.strerror or e}")
+
+
+@functools.lru_cache(maxsize=None)
+def _not_kept(why: str) -> None:
+    import click
+
+    click.echo(f"note: results not cached: {why}; set QINFER_CACHE to a folder you can write to, to keep them",
+               err=True)

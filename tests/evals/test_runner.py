@@ -282,6 +282,20 @@ def test_a_full_disk_names_the_output_folder_and_leaves_no_results(env, monkeypa
     assert list(out.iterdir()) == []  # neither results.json nor the temp folder
 
 
+def test_a_cache_that_cannot_be_written_is_said_once_and_the_results_still_reach_out(env, monkeypatch, capsys):
+    # a read-only shared cache: its folders exist, so only the first store meets it, after the measurements
+    def read_only(path, data):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path) + ".tmp-1-x")
+
+    monkeypatch.setattr(result_cache, "write_atomic", read_only)
+    out = env["root"] / "out"
+    results = run_eval(EvalConfig(models=(env["model"], env["model"]), text=env["text"], **{**SMALL, "out": str(out)}))
+    assert len(results) == 2 and json.loads((out / "results.json").read_text())["models"]
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: results not cached")]
+    assert notes == [f"note: results not cached: {env['root'] / 'cache' / 'eval'}: Read-only file system; set "
+                     "QINFER_CACHE to a folder you can write to, to keep them"]
+
+
 def test_text_too_short_for_one_window_is_a_clear_error(env):
     short = env["root"] / "short.txt"
     short.write_text("It is a truth.")
