@@ -51,34 +51,48 @@ def test_gptq_beats_rtn_on_output_error(bits, group_size, act_order, symmetric):
 
 def _reference_gptq(W, H, scheme):
     """Sequential OBS (the OBQ form GPTQ reorganises): explicit inverse, eliminated one column at a time,
-    float64, static per-channel grid. Independent of the Cholesky and lazy-batch machinery."""
-    bits = scheme.bits
-    scale, zero = rtn_params(W, bits, -1, scheme.symmetric)
-    Hd = H.double() + scheme.damp * H.diagonal().double().mean() * torch.eye(H.shape[0], dtype=torch.float64)
-    perm = torch.argsort(H.diagonal(), descending=True) if scheme.act_order else torch.arange(H.shape[0])
+    float64. Independent of the Cholesky and lazy-batch machinery. Grids: per channel, and groups under
+    act-order (static groups), from the original W; other groups from the updated weights as the sweep reaches
+    each group's first column (as the GPTQ paper's code forms them)."""
+    bits, n, k = scheme.bits, *W.shape
+    G = k if scheme.group_size == -1 else scheme.group_size
+    static = scheme.act_order or scheme.group_size == -1
+    if static:
+        scale, zero = rtn_params(W, bits, G, scheme.symmetric)
+    Hd = H.double() + scheme.damp * H.diagonal().double().mean() * torch.eye(k, dtype=torch.float64)
+    perm = torch.argsort(H.diagonal(), descending=True) if scheme.act_order else torch.arange(k)
     Wd, Hinv = W.double()[:, perm], torch.linalg.inv(Hd[perm][:, perm])
     codes = torch.empty(W.shape, dtype=torch.uint8)
-    for i in range(W.shape[1]):
-        q = quantize_codes(Wd[:, i : i + 1].float(), scale, zero, bits, -1)
+    for i in range(k):
+        col = int(perm[i])
+        if not static and col % G == 0:  # no act-order: column i is column col
+            group_scale, group_zero = rtn_params(Wd[:, i : i + G].float(), bits, -1, scheme.symmetric)
+        elif static:
+            group_scale, group_zero = scale[:, col // G : col // G + 1], zero[:, col // G : col // G + 1]
+        q = quantize_codes(Wd[:, i : i + 1].float(), group_scale, group_zero, bits, -1)
         codes[:, i] = q[:, 0]
-        err = (Wd[:, i] - dequantize_codes(q, scale, zero, -1)[:, 0].double()) / Hinv[i, i]
+        err = (Wd[:, i] - dequantize_codes(q, group_scale, group_zero, -1)[:, 0].double()) / Hinv[i, i]
         Wd[:, i:] -= err[:, None] * Hinv[i, i:][None, :]
         Hinv = Hinv - Hinv[:, i : i + 1] @ Hinv[i : i + 1, :] / Hinv[i, i]
     return codes[:, torch.argsort(perm)]
 
 
 @pytest.mark.parametrize("act_order", [False, True])
-def test_matches_the_unbatched_reference(act_order):
+@pytest.mark.parametrize("group_size", [-1, 32])
+def test_matches_the_unbatched_reference(act_order, group_size):
     W, X = _problem(seed=1, n=16, k=64, m=256)
-    scheme = QuantScheme(method="gptq", bits=4, group_size=-1, act_order=act_order)
+    scheme = QuantScheme(method="gptq", bits=4, group_size=group_size, act_order=act_order)
     codes = gptq_quantize(W, X.T @ X, scheme, blocksize=16).codes()
     # float32 vs float64 may flip a rare rounding tie (observed: none)
     assert (codes == _reference_gptq(W, X.T @ X, scheme)).float().mean() >= 0.99
 
 
-def test_lazy_batches_do_not_change_the_result():
+@pytest.mark.parametrize("group_size", [-1, 32])
+def test_lazy_batches_do_not_change_the_result(group_size):
+    # with groups, a lazy batch holding several groups must form each one's grid from the weights the columns
+    # before it (in this batch) have already updated
     W, X = _problem(seed=2, n=16, k=128, m=256)
-    scheme = QuantScheme(method="gptq", bits=3, group_size=-1)
+    scheme = QuantScheme(method="gptq", bits=3, group_size=group_size)
     base = gptq_quantize(W, X.T @ X, scheme, blocksize=128).codes()
     for blocksize in (1, 7, 50):
         assert (gptq_quantize(W, X.T @ X, scheme, blocksize=blocksize).codes() == base).float().mean() >= 0.99
