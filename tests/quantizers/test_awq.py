@@ -134,8 +134,21 @@ def test_duo_scaling_grid():
     X_cal, X_test, Ws = _problem()
     scheme = _scheme()
     res = awq_search_scales(X_cal, Ws, scheme, duo_scaling=True)
+    # AutoAWQ's candidates x_mean^r / w_mean^(1-r), w_mean the mean over rows of |W| over its group's absmax,
+    # each normalised to max * min = 1 (written out here; ratio 0 is 1 / w_mean, not 1)
+    W = torch.cat(Ws).abs()
+    g = W.reshape(W.shape[0], -1, scheme.group_size)
+    w_mean = (g / g.amax(-1, keepdim=True)).reshape(W.shape).mean(0)
+
+    def candidate(ratio):
+        s = X_cal.abs().mean(0).pow(ratio) / w_mean.pow(1 - ratio)
+        return s / (s.max() * s.min()).sqrt()
+
+    assert torch.allclose(res.scales, candidate(res.ratio), rtol=1e-3)
+    only_ratio_0 = awq_search_scales(X_cal, Ws, scheme, duo_scaling=True, n_grid=1)
+    assert torch.allclose(only_ratio_0.scales, candidate(0.0), rtol=1e-3)
     s = res.scales
-    # AutoAWQ's grid: its ratio 0 is 1 / w_mean, not 1, but it also finds scales far better than RTN
+    # it also finds scales far better than RTN
     e_rtn = _out_err(X_test, Ws, [fake_quantize(w, scheme) for w in Ws])
     assert _out_err(X_test, Ws, [fake_quantize(w * s, scheme) / s for w in Ws]) <= 0.8 * e_rtn
 
@@ -223,6 +236,8 @@ def test_clip_grid_endpoints():
         for end, end0 in ((lo, lo0), (hi, hi0)):
             steps = (1 - end / end0) * 10
             assert bool((steps - steps.round()).abs().max() < 1e-4) and int(steps.round().max()) <= 5
+        # the last step, 1 - max_shrink, is tried too (AutoAWQ stops one short): some groups here take it
+        assert max(int(((1 - end / end0) * 10).round().max()) for end, end0 in ((lo, lo0), (hi, hi0))) == 5
 
 
 def test_apply_clip():
