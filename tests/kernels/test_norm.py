@@ -19,6 +19,10 @@ def test_c_rows_match_the_reference(rows, D, dtype, gemma, weight_fp32):
     g = torch.Generator().manual_seed(rows * D)
     x = (torch.randn(rows, D, generator=g) * 3).to(dtype)
     x[0, :3] = 0.0  # zeros, and a row's scale far from 1
+    if rows > 1:
+        x[1] *= 1e-4  # a mean square far below eps: eps sets the scale
+    if rows > 2:
+        x[2] = 0.0  # a row of zeros: zeros, not 0/0
     weight = (torch.randn(D, generator=g) * 0.3).to(torch.float32 if weight_fp32 else dtype)
     offset = 1.0 if gemma else 0.0
     assert gemv_cpu.rms_norm_supported(x, weight, gemma)
