@@ -175,14 +175,22 @@ def test_every_architecture_quantizes_loads_and_runs(tmp_path, calib_file, kind,
     # every tiny architecture through the pipeline, loaded as the qinfer commands load a model to run
     src, out = tmp_path / "src", tmp_path / "q"
     make_model(kind, src)
+    if method == "awq":  # outlier channels, so AWQ's scales are far from 1 and a fold that loses them shows
+        src = with_salient_channels(src, tmp_path)
     scheme = QuantScheme(method="fp8", format="fp8", bits=8, group_size=-1) if method == "fp8" else QuantScheme(
         method="awq", bits=4, group_size=32, symmetric=False)
-    quantize_model(src, out, scheme, CalibConfig(source=str(calib_file), samples=8, seq_len=32))
+    calib = CalibConfig(source=str(calib_file), samples=8, seq_len=32)
+    quantize_model(src, out, scheme, calib)
     ids = torch.tensor([[1, 5, 9, 300, 2, 7, 11, 42, 3, 3, 17, 99]])
     ref, q = load_model(src, dtype=torch.float32), load_model(out, dtype=torch.float32, run=True)
     with torch.no_grad():
         a, b = ref(ids), q(ids)
-    assert float((a - b).norm() / a.norm()) < (0.15 if method == "fp8" else 0.5)  # measured: <= 0.09, <= 0.32
+    error = float((a - b).norm() / a.norm())
+    if method == "fp8":
+        assert error < 0.15  # measured: <= 0.09
+    else:  # below round to nearest at the same scheme (measured 0.67-0.92 of it; a fold that drops 1/s: 2.3-4.4)
+        quantize_model(src, tmp_path / "rtn", replace(scheme, method="rtn"), calib)
+        assert error < logits_error(src, tmp_path / "rtn", ids), error
 
 
 @pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])

@@ -54,7 +54,7 @@ def _reference_gptq(W, H, scheme):
     float64. Independent of the Cholesky and lazy-batch machinery. Grids: per channel, and groups under
     act-order (static groups), from the original W; other groups from the updated weights as the sweep reaches
     each group's first column (as the GPTQ paper's code forms them)."""
-    bits, n, k = scheme.bits, *W.shape
+    bits, k = scheme.bits, W.shape[1]
     G = k if scheme.group_size == -1 else scheme.group_size
     static = scheme.act_order or scheme.group_size == -1
     if static:
