@@ -26,7 +26,13 @@ CACHE_OWNED = ("models", "converted", "gguf")
 
 def cache_root() -> Path:
     """The cache folder's path (not made)."""
-    return Path(os.environ.get("QINFER_CACHE") or Path.home() / ".cache" / "qinfer").expanduser()
+    if os.environ.get("QINFER_CACHE"):
+        return Path(os.environ["QINFER_CACHE"]).expanduser()
+    try:
+        return Path.home() / ".cache" / "qinfer"
+    except RuntimeError:  # no HOME and no passwd entry (cron, a container's arbitrary user id)
+        raise QinferError("there is no home folder to keep qinfer's cache in: set QINFER_CACHE to a folder you can "
+                          "write to") from None
 
 
 def cache_dir(*parts: str) -> Path:
@@ -64,6 +70,15 @@ def check_output(out: Path, force: bool, source: Path | None = None) -> None:
     anything but a model folder (config.json) or an empty one, so a mistyped ``-o`` never replaces a home folder
     or a file; the ``source`` being read; a place no folder can be made in."""
     out = Path(out)
+    try:
+        out.resolve()
+    except RuntimeError:  # Python 3.11 says "Symlink loop"
+        raise QinferError(f"-o {out} goes through a loop of symbolic links: choose another -o") from None
+    overhead = len(f"..tmp-{os.getpid()}-12345678")  # OUT is written first in .<name>.tmp-<pid>-<8 random>
+    if len(os.fsencode(out.name)) + overhead > _NAME_MAX:
+        raise QinferError(f"-o {out}: a name of {len(os.fsencode(out.name))} bytes is too long here (at most "
+                          f"{_NAME_MAX - overhead}: it is written first in a temp folder named after it); choose a "
+                          "shorter -o")
     _restore_replaced(out)
     if source is not None and out.resolve() == Path(source).resolve():
         raise QinferError(f"-o {out} is the model being read: choose another -o")
@@ -81,6 +96,9 @@ def check_output(out: Path, force: bool, source: Path | None = None) -> None:
                               "choose another -o")
         if not out.is_dir():
             raise QinferError(f"{out} is not a folder: --force replaces only a model folder; choose another -o")
+        if os.path.ismount(out):
+            raise QinferError(f"{out} is a mount point, which --force cannot replace: write to a folder in it "
+                              f"(-o {out / 'model'})")
         if not (out / "config.json").exists() and any(out.iterdir()):
             raise QinferError(f"{out} is a folder without a model in it (no config.json): --force replaces only a "
                               "model folder; choose another -o")
@@ -90,6 +108,9 @@ def check_output(out: Path, force: bool, source: Path | None = None) -> None:
             raise QinferError(f"{out} holds more than a model ({listed}): --force would delete that too; move it out "
                               "or choose another -o")
     check_writable(out.parent, what=str(out))
+
+
+_NAME_MAX = 255  # bytes in a file name: Linux's file systems, macOS, Windows (in characters)
 
 
 # What a model folder consists of (qinfer's outputs, Hugging Face model folders, an eval's --out there): the only

@@ -101,9 +101,13 @@ class _OneLineErrors:
         except OSError as e:
             if e.errno == errno.ENOMEM:  # a map the address-space limit (ulimit -v) or strict overcommit refused
                 raise click.ClickException(f"out of memory{_request(e)}: {_LESS}") from None
-            if e.errno == errno.ENOSPC:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 where = e.filename or "output"
-                raise click.ClickException(f"disk full while writing {where}: free space and retry") from None
+                full = "disk full" if e.errno == errno.ENOSPC else "disk quota exceeded"
+                raise click.ClickException(f"{full} while writing {where}: free space and retry") from None
+            if e.errno == errno.EFBIG:
+                raise click.ClickException(f"{e.filename or 'a file'} grew past the largest file this file system or "
+                                           "`ulimit -f` allows: write to another file system, or raise the limit") from None
             if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR) and e.filename:
                 raise click.ClickException(_unwritable(e)) from None
             raise

@@ -157,6 +157,44 @@ def test_check_output(tmp_path):
         check_output(model, force=True)
 
 
+def test_check_output_refuses_what_would_fail_only_at_the_end(tmp_path, monkeypatch):
+    # a name too long for its temp folder, a loop of links, a mount point: each found before any work
+    with pytest.raises(QinferError, match=r"a name of 250 bytes is too long here \(at most \d+: it is written first"):
+        check_output(tmp_path / ("x" * 250), force=False)
+    check_output(tmp_path / ("x" * 200), force=False)
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(QinferError, match="goes through a loop of symbolic links"):
+        check_output(tmp_path / "a" / "out", force=False)
+    (tmp_path / "mounted").mkdir()
+    monkeypatch.setattr(os.path, "ismount", lambda path: Path(path) == tmp_path / "mounted")
+    with pytest.raises(QinferError, match="is a mount point, which --force cannot replace: write to a folder in it"):
+        check_output(tmp_path / "mounted", force=True)
+
+
+def test_no_home_folder_for_the_cache_is_one_line(monkeypatch):
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("QINFER_CACHE", raising=False)
+    monkeypatch.setattr(Path, "home", no_home)
+    with pytest.raises(QinferError, match="no home folder to keep qinfer's cache in: set QINFER_CACHE"):
+        cache.cache_root()
+
+
+@pytest.mark.parametrize("code, message", [
+    (errno.EDQUOT, "Error: disk quota exceeded while writing out/model.safetensors: free space and retry"),
+    (errno.EFBIG, "Error: out/model.safetensors grew past the largest file this file system or `ulimit -f` allows"),
+])
+def test_a_quota_or_a_file_size_limit_is_one_line(code, message):
+    @click.command(cls=Command)
+    def write():
+        raise OSError(code, os.strerror(code), "out/model.safetensors")
+
+    result = CliRunner().invoke(write, [])
+    assert result.exit_code == 1 and result.output.startswith(message), result.output
+
+
 def test_source_fingerprint_follows_every_file_it_covers(tmp_path, monkeypatch, request):
     # a module and a package of two on a fresh path: an edit to any of them, or a new module in the package,
     # changes the fingerprint; nothing else does
