@@ -23,6 +23,7 @@ from qinfer.block_tune import TuneConfig
 from qinfer.cache import cache_dir
 from qinfer.errors import Command, QinferError
 from qinfer.format import QuantScheme
+from qinfer.loader import safetensors_header
 from qinfer.quantize import CalibConfig, code_fingerprint, quantize_model, recorded_calibration, source_identity
 from qinfer.sources import resolve_model
 
@@ -63,6 +64,8 @@ def _matches(folder: Path, source: Path, scheme: QuantScheme, calib: CalibConfig
         report = json.loads((folder / "quantize_report.json").read_text())
         same = report.get("calibration") == recorded_calibration(scheme, calib, TuneConfig())
         same = same and report.get("code") == code_fingerprint() and report.get("source") == source_identity(source)
+        for weights in folder.glob("*.safetensors"):  # a damaged copy (a truncated file) is quantized again
+            safetensors_header(weights)
         return QuantScheme.load(folder) == scheme and same
     except (OSError, ValueError, QinferError):
         return False

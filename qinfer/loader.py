@@ -55,6 +55,10 @@ def _redo(path: Path) -> str:
         return f"`qinfer pull {folder.name} --force` converts it again"
     if folder.parent == root / "converted":
         return f"delete {folder} and qinfer converts it again when next given the same model"
+    if folder.parent == root / "quantized":
+        return "`qinfer demo` quantizes its damaged copy again"
+    if (folder / QUANT_CONFIG_FILE).is_file():
+        return "quantize the model again"
     return "re-download or re-convert it"
 
 

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from qinfer.arch import ModelConfig
 from qinfer.errors import QinferError
+from qinfer.format import QuantScheme
 from qinfer.loader import INDEX_FILE, load_model
 from qinfer.tokenizer import Tokenizer
 from tests.test_cli_errors import assert_one_line_error, run_qinfer
@@ -178,11 +179,15 @@ def test_a_tokenizer_with_ids_past_the_models_vocabulary_is_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("place, fix", [("models/smollm2-135m-instruct", "`qinfer pull smollm2-135m-instruct --force`"),
-                                        ("converted/m-0123", "delete "), ("elsewhere/m", "re-download or re-convert")])
+                                        ("converted/m-0123", "delete "), ("elsewhere/m", "re-download or re-convert"),
+                                        ("quantized/m-rtn", "`qinfer demo` quantizes"),
+                                        ("elsewhere/q", "quantize the model again")])
 def test_a_truncated_weight_file_names_the_fix_for_where_it_is(tmp_path, monkeypatch, place, fix):
     monkeypatch.setenv("QINFER_CACHE", str(tmp_path / "cache"))
     folder = tmp_path / "cache" / place
     make_model("llama", folder)
+    if place.endswith(("rtn", "/q")):  # a quantized folder (the weights need not be packed for this)
+        (folder / "quant_config.json").write_text(QuantScheme(method="rtn").to_json())
     data = (folder / "model.safetensors").read_bytes()
     (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(QinferError, match="is truncated") as e:

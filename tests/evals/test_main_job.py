@@ -12,6 +12,7 @@ from qinfer.cli import cli
 from qinfer.errors import QinferError
 from qinfer.evals import main_job, runner
 from qinfer.format import QuantScheme
+from qinfer.loader import safetensors_header
 from qinfer.quantize import quantize_model
 from tests.conftest import qinfer_imports
 from tests.evals.eval_fixtures import tiny_model
@@ -115,6 +116,18 @@ def test_a_folder_quantized_from_the_model_before_it_changed_is_not_reused(job):
     save_file({name: t * 1.5 for name, t in tensors.items()}, weights)  # re-pulled, say: new weights
     main_job.run_main_job(config)
     assert quantized == ["rtn", "awq", "rtn", "awq"]
+
+
+def test_a_damaged_quantized_folder_is_quantized_again(job):
+    # a truncated weight file (a disk error, a copy cut short): not reused (it would fail to load at every run)
+    config, quantized, _ = job
+    main_job.run_main_job(config)
+    weights = main_job.quantized_dir(config.model, "rtn-w4g32") / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size - 100)
+    main_job.run_main_job(config)
+    assert quantized == ["rtn", "awq", "rtn", "awq"]
+    assert safetensors_header(weights)
 
 
 def test_an_out_where_eval_cannot_write_is_refused_before_any_quantizing(job, tmp_path):
