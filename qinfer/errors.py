@@ -8,6 +8,7 @@ name the problem and the fix. Every such command takes ``-h``.
 
 import errno
 import json
+import os
 import re
 import signal
 import sys
@@ -76,6 +77,10 @@ class _OneLineErrors:
         settings = {"help_option_names": ["-h", "--help"], **(context_settings or {})}
         super().__init__(*args, context_settings=settings, **kwargs)
 
+    def main(self, *args, **kwargs):
+        with _forgiving_stderr():  # the Error line is written after invoke, by click: covered too
+            return super().main(*args, **kwargs)
+
     def invoke(self, ctx):
         finished(None)
         with _termination_unwinds():
@@ -111,6 +116,56 @@ class _OneLineErrors:
             if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR) and e.filename:
                 raise click.ClickException(_unwritable(e)) from None
             raise
+
+
+class _Forgiving:
+    """stderr that stops writing, not the command, once no one reads it (``2>&1 | head``, a closed log): notes
+    and progress bars are not worth a run."""
+
+    def __init__(self, stream):
+        self._stream, self._gone = stream, False
+
+    def _try(self, call, *args):
+        if not self._gone:
+            try:
+                return call(*args)
+            except OSError as e:
+                if e.errno not in (errno.EPIPE, errno.EBADF):
+                    raise
+                self._gone = True
+        return None
+
+    def write(self, text: str) -> int:
+        self._try(self._stream.write, text)
+        return len(text)
+
+    def flush(self) -> None:
+        self._try(self._stream.flush)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+@contextmanager
+def _forgiving_stderr():
+    real = sys.stderr
+    if isinstance(real, _Forgiving):
+        yield
+        return
+    if real is None:  # started with no stderr at all (its descriptor closed): Python has none to write to
+        with open(os.devnull, "w") as sink:
+            sys.stderr = sink
+            try:
+                yield
+            finally:
+                sys.stderr = real
+        return
+    sys.stderr = _Forgiving(real)
+    try:
+        yield
+    finally:
+        if isinstance(sys.stderr, _Forgiving):
+            sys.stderr = real
 
 
 class Terminated(SystemExit):

@@ -131,6 +131,24 @@ def test_without_out_the_model_and_scheme_name_a_folder_here(tiny, tmp_path):
     assert_one_line_error(again, out.name, "--force")
 
 
+@pytest.mark.parametrize("how", ["closed", "reader gone"])
+def test_a_stderr_no_one_reads_does_not_stop_the_run(tiny, tmp_path, calib_file, how):
+    # `2>&-`, or a log reader that died: the notes and progress bars are lost, not the model
+    import os
+
+    args = [sys.executable, "-m", "qinfer", "quantize", str(tiny), "-o", str(tmp_path / "q"), "--group-size", "32",
+            "--calib", str(calib_file), "--samples", "4", "--seq-len", "32"]
+    if how == "closed":
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                preexec_fn=lambda: os.close(2))
+    else:
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc.stderr.close()
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and out.startswith(f"wrote {tmp_path / 'q'}"), out
+    assert QuantScheme.load(tmp_path / "q").method == "gptq"
+
+
 def test_the_default_group_size_fits_the_model(tiny, tmp_path):
     # the tiny llama's linears read 64 and 96 channels: the default 128 fits neither, 32 both (as 64 does SmolLM2's
     # 576); a group size the user chose is kept, and refused if it does not fit (test_cli_errors)
