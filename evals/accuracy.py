@@ -63,7 +63,15 @@ def task_accuracy(
     with tqdm(total=len(examples), desc=desc, unit="q", disable=not progress) as bar:
 
         def loglik(context: str, continuations: list[str]) -> list[tuple[float, int]]:
-            scores = continuation_loglik(forward, tokenizer.encode, context, continuations, batch_size=_CHOICE_BATCH)
+            encode = tokenizer.encode
+            if not encode(context.rstrip()) and tokenizer.eos_ids:  # an empty prompt, a model that adds no BOS
+                start = tokenizer.eos_ids[0]  # the end of a text goes before it, as lm-eval-harness conditions
+
+                def encode(text):
+                    return [start, *tokenizer.encode(text)]
+
+            scores = continuation_loglik(forward, encode, context, continuations, batch_size=_CHOICE_BATCH,
+                                         max_tokens=model.config.max_position_embeddings)
             bar.update()
             return scores
 

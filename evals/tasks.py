@@ -68,7 +68,9 @@ class MCResult:
     ``multiple_choice_grade``). ``accuracy_norm``: the same for the choice with the highest log-likelihood per
     character of the continuation (leading space included), which does not favour short answers and does not
     depend on the tokenizer, so it compares across model families; it is lm-eval-harness's ``acc_norm`` up to
-    that one space. ``n`` examples were scored. ``accuracy_se`` and ``accuracy_norm_se`` are standard errors of
+    that one space, and to a newline the prompt ends with, which is context here (see
+    :func:`continuation_loglik`) where lm-eval scores it with each choice. Exact ties (a bf16 model's logits
+    can tie) earn the mean score of the tied choices. ``n`` examples were scored. ``accuracy_se`` and ``accuracy_norm_se`` are standard errors of
     the mean over the examples (NaN for one example). All four are NaN for a model that produced NaN."""
 
     accuracy: float
@@ -154,26 +156,32 @@ def continuation_loglik(
     context: str,
     continuations: Sequence[str],
     batch_size: int = 1,
+    max_tokens: int | None = None,
 ) -> list[tuple[float, int]]:
     """``[(log p(continuation | context), n continuation tokens)]`` for each continuation.
 
     Tokenized as lm-eval-harness does: trailing whitespace of ``context`` moves onto the continuation (a
-    trailing newline too, whose log-probability, the same for every choice, is then part of each score: a
-    tokenizer may merge it with whitespace before it, GPT-2's BPE ": \n" at the end of a text but not before a
-    word),
-    ``tokenizer_encode`` (which adds BOS) encodes ``context`` and ``context + continuation``, and the tokens
-    past the context's count are the continuation. Encoding the two halves apart would score a token split
-    the model never sees at the boundary.
+    tokenizer may merge it with what follows, " " + "Paris" as " Paris", or with whitespace before it, GPT-2's
+    BPE ": \n" at the end of a text but not before a word), ``tokenizer_encode`` (which adds BOS) encodes
+    ``context`` and ``context + continuation``, and the tokens past the context's count are the continuation.
+    Encoding the two halves apart would score a token split the model never sees at the boundary. Where the
+    moved whitespace still encodes as tokens of its own that every continuation starts with (a newline before
+    each answer), those tokens are context again: their log-probability, the same for every choice, would
+    otherwise weigh on a per-character score.
 
     ``forward(ids [B, T]) -> logits [B, T, V]`` is a causal LM. With ``batch_size`` > 1 several continuations
     run as one right-padded batch: causal attention never looks right, so padding cannot change the logits
     of real positions (the forward must then accept B > 1; ``batch_size=1`` needs only B = 1).
+
+    ``max_tokens`` (the model's context): a longer row loses context tokens from the left, after the first (a
+    BOS stays where it is), as lm-eval-harness truncates; a continuation that does not fit is an error.
     """
     if type(batch_size) is not int or batch_size < 1:
         raise QinferError(f"batch_size must be a positive int; got {batch_size!r}")
     spaces = len(context) - len(context.rstrip())
+    moved = context[len(context) - spaces:]
     if spaces:
-        context, continuations = context[:-spaces], [context[-spaces:] + c for c in continuations]
+        context, continuations = context[:-spaces], [moved + c for c in continuations]
     n_context = len(tokenizer_encode(context))
     if n_context == 0:  # nothing to condition the first continuation token on
         raise QinferError("the context encodes to no tokens; tokenizer_encode must add BOS, or pass a context")
@@ -183,6 +191,16 @@ def continuation_loglik(
         if len(ids) <= n_context:
             raise QinferError(f"continuation {cont!r} adds no tokens after the context; it cannot be scored")
         rows.append(ids)
+    if moved:
+        kept = tokenizer_encode(context + moved)
+        if all(len(row) > len(kept) and row[: len(kept)] == kept for row in rows):
+            n_context = len(kept)
+    cut = 0 if max_tokens is None else max(len(row) for row in rows) - max_tokens
+    if cut > 0:
+        if cut > n_context - 2:  # the first token and one of context stay
+            raise QinferError(f"a continuation of {max(len(r) for r in rows) - n_context} tokens does not fit the "
+                              f"model's context of {max_tokens} tokens")
+        rows, n_context = [row[:1] + row[1 + cut :] for row in rows], n_context - cut
     out = []
     for start in range(0, len(rows), batch_size):
         batch = rows[start : start + batch_size]

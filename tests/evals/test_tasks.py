@@ -320,11 +320,27 @@ def test_trailing_space_moves_onto_the_continuation():
     assert moved == continuation_loglik(_causal_model, _encode, "Q: hi\nA:", [" yes", " no way"])
 
 
-def test_a_trailing_newline_moves_onto_the_continuation_too():
-    # a tokenizer may merge trailing whitespace, newline included, with what precedes it only at the end of a text
-    moved = continuation_loglik(_causal_model, _encode, "Q: hi\n", ["yes", "A:"])
-    assert moved == continuation_loglik(_causal_model, _encode, "Q: hi", ["\nyes", "\nA:"])
-    assert [n for _, n in moved] == [2, 2]
+def test_a_trailing_newline_that_stays_a_token_of_its_own_is_context():
+    # moved onto the continuation (a tokenizer may merge it with whitespace before it only at the end of a text),
+    # then, as every choice starts with it as its own token, context again: scored for no choice
+    out = continuation_loglik(_causal_model, _encode, "Q: hi\n", ["yes", "A:"])
+    ctx = _encode("Q: hi\n")
+    assert [n for _, n in out] == [1, 1]
+    assert out[0][0] == pytest.approx(_reference(ctx + [_WORDS.index("yes")], len(ctx)), abs=1e-5)
+    assert out[1][0] == pytest.approx(_reference(ctx + [_WORDS.index("A:")], len(ctx)), abs=1e-5)
+
+
+def test_a_context_past_the_models_window_loses_its_oldest_tokens():
+    # BIG-bench's which_wiki_edit runs to 119k tokens: the context keeps its first token (BOS) and its last ones
+    long = "Q:" + " hi" * 20 + "\nA:"
+    out = continuation_loglik(_causal_model, _encode, long, [" yes", " no way"], max_tokens=8)
+    ids = _encode(long)
+    kept = ids[:1] + ids[len(ids) - 5:]  # 8 positions for the longer choice's 2 tokens and 6 of context
+    assert [n for _, n in out] == [1, 2]
+    assert out[1][0] == pytest.approx(_reference(kept + [7, 8], len(kept)), abs=1e-5)
+    assert out[0][0] == pytest.approx(_reference(kept + [6], len(kept)), abs=1e-5)
+    with pytest.raises(QinferError, match="a continuation of 2 tokens does not fit the model's context of 3"):
+        continuation_loglik(_causal_model, _encode, long, [" yes", " no way"], max_tokens=3)
 
 
 def test_right_padded_batches_give_the_same_scores():
@@ -376,3 +392,20 @@ def test_a_choice_scores_the_same_whatever_choices_run_beside_it(tmp_path, monke
     accuracy.task_accuracy(model, tok, examples, kv, "t", progress=False)
     # to fp32 rounding (a longer padded batch runs the matmuls in other blocks), and the same token count
     assert scores[0][0] == (pytest.approx(scores[1][0][0], rel=1e-6, abs=0), scores[1][0][1])
+
+
+def test_an_empty_prompt_is_scored_after_an_end_of_text_where_the_model_adds_no_bos(tmp_path):
+    # BIG-bench's cause_and_effect one_sentence_no_prompt: no input, no prefix; SmolLM2 and Qwen add no BOS
+    import qinfer.evals.accuracy as accuracy
+    from qinfer.evals.tasks import MCExample
+    from qinfer.loader import load_model
+    from qinfer.tokenizer import Tokenizer
+    from tests.evals.eval_fixtures import tiny_model
+
+    folder = tiny_model(tmp_path / "m", "llama")
+    model, tok = load_model(folder, dtype=torch.float32), Tokenizer.from_folder(folder)
+    tok.add_bos_token = False
+    assert tok.encode("") == [] and tok.eos_ids
+    example = MCExample("", ("It is a truth", "a single man"), (1, 0))
+    result = accuracy.task_accuracy(model, tok, [example], "bf16", "t", progress=False)
+    assert result.n == 1 and result.accuracy in (0.0, 1.0)
