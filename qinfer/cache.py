@@ -172,6 +172,7 @@ def atomic_dir(target: Path, force: bool = False):
     try:
         with naming_full_disk(target):
             yield tmp
+            _sync_tree(tmp)
         if target.exists() and force:
             with _signals_held():  # after the swap the old one must go: Ctrl-C waits
                 if _exchange(tmp, target):  # one step: target is never missing, even under SIGKILL
@@ -200,6 +201,22 @@ def atomic_dir(target: Path, force: bool = False):
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _sync_tree(folder: Path) -> None:
+    """Flush every file under ``folder``, and the folders, to the disk: what a rename then names is whole even
+    after a power cut (the file system may otherwise commit the rename before the data)."""
+    for path in sorted(Path(folder).rglob("*"), reverse=True) + [Path(folder)]:
+        if path.is_symlink() or not (path.is_file() or path.is_dir()):
+            continue
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        except OSError as e:  # a file system that cannot sync a folder
+            if e.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise
+        finally:
+            os.close(fd)
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -348,6 +365,8 @@ def write_atomic(path: Path, data: bytes | str) -> None:
     try:
         with naming_full_disk(path), open(tmp, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename names it: a power cut leaves the old file or this one
         _readable(tmp)  # mkstemp makes 0600
         os.replace(tmp, path)
     except BaseException:

@@ -108,6 +108,21 @@ def test_the_old_output_of_a_replace_killed_between_its_renames_is_put_back(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="names a descriptor's file through /proc")
+def test_an_output_is_on_disk_before_it_is_renamed_into_place(tmp_path, monkeypatch):
+    # a power cut after the rename must not leave a complete-looking OUT of empty files
+    synced, fsync = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or fsync(fd))
+    with atomic_dir(tmp_path / "out") as tmp:
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "config.json").write_text("{}")
+        (tmp / "model.safetensors").write_bytes(b"weights")
+    assert {str(Path(p).relative_to(tmp)) for p in synced} == {"sub/config.json", "sub", "model.safetensors", "."}
+    synced.clear()
+    write_atomic(tmp_path / "file.json", "{}")
+    assert len(synced) == 1 and Path(synced[0]).parent == tmp_path  # the temp file, before it was renamed
+
+
 def test_atomic_dir_replacing_a_file_leaves_nothing_behind(tmp_path):
     target = tmp_path / "out"
     target.write_text("a file")
