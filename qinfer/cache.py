@@ -19,6 +19,11 @@ from pathlib import Path
 
 from qinfer.errors import TERMINATING, QinferError, finished
 
+try:
+    import fcntl
+except ImportError:  # Windows: the pid alone tells whether a temp folder is in use
+    fcntl = None
+
 
 # The cache folders qinfer alone writes (pulled built-ins, GGUF and foreign-format conversions): never an -o.
 CACHE_OWNED = ("models", "converted", "gguf")
@@ -179,6 +184,7 @@ def atomic_dir(target: Path, force: bool = False):
                     old = tmp
                 else:  # two renames, with no target between them (a kill there: the next run puts it back)
                     old = temp_path(target.parent, f".{target.name}.old-", folder=True)
+                    release(old)
                     old.rmdir()
                     target.rename(old)
                     tmp.rename(target)
@@ -199,6 +205,7 @@ def atomic_dir(target: Path, force: bool = False):
                     raise _appeared(target) from None
                 raise
     finally:
+        release(tmp)
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
 
@@ -249,7 +256,7 @@ def _restore_replaced(target: Path) -> None:
         return
     for old in sorted(target.parent.glob(f"{glob.escape(f'.{target.name}.old-')}*")):
         pid = old.name[len(f".{target.name}.old-"):].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not _alive(int(pid)) and not _locked(old):
             old.rename(target)
             return
 
@@ -291,22 +298,68 @@ def _appeared(target: Path) -> QinferError:
 
 def temp_path(parent: Path, prefix: str, folder: bool) -> Path:
     """A new temp folder (or empty file) in ``parent`` named ``<prefix><pid>-<random>``, after
-    :func:`sweep_temp` of the same prefix."""
+    :func:`sweep_temp` of the same prefix. This process holds a lock on it (:func:`release` lets go) that tells
+    a sweep elsewhere it is in use, where the pid cannot: another container or machine sharing the folder."""
     sweep_temp(parent, prefix)
     name = f"{prefix}{os.getpid()}-"
     if folder:
-        return Path(tempfile.mkdtemp(prefix=name, dir=parent))
-    fd, path = tempfile.mkstemp(prefix=name, dir=parent)
-    os.close(fd)
-    return Path(path)
+        path = Path(tempfile.mkdtemp(prefix=name, dir=parent))
+    else:
+        fd, made = tempfile.mkstemp(prefix=name, dir=parent)
+        os.close(fd)
+        path = Path(made)
+    _hold(path)
+    return path
+
+
+_held: dict[str, int] = {}  # temp path -> the descriptor holding its lock
+
+
+def _hold(path: Path) -> None:
+    if fcntl is None:
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # a file system without locks: the pid alone tells
+        os.close(fd)
+        return
+    _held[str(path)] = fd
+
+
+def release(path: Path) -> None:
+    """Let go of the lock :func:`temp_path` took on ``path`` (renamed into place, or removed)."""
+    fd = _held.pop(str(path), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _locked(path: Path) -> bool:
+    """Whether a process, here or in another container or machine sharing the folder, holds ``path``'s lock."""
+    if fcntl is None or str(path) in _held:
+        return str(path) in _held
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def sweep_temp(parent: Path, prefix: str) -> None:
     """Remove the :func:`temp_path` leftovers in ``parent`` with ``prefix`` whose process is gone (killed with
-    SIGKILL, a power cut), so they never pile up."""
+    SIGKILL, a power cut) and which no process holds, so they never pile up."""
     for stale in Path(parent).glob(f"{glob.escape(prefix)}*"):
         pid = stale.name[len(prefix):].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not _alive(int(pid)) and not _locked(stale):
             if stale.is_dir() and not stale.is_symlink():
                 shutil.rmtree(stale, ignore_errors=True)
             else:
@@ -372,6 +425,8 @@ def write_atomic(path: Path, data: bytes | str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    finally:
+        release(tmp)
 
 
 def save_tensors(tensors: dict, path: Path) -> None:

@@ -273,6 +273,29 @@ def test_temp_leftovers_of_dead_processes_are_swept(tmp_path):
     assert made.name.startswith(f".out.tmp-{os.getpid()}-") and made.is_dir()
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="flock")
+def test_a_temp_folder_another_container_is_writing_is_not_swept(tmp_path):
+    # its pid means nothing in this pid namespace (or on this machine, over NFS): its lock says it is in use
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    busy = tmp_path / f".out.tmp-{dead}-abc"
+    busy.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                               "fd = os.open(sys.argv[1], os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX)\n"
+                               "print('held', flush=True); time.sleep(60)", str(busy)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        made = temp_path(tmp_path, ".out.tmp-", folder=True)
+        assert busy.is_dir()
+    finally:
+        holder.kill()
+        holder.wait()
+    cache.release(made)
+    temp_path(tmp_path, ".out.tmp-", folder=True)  # its writer gone: swept (ours is alive: kept)
+    assert not busy.exists() and made.is_dir()
+
+
 def test_a_manifest_names_a_missing_or_resized_file(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{}")
     assert damage(tmp_path) == "model.safetensors is missing"  # no manifest (an older qinfer's): the weights
