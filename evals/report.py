@@ -61,7 +61,7 @@ from pathlib import Path
 
 import torch
 
-from qinfer.cache import naming_full_disk, temp_path
+from qinfer.cache import naming_full_disk, release, signals_held, temp_path
 from qinfer.errors import QinferError
 from qinfer.evals.divergence import SE_BLOCKS, SE_MIN_BLOCK
 from qinfer.evals.roofline import Roofline, threads_text
@@ -245,10 +245,12 @@ def write_outputs(config, results, roofline: Roofline | None, text_description: 
             if roofline is not None:
                 plot_models_roofline(results, roofline, tmp / ROOFLINE_PNG)
             names = sorted(f.name for f in tmp.iterdir())
-            for name in names:
-                os.replace(tmp / name, out / name)
+            with signals_held():  # a Ctrl-C between the renames would leave two runs' files side by side
+                for name in names:
+                    os.replace(tmp / name, out / name)
+                if roofline is None:  # an earlier run's plot beside these results would show speeds they do not have
+                    (out / ROOFLINE_PNG).unlink(missing_ok=True)
     finally:
+        release(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
-    if roofline is None:  # an earlier run's plot beside these results would show speeds they do not have
-        (out / ROOFLINE_PNG).unlink(missing_ok=True)
     return [out / name for name in (RESULTS_JSON, RESULTS_MD, PARETO_PNG, ROOFLINE_PNG) if name in names]

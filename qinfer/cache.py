@@ -179,7 +179,7 @@ def atomic_dir(target: Path, force: bool = False):
             yield tmp
             _sync_tree(tmp)
         if target.exists() and force:
-            with _signals_held():  # after the swap the old one must go: Ctrl-C waits
+            with signals_held():  # after the swap the old one must go: Ctrl-C waits
                 if _exchange(tmp, target):  # one step: target is never missing, even under SIGKILL
                     old = tmp
                 else:  # two renames, with no target between them (a kill there: the next run puts it back)
@@ -197,7 +197,7 @@ def atomic_dir(target: Path, force: bool = False):
             if target.exists() or target.is_symlink():
                 raise _appeared(target)
             try:
-                with _signals_held():  # a Ctrl-C right after the rename is told OUT is complete
+                with signals_held():  # a Ctrl-C right after the rename is told OUT is complete
                     tmp.rename(target)  # an empty folder made meanwhile is replaced; a non-empty one raises
                     finished(target)
             except OSError as e:
@@ -264,17 +264,18 @@ def _restore_replaced(target: Path) -> None:
 @contextmanager
 def naming_full_disk(path: Path):
     """Raise a full disk met inside as an ``OSError`` naming ``path``: a ``write()`` that meets it names no
-    file, and the one-line error would say only "disk full while writing output"."""
+    file (the one-line error would say only "disk full while writing output"), a copy names its source, and a
+    file in the temp folder is not where the user looks."""
     try:
         yield
     except OSError as e:
-        if e.errno == errno.ENOSPC and not e.filename:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT) and e.filename != str(path):
             raise OSError(e.errno, e.strerror, str(path)) from None
         raise
 
 
 @contextmanager
-def _signals_held():
+def signals_held():
     """Hold SIGINT, SIGTERM and SIGHUP back for a few system calls that must not be parted, then deliver them."""
     if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
         yield

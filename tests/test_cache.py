@@ -321,6 +321,12 @@ def test_a_full_disk_is_one_line_naming_the_output(tmp_path, monkeypatch):
         write_atomic(tmp_path / "data.json", "{}")
     assert e.value.filename == str(tmp_path / "data.json")
     assert list(tmp_path.iterdir()) == []
+    # a copy names its source (shutil), a write in the temp folder a name the user never gave: both name OUT
+    for where in (tmp_path / "src" / "generation_config.json", None):
+        with pytest.raises(OSError) as e:
+            with atomic_dir(tmp_path / "out") as tmp:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(where or tmp / "model.safetensors"))
+        assert e.value.filename == str(tmp_path / "out")
 
 
 class _FullFile:

@@ -4,6 +4,7 @@ import json
 import math
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -264,6 +265,33 @@ def test_a_folder_where_the_roofline_cache_goes_is_refused_before_any_work(env, 
 def test_missing_model_is_a_clear_error(env):
     with pytest.raises(QinferError, match="no such file or folder"):
         run_eval(EvalConfig(models=(env["model"], "./no/such/model"), text=env["text"], **SMALL))
+
+
+def test_a_ctrl_c_while_the_results_move_in_waits_until_all_of_them_have(env, monkeypatch):
+    # results.json from this run beside results.md from the last would be two runs' files passed off as one
+    import signal
+
+    from qinfer.evals import report
+
+    out = env["root"] / "out"
+    config = EvalConfig(models=(env["model"],), text=env["text"], **{**SMALL, "out": str(out)})
+    run_eval(config)
+    replace, moved = os.replace, []
+
+    def replace_then_ctrl_c(src, dst):
+        replace(src, dst)
+        moved.append(dst)
+        if len(moved) == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(report.os, "replace", replace_then_ctrl_c)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_eval(config)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert sorted(Path(p).name for p in moved) == sorted(p.name for p in out.iterdir())  # all of them moved
 
 
 def test_a_full_disk_names_the_output_folder_and_leaves_no_results(env, monkeypatch):
