@@ -66,12 +66,12 @@ class MCExample:
 class MCResult:
     """``accuracy``: the mean score of the choice with the highest total log-likelihood (BIG-bench's
     ``multiple_choice_grade``). ``accuracy_norm``: the same for the choice with the highest log-likelihood per
-    character of the continuation (leading space included), which does not favour short answers and does not
-    depend on the tokenizer, so it compares across model families; it is lm-eval-harness's ``acc_norm`` up to
-    that one space, and to a newline the prompt ends with, which is context here (see
-    :func:`continuation_loglik`) where lm-eval scores it with each choice. Exact ties (a bf16 model's logits
-    can tie) earn the mean score of the tied choices. ``n`` examples were scored. ``accuracy_se`` and ``accuracy_norm_se`` are standard errors of
-    the mean over the examples (NaN for one example). All four are NaN for a model that produced NaN."""
+    character of the continuation (leading space included), which does not favour short answers and does not depend
+    on the tokenizer, so it compares across model families; it is lm-eval-harness's ``acc_norm`` up to that one
+    space, and to a newline the prompt ends with, which is context here (see :func:`continuation_loglik`) where
+    lm-eval scores it with each choice. Exact ties (a bf16 model's logits can tie) earn the mean score of the tied
+    choices. ``n`` examples were scored. ``accuracy_se`` and ``accuracy_norm_se`` are standard errors of the mean
+    over the examples (NaN for one example). All four are NaN for a model that produced NaN."""
 
     accuracy: float
     accuracy_norm: float

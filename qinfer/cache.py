@@ -340,8 +340,10 @@ def release(path: Path) -> None:
 
 def _locked(path: Path) -> bool:
     """Whether a process, here or in another container or machine sharing the folder, holds ``path``'s lock."""
-    if fcntl is None or str(path) in _held:
-        return str(path) in _held
+    if str(path) in _held:
+        return True
+    if fcntl is None:
+        return False
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

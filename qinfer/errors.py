@@ -111,8 +111,9 @@ class _OneLineErrors:
                 full = "disk full" if e.errno == errno.ENOSPC else "disk quota exceeded"
                 raise click.ClickException(f"{full} while writing {where}: free space and retry") from None
             if e.errno == errno.EFBIG:
-                raise click.ClickException(f"{e.filename or 'a file'} grew past the largest file this file system or "
-                                           "`ulimit -f` allows: write to another file system, or raise the limit") from None
+                raise click.ClickException(
+                    f"{e.filename or 'a file'} grew past the largest file this file system or `ulimit -f` allows: "
+                    "write to another file system, or raise the limit") from None
             if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR) and e.filename:
                 raise click.ClickException(_unwritable(e)) from None
             raise

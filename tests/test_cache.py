@@ -20,6 +20,12 @@ from qinfer.errors import Command, QinferError, _kept
 from tests.test_cli_errors import assert_one_line_error, run_qinfer
 
 
+def _dead_pid() -> int:
+    """The pid of a process that has ended (a run killed with SIGKILL, say)."""
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+
+
 def test_atomic_dir_replaces_only_when_complete(tmp_path):
     target = tmp_path / "out"
     target.mkdir()
@@ -53,6 +59,12 @@ def test_ctrl_c_between_the_renames_of_a_replace_waits_for_both(tmp_path, monkey
 
     monkeypatch.setattr(Path, "rename", rename_then_ctrl_c)
     monkeypatch.setattr(cache, "_exchange", lambda a, b: False)  # the two renames, where there is no one-step swap
+    _replace_under_ctrl_c(target)
+    assert "(out is complete)" in _kept().replace(str(tmp_path) + os.sep, "")  # what the Ctrl-C line will say
+
+
+def _replace_under_ctrl_c(target: Path) -> None:
+    """Replace ``target`` (holding "old") with --force while a patched rename sends Ctrl-C: it waits for the end."""
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # also under a shell that ignores it
     try:
         with pytest.raises(KeyboardInterrupt):
@@ -61,8 +73,7 @@ def test_ctrl_c_between_the_renames_of_a_replace_waits_for_both(tmp_path, monkey
     finally:
         signal.signal(signal.SIGINT, previous)
     assert (target / "config.json").read_text() == "new"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-    assert "(out is complete)" in _kept().replace(str(tmp_path) + os.sep, "")  # what the Ctrl-C line will say
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name]
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="renameat2 is Linux's")
@@ -80,22 +91,13 @@ def test_a_replace_swaps_in_one_step_and_a_ctrl_c_waits_for_the_old_one_to_go(tm
         return True
 
     monkeypatch.setattr(cache, "_exchange", exchange_then_ctrl_c)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            with atomic_dir(target, force=True) as tmp:
-                (tmp / "config.json").write_text("new")
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    assert (target / "config.json").read_text() == "new"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    _replace_under_ctrl_c(target)
 
 
 def test_the_old_output_of_a_replace_killed_between_its_renames_is_put_back(tmp_path):
     # SIGKILL between the two renames (no one-step swap): OUT missing, the old folder hidden beside the new one.
     # The next run puts the old one back before it checks -o, and sweeps the dead run's new one
-    pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                             text=True).stdout)
+    pid = _dead_pid()
     (tmp_path / f".out.old-{pid}-a").mkdir()
     (tmp_path / f".out.old-{pid}-a" / "config.json").write_text("old")
     (tmp_path / f".out.tmp-{pid}-b").mkdir()
@@ -261,8 +263,7 @@ def test_an_output_made_meanwhile_by_another_run_is_one_line_and_kept(tmp_path):
 
 
 def test_temp_leftovers_of_dead_processes_are_swept(tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    pid = int(dead.stdout)
+    pid = _dead_pid()
     (tmp_path / f".out.tmp-{pid}-abc").mkdir()  # a run killed with SIGKILL
     (tmp_path / f".out.tmp-{pid}-def").write_text("half")
     (tmp_path / f".out.tmp-{os.getpid()}-ghi").mkdir()  # a live run's
@@ -276,8 +277,7 @@ def test_temp_leftovers_of_dead_processes_are_swept(tmp_path):
 @pytest.mark.skipif(sys.platform == "win32", reason="flock")
 def test_a_temp_folder_another_container_is_writing_is_not_swept(tmp_path):
     # its pid means nothing in this pid namespace (or on this machine, over NFS): its lock says it is in use
-    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                              text=True).stdout)
+    dead = _dead_pid()
     busy = tmp_path / f".out.tmp-{dead}-abc"
     busy.mkdir()
     holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
@@ -363,12 +363,16 @@ def _writer(target, how):
                                                 ("hup", 129, "Error: terminated (SIGHUP)"),
                                                 ("int", 130, "Error: interrupted")])
 def test_sigterm_sighup_and_ctrl_c_unwind_and_leave_nothing_half_written(tmp_path, how, code, message):
-    previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)
-    result = CliRunner().invoke(_writer, [str(tmp_path / "out"), how])
+    ignored = signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as a terminal starts it (not under nohup)
+    try:
+        previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)
+        result = CliRunner().invoke(_writer, [str(tmp_path / "out"), how])
+        # the handlers are the command's only
+        assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)) == previous
+    finally:
+        signal.signal(signal.SIGHUP, ignored)
     assert result.exit_code == code and message in result.output, result.output
     assert list(tmp_path.iterdir()) == []
-    # the handlers are the command's only
-    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)) == previous
 
 
 def test_a_sighup_ignored_at_the_start_stays_ignored(tmp_path):

@@ -120,7 +120,8 @@ def test_config_that_is_a_folder(tmp_path):
 
 def test_no_network_while_pulling(tmp_path):
     # pip pointed at nothing stands in for a machine without network.
-    env = {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(tmp_path), "PIP_EXTRA_INDEX_URL": "", "PIP_CONSTRAINT": ""}
+    env = {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(tmp_path), "PIP_EXTRA_INDEX_URL": "", "PIP_CONSTRAINT": "",
+           "QINFER_CACHE": str(tmp_path / "cache")}  # an empty cache: nothing pulled before by another test
     assert_one_line_error(run_qinfer("pull", "smollm2-135m-instruct", env=env), "could not download")
 
 
