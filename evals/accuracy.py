@@ -64,7 +64,7 @@ def task_accuracy(
 
         def loglik(context: str, continuations: list[str]) -> list[tuple[float, int]]:
             encode = tokenizer.encode
-            if not encode(context.rstrip()) and tokenizer.eos_ids:  # an empty prompt, a model that adds no BOS
+            if not context.strip() and not encode("") and tokenizer.eos_ids:  # an empty prompt, a model without BOS
                 start = tokenizer.eos_ids[0]  # the end of a text goes before it, as lm-eval-harness conditions
 
                 def encode(text):
