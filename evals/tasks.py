@@ -195,11 +195,12 @@ def continuation_loglik(
         kept = tokenizer_encode(context + moved)
         if all(len(row) > len(kept) and row[: len(kept)] == kept for row in rows):
             n_context = len(kept)
-    cut = 0 if max_tokens is None else max(len(row) for row in rows) - max_tokens
+    longest = max(len(row) for row in rows)
+    cut = 0 if max_tokens is None else longest - max_tokens
     if cut > 0:
         if cut > n_context - 2:  # the first token and one of context stay
-            raise QinferError(f"a continuation of {max(len(r) for r in rows) - n_context} tokens does not fit the "
-                              f"model's context of {max_tokens} tokens")
+            raise QinferError(f"a continuation of {longest - n_context} tokens does not fit the model's context of "
+                              f"{max_tokens} tokens")
         rows, n_context = [row[:1] + row[1 + cut :] for row in rows], n_context - cut
     out = []
     for start in range(0, len(rows), batch_size):

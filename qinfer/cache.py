@@ -254,9 +254,9 @@ def _restore_replaced(target: Path) -> None:
     missing, ``.<name>.old-<pid>-*`` there, that process gone); the finished new one in its temp folder is swept."""
     if target.exists() or target.is_symlink():
         return
-    for old in sorted(target.parent.glob(f"{glob.escape(f'.{target.name}.old-')}*")):
-        pid = old.name[len(f".{target.name}.old-"):].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)) and not _locked(old):
+    prefix = f".{target.name}.old-"
+    for old in sorted(target.parent.glob(f"{glob.escape(prefix)}*")):
+        if _abandoned(old, prefix):
             old.rename(target)
             return
 
@@ -316,19 +316,30 @@ def temp_path(parent: Path, prefix: str, folder: bool) -> Path:
 _held: dict[str, int] = {}  # temp path -> the descriptor holding its lock
 
 
-def _hold(path: Path) -> None:
+def _lock(path: Path) -> int | None:
+    """A descriptor holding ``path``'s lock, or None where it cannot be opened or the file system has no locks;
+    BlockingIOError where another descriptor holds it."""
     if fcntl is None:
-        return
+        return None
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
-        return
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise
     except OSError:  # a file system without locks: the pid alone tells
         os.close(fd)
-        return
-    _held[str(path)] = fd
+        return None
+    return fd
+
+
+def _hold(path: Path) -> None:
+    fd = _lock(path)  # (just made: no one else holds it)
+    if fd is not None:
+        _held[str(path)] = fd
 
 
 def release(path: Path) -> None:
@@ -342,31 +353,30 @@ def _locked(path: Path) -> bool:
     """Whether a process, here or in another container or machine sharing the folder, holds ``path``'s lock."""
     if str(path) in _held:
         return True
-    if fcntl is None:
-        return False
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except OSError:
+        fd = _lock(path)
+    except BlockingIOError:
         return True
-    finally:
+    if fd is not None:
         os.close(fd)
+    return False
 
 
 def sweep_temp(parent: Path, prefix: str) -> None:
     """Remove the :func:`temp_path` leftovers in ``parent`` with ``prefix`` whose process is gone (killed with
     SIGKILL, a power cut) and which no process holds, so they never pile up."""
     for stale in Path(parent).glob(f"{glob.escape(prefix)}*"):
-        pid = stale.name[len(prefix):].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)) and not _locked(stale):
+        if _abandoned(stale, prefix):
             if stale.is_dir() and not stale.is_symlink():
                 shutil.rmtree(stale, ignore_errors=True)
             else:
                 stale.unlink(missing_ok=True)
+
+
+def _abandoned(path: Path, prefix: str) -> bool:
+    """Whether the temp path ``<prefix><pid>-...`` was left by a process that is gone and that no one holds."""
+    pid = path.name[len(prefix):].split("-", 1)[0]
+    return pid.isdigit() and not _alive(int(pid)) and not _locked(path)
 
 
 def _alive(pid: int) -> bool:
