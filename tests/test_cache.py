@@ -472,3 +472,35 @@ def test_a_gguf_that_fails_its_checksum_names_the_command_that_retries(tmp_path,
                                           "--force`"):
         registry.fetch_gguf(spec)
     assert not (tmp_path / "cache" / "gguf" / spec.gguf_name).exists()
+
+
+def _cgroup(folder: Path, files: dict[str, str]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (folder / name).write_text(text)
+
+
+def test_free_memory_is_the_least_room_under_a_cgroup_limit_at_any_level(tmp_path):
+    gib = 1 << 30
+    # cgroup v2: the job's own group has no limit, its parent allows 4 GiB of which 3 are used, 0.5 reclaimable.
+    v2 = tmp_path / "v2"
+    _cgroup(v2 / "jobs", {"memory.max": f"{4 * gib}\n", "memory.current": f"{3 * gib}\n",
+                          "memory.stat": f"anon 1\ninactive_file {gib // 2}\n"})
+    _cgroup(v2 / "jobs" / "run1", {"memory.max": "max\n", "memory.current": "100\n",
+                                   "memory.stat": "inactive_file 0\n"})
+    (tmp_path / "v2.cgroup").write_text("0::/jobs/run1\n")
+    assert cache._cgroup_room(v2, tmp_path / "v2.cgroup") == gib + gib // 2
+    assert cache.available_memory(v2, tmp_path / "v2.cgroup") <= gib + gib // 2
+    # cgroup v1 in a container: the host's path is not mounted, the group's own folder is the mount's root.
+    v1 = tmp_path / "v1"
+    _cgroup(v1 / "memory", {"memory.limit_in_bytes": f"{2 * gib}\n", "memory.usage_in_bytes": f"{gib}\n",
+                            "memory.stat": "inactive_file 5\ntotal_inactive_file 7\n"})
+    (tmp_path / "v1.cgroup").write_text("5:cpu:/\n4:memory:/docker/abc\n0::/\n")
+    assert cache._cgroup_room(v1, tmp_path / "v1.cgroup") == gib + 7
+    # No limit (v1's page-rounded 2^63, v2's "max"), or no cgroup files at all: the system's MemAvailable alone.
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    assert cache._cgroup_room(v1, tmp_path / "v1.cgroup") is None
+    assert cache._cgroup_room(tmp_path / "none", tmp_path / "absent") is None
+    meminfo = dict(line.split(":") for line in Path("/proc/meminfo").read_text().splitlines())
+    system = int(meminfo["MemAvailable"].split()[0]) * 1024
+    assert abs(cache.available_memory(tmp_path / "none", tmp_path / "absent") - system) < gib
