@@ -91,7 +91,8 @@ def test_perplexity_and_accuracy_are_identical_across_runs(env):
     assert first.tasks == second.tasks and first.tasks["truths"].n == 5
 
 
-def test_the_cache_skips_all_work_and_no_cache_recomputes(env, count_loads):
+def test_the_cache_skips_all_work_and_no_cache_recomputes(env, count_loads, monkeypatch):
+    monkeypatch.setattr(runner, "busy_while", lambda busy, start: None)  # an idle machine, whatever else runs here
     install_tasks()
     install_roofline()
     config = EvalConfig(models=(env["model"],), text=env["text"], **{**SMALL, **SPEED, "tasks": ("truths",)})
@@ -106,6 +107,18 @@ def test_the_cache_skips_all_work_and_no_cache_recomputes(env, count_loads):
     count_loads.clear()
     run_eval(dataclasses.replace(config, cache=False))
     assert count_loads
+
+
+def test_speeds_measured_beside_other_work_are_shown_but_not_cached(env, count_loads, monkeypatch, capsys):
+    monkeypatch.setattr(runner, "busy_while", lambda busy, start: 1.5)
+    install_roofline()
+    config = EvalConfig(models=(env["model"],), text=env["text"], **{**SMALL, **SPEED})
+    (first,) = run_eval(config)
+    assert first.speed is not None and "1.5 CPUs busy" in capsys.readouterr().err
+    count_loads.clear()
+    run_eval(config)
+    assert count_loads  # timed again: the slowed speed was not kept
+
 
 
 def test_speeds_measured_on_a_busy_machine_are_shown_but_not_cached(env, count_loads, monkeypatch, capsys):
