@@ -129,9 +129,15 @@ def _check_utf8(text: str) -> None:
 
 
 def _parsed(file: Path, parse):
-    """``parse(str(file))``, or one line naming a tokenizer file its library cannot read."""
+    """``parse(the bytes of file)``, or one line naming a tokenizer file its library cannot read. The libraries
+    are handed bytes, not a path: they take only UTF-8 paths, and a folder's name may be any bytes."""
     try:
-        return parse(str(file))
+        data = file.read_bytes()
+    except OSError as e:
+        raise QinferError(f"cannot read {file}: {e.strerror or e}; check the file's permissions, or copy the "
+                          "model's tokenizer files again") from None
+    try:
+        return parse(data)
     except Exception as e:  # the tokenizers and sentencepiece libraries raise plain Exception / RuntimeError
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise QinferError(f"{file} is not a tokenizer file its library can read ({reason}): copy the model's "
@@ -167,10 +173,11 @@ class Tokenizer:
         path = Path(path)
         config = _read_json(path / "tokenizer_config.json")
         if (path / "tokenizer.json").is_file():
-            backend: _Backend = _FastBackend(_parsed(path / "tokenizer.json", HFTokenizer.from_file))
+            fast = _parsed(path / "tokenizer.json", lambda data: HFTokenizer.from_str(data.decode()))
+            backend: _Backend = _FastBackend(fast)
             add_bos_token = config.get("add_bos_token")
         elif (path / "tokenizer.model").is_file():
-            sp = _parsed(path / "tokenizer.model", lambda file: SentencePieceProcessor(model_file=file))
+            sp = _parsed(path / "tokenizer.model", lambda data: SentencePieceProcessor(model_proto=data))
             extra = {
                 _token_text(t): int(i)
                 for i, t in config.get("added_tokens_decoder", {}).items()

@@ -1,6 +1,8 @@
 """Tokenizer: SentencePiece models built from GGUF vocabularies, the tokenizers backend, BOS, streaming, templates."""
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -94,6 +96,15 @@ def test_unreadable_tokenizer_side_files_are_one_line(tmp_path, name, content, m
     (folder / name).write_bytes(content)
     with pytest.raises(QinferError, match=message):
         Tokenizer.from_folder(folder)
+
+
+@pytest.mark.parametrize("meta", [sp_vocab_metadata, bpe_vocab_metadata], ids=["tokenizer.model", "tokenizer.json"])
+def test_a_folder_whose_name_is_not_utf8_loads(tmp_path, meta):
+    made = _folder(tmp_path, meta())
+    named = Path(shutil.copytree(made, tmp_path / os.fsdecode(b"caf\xe9")))  # Latin-1 bytes from an old archive
+    for text in TEXTS:
+        assert Tokenizer.from_folder(named).encode(text) == Tokenizer.from_folder(made).encode(text)
+
 
 
 @pytest.mark.parametrize("text", TEXTS)
