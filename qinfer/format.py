@@ -1,14 +1,16 @@
 """The qinfer quantized-weight format, version 1. This docstring is the specification.
 
-A quantized checkpoint is a folder of safetensors files plus ``quant_config.json``: the JSON of a
-:class:`QuantScheme` with one extra key, ``"format_version": 1``. A quantized linear is stored under the
-Hugging Face name of its weight minus the ``.weight`` suffix, its prefix ``P`` (``model.layers.0.mlp.up_proj``).
-``W`` is that linear's weight, shape ``[N, K]`` (out features, in features) as in ``torch.nn.Linear``.
-Tensors that are not quantized keep their original names and are stored in bf16, whatever the source held,
-except float32 norm weights where the norm multiplies by ``1 + w`` (Gemma): those stay float32 (a source's, or
-what AWQ's fold or the tuning stages made), as bf16 would keep ``1 + w`` only to a few percent once it moves far
-from 1. A quantized lm_head follows
-``scheme.lm_head_scheme()``: the same scheme with ``bits = lm_head_bits``.
+A quantized checkpoint is a folder of safetensors files plus ``quant_config.json``: a JSON object with
+``"format_version": 1`` and the fields of :class:`QuantScheme` (``method``, ``bits``, ``group_size``, ``symmetric``,
+``act_order``, ``format``, ``kv_cache``, ``quantize_lm_head``, ``lm_head_bits``, ``damp``, ``fp8_granularity``,
+``mse_clip``), typed exactly (``4``, not ``4.0``); a key left out takes its default there, and any other key is
+refused. A quantized linear is stored under the Hugging Face name of its weight minus the ``.weight`` suffix, its
+prefix ``P`` (``model.layers.0.mlp.up_proj``). ``W`` is that linear's weight, shape ``[N, K]`` (out features, in
+features) as in ``torch.nn.Linear``. Tensors that are not quantized keep their original names and are stored in
+bf16, whatever the source held, except float32 norm weights where the norm multiplies by ``1 + w`` (Gemma): those
+stay float32 (a source's, or what AWQ's fold or the tuning stages made), as bf16 would keep ``1 + w`` only to a few
+percent once it moves far from 1. The lm_head is quantized where its tensors are (``lm_head.qweight`` or, for fp8,
+an ``lm_head.weight`` in E4M3 with an ``lm_head.scale``), with the same scheme except ``bits = lm_head_bits``.
 
 Tied embedding. When ``config.json`` sets ``tie_word_embeddings`` and the lm_head is quantized, the folder
 holds no ``model.embed_tokens.weight``: token ``t``'s embedding is row ``t`` of the dequantized lm_head, cast
@@ -16,16 +18,18 @@ to the compute dtype (as llama.cpp reads ``token_embd`` from a quantized tensor)
 ``model.embed_tokens.weight`` beside its quantized lm_head uses that table instead.
 
 The BOS position. A folder may hold what the *unquantized* model computes at position 0 for ``config.json``'s
-``bos_token_id``: for every layer ``i``, ``model.layers.{i}.self_attn.bos_k`` and ``model.layers.{i}.self_attn.bos_v``,
-each ``[num_kv_heads, head_dim]``, the keys (after the key norm, if any, and RoPE, as a KV cache holds them) and
-values; and ``model.bos_hidden``, ``[hidden_size]``, the final norm's output. All in the model's dtype; all of them
-or none. Wherever position 0 of a sequence holds that token, attention reads these keys and values there and the
-model outputs this hidden state there, instead of what the quantized weights compute (IntactKV keeps the keys and
-values the same way): position 0 sees only itself, so these are the same for every such sequence.
+``bos_token_id``: for every layer ``i``, ``model.layers.{i}.self_attn.bos_k`` and
+``model.layers.{i}.self_attn.bos_v``, each ``[num_kv_heads, head_dim]``, the keys (after the key norm, if any, and
+RoPE, as a KV cache holds them) and values; and ``model.bos_hidden``, ``[hidden_size]``, the final norm's output.
+All in bf16, as the other unquantized tensors; all of them or none. Wherever position 0 of a sequence holds that
+token, attention reads these keys and values there and the model outputs this hidden state there, instead of what
+the quantized weights compute (IntactKV keeps the keys and values the same way): position 0 sees only itself, so
+these are the same for every such sequence.
 
 KV-cache scales (``kv_cache`` "int8" or "fp8"). For every layer ``i``, ``model.layers.{i}.self_attn.k_scale`` and
 ``v_scale``, fp32 ``[num_kv_heads, head_dim]`` (or ``[num_kv_heads]``, broadcast), finite, > 0: the calibrated max
-``|x|`` (a key after key norm and RoPE, or a value, per channel) over 127 or 448, for a static cache storing
+``|x|`` (a key after key norm and RoPE, or a value, per channel; as the quantized weights compute them, over every
+position of the calibration samples) over 127 or 448, or 1 for a channel whose max is 0, for a static cache storing
 ``round(x / scale)`` or ``e4m3(x / scale)``, clamped; qinfer's (``kv_cache.py``) uses their ratios, per position.
 
 Integer weights (``format == "int"``)
@@ -48,8 +52,8 @@ Dequantization, with ``g(k) = k // G``::
 evaluated in float32 (codes and zeros are small integers, the fp16 scale widens exactly), then cast to
 the compute dtype. A symmetric scheme stores no ``P.zero``; its zero is the constant ``2^(b-1)``, so
 ``q - zero`` spans [-2^(b-1), 2^(b-1) - 1].
-An all-zero group is written with scale 2^-24 (float16's least) and zero 2^(b-1); readers take a scale of 0
-there too.
+An all-zero group is written with scale 2^-24 (float16's least) and zero 2^(b-1); readers also accept a stored
+scale of 0 (the group is then all zeros).
 
 GPTQ with ``act_order`` visits columns by decreasing Hessian diagonal but uses *static groups*: each
 group's scale and zero are fixed from the columns ``[g*G, (g+1)*G)`` in their original order, so
@@ -456,6 +460,9 @@ class QuantizedWeight:
             raise QinferError(f"{prefix}: {e}") from None
         if perm is not None and not torch.equal(perm.sort().values, torch.arange(shape[1], dtype=perm.dtype)):
             raise QinferError(f"{prefix}.perm: not a permutation of 0..{shape[1] - 1}")
+        if zero is not None and zero.numel() and int(zero.max()) >= 1 << scheme.bits:
+            raise QinferError(f"{zero_key}: a zero point of {int(zero.max())} is past the {scheme.bits}-bit codes' "
+                              f"range [0, {(1 << scheme.bits) - 1}]: the folder is damaged; quantize the model again")
         return w
 
 

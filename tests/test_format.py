@@ -229,6 +229,18 @@ def test_rows_are_the_dequantized_rows(scheme):
         assert torch.equal(qw.rows(index, dtype), qw.dequantize(dtype)[index])
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_a_zero_point_past_the_codes_range_is_refused(bits):
+    scheme = QuantScheme(bits=bits, group_size=32, symmetric=False)
+    entries = rtn_quantize(torch.randn(8, 128, generator=torch.Generator().manual_seed(6)), scheme).tensors("p")
+    top = entries["p.zero"].clone()
+    top[0, 0] = (1 << bits) - 1  # the largest code is a zero point an asymmetric grid can have
+    QuantizedWeight.from_tensors("p", {**entries, "p.zero": top}, scheme)
+    top[0, 0] = 1 << bits
+    with pytest.raises(QinferError, match=rf"p.zero: a zero point of {1 << bits} is past the {bits}-bit codes"):
+        QuantizedWeight.from_tensors("p", {**entries, "p.zero": top}, scheme)
+
+
 def test_permuted_columns_round_trip_and_are_checked():
     W = torch.randn(8, 128, generator=torch.Generator().manual_seed(4))
     scheme = QuantScheme(bits=4, group_size=32, symmetric=False)

@@ -35,11 +35,12 @@ so codes and zeros mean exactly what they mean in qinfer: the stored zero is the
 historical v1 convention). A symmetric scheme has the real zero ``2^(b-1)`` (GPTQ's symmetric grid is
 qinfer's), stored as ``2^(b-1) - 1``: every 4-bit qzeros word is ``0x77777777``.
 
-A real zero of 0 has no v1 encoding: it would be stored as -1, which AutoGPTQ's packer ORs into the word as
-a 32-bit two's complement (corrupting the neighbouring zeros) and which the readers, adding 1 to a ``b``-bit
-field, take for ``2^b``. :func:`to_gptq_tensors` refuses such a weight and :func:`from_gptq_tensors`
-refuses a stored ``2^b - 1``. An asymmetric weight with a group whose zero point rounds to 0 (its minimum is
-above ``-scale / 2``) needs another format: compressed-tensors stores zero points as they are.
+A real zero of 0 has no v1 encoding: it would be stored as -1, which AutoGPTQ's packer ORs into the word as a 32-bit
+two's complement (corrupting the neighbouring zeros) and which readers do not agree on: AutoGPTQ's torch path masks
+the field plus 1 to ``b`` bits and reads 0, kernels that add 1 unmasked read ``2^b``. :func:`to_gptq_tensors`
+refuses such a weight and :func:`from_gptq_tensors` refuses a stored ``2^b - 1``. An asymmetric weight with a group
+whose zero point rounds to 0 (its minimum is above ``-scale / 2``) needs another format: compressed-tensors stores
+zero points as they are.
 
 Shapes: ``K`` and ``N`` must be multiples of 32 (the buffers AutoGPTQ allocates are ``K // 32 * b`` and
 ``N // 32 * b`` words). qinfer's static groups make ``g_idx`` trivial, so ``desc_act`` is written false even
