@@ -188,6 +188,27 @@ def read_folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _base_prefixed(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` under the names ``*ForCausalLM`` models use: a checkpoint saved from the base model (keys
+    ``layers.0...``, ``embed_tokens.weight``) gains the ``model.`` prefix, one saved wrapped once more
+    (``model.model.layers...``) loses one, as transformers adds or strips its ``base_model_prefix``."""
+    base = [n for n in tensors if not n.startswith("lm_head.")]
+    if base and not any(n.startswith("model.") for n in base) and any(
+            n.startswith(("layers.", "embed_tokens.")) for n in base):
+        return {n if n.startswith("lm_head.") else f"model.{n}": t for n, t in tensors.items()}
+    if base and all(n.startswith("model.model.") for n in base):
+        return {n.removeprefix("model."): t for n, t in tensors.items()}
+    return tensors
+
+
+def _distinct_head(tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether ``tensors`` hold an lm_head of their own beside the embedding, which ``tie_word_embeddings``
+    would otherwise overwrite: a fine-tune that trained the head and kept the base model's config. transformers
+    (5.x) keeps such a head as stored, and so does qinfer."""
+    head, embed = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
+    return head is not None and embed is not None and not torch.equal(head, embed)
+
+
 def load_model(
     folder: Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", run: bool = False
 ) -> Transformer:
@@ -196,7 +217,7 @@ def load_model(
     (``qinfer.model.fuse_linears``), then :func:`into_huge_pages`."""
     folder = Path(folder)
     config = ModelConfig.from_folder(folder)
-    tensors = read_folder_tensors(folder)
+    tensors = _base_prefixed(read_folder_tensors(folder))
     with torch.device("meta"):
         model = Transformer(config)
     packed = _take_packed(folder, model, tensors, device)
@@ -208,10 +229,11 @@ def load_model(
     skip = set(packed) | ({"model.embed_tokens.weight"} if embed_from_head else set())
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items() if name not in skip}
     expected = set(shapes)
-    tied = "lm_head.weight" not in packed and config.tie_word_embeddings
-    if tied:
-        if "model.embed_tokens.weight" in tensors:
-            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    tied = "lm_head.weight" not in packed and config.tie_word_embeddings and not _distinct_head(tensors)
+    if tied:  # one table, whichever name it is stored under (transformers ties from either)
+        table = tensors.get("model.embed_tokens.weight", tensors.get("lm_head.weight"))
+        if table is not None:
+            tensors["model.embed_tokens.weight"] = tensors["lm_head.weight"] = table
     tensors = {name: t for name, t in tensors.items() if not name.endswith("rotary_emb.inv_freq")}
     missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     scheme = QuantScheme.load(folder) if missing and (folder / QUANT_CONFIG_FILE).exists() else None

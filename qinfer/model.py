@@ -343,6 +343,12 @@ class Transformer(nn.Module):
         return self.model.embed_tokens.dtype
 
     @property
+    def tied(self) -> bool:
+        """Whether the lm_head is the embedding table (``tie_word_embeddings``, unless the checkpoint stores a
+        head of its own: see ``qinfer.loader``)."""
+        return self.lm_head.weight is self.model.embed_tokens.weight
+
+    @property
     def device(self) -> torch.device:
         return self.model.norm.weight.device
 

@@ -356,7 +356,7 @@ def quantize_model(
     for name, qw in quantized.items():
         _account(report, tensors, qw, name, qw.shape[0] * qw.shape[1])
     del X_ref
-    if scheme.quantize_lm_head and model.config.tie_word_embeddings:
+    if scheme.quantize_lm_head and model.tied:
         report.embedding_bits = scheme.lm_head_bits  # read from the quantized lm_head (qinfer.format)
     else:
         tensors["model.embed_tokens.weight"] = model.model.embed_tokens.weight.contiguous()
@@ -368,7 +368,7 @@ def quantize_model(
     del X
     with atomic_dir(out, force=force) as tmp:
         save_tensors(tensors, tmp / "model.safetensors")
-        _write_config(folder, tmp, model.dtype)
+        _write_config(folder, tmp, model.dtype, model.tied)
         for name in SIDE_FILES:  # unchanged, so OUT is a complete model folder
             if (folder / name).exists():
                 shutil.copy2(folder / name, tmp / name)
@@ -382,10 +382,14 @@ def quantize_model(
     return report
 
 
-def _write_config(folder: Path, out: Path, dtype: torch.dtype) -> None:
+def _write_config(folder: Path, out: Path, dtype: torch.dtype, tied: bool) -> None:
     """``folder``'s config.json in ``out``, its ``dtype`` / ``torch_dtype`` saying ``dtype`` (the embedding's and
-    the other unquantized tensors', whatever the source held: an fp32 model is stored in bf16)."""
+    the other unquantized tensors', whatever the source held: an fp32 model is stored in bf16), and
+    ``tie_word_embeddings`` false wherever the lm_head is a table of its own (a source may store one despite
+    the key: see ``qinfer.loader``)."""
     config = json.loads((folder / "config.json").read_text())
+    if not tied:  # (where the key is left out, Gemma 3's default would tie them)
+        config["tie_word_embeddings"] = False
     for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]:
         config[key] = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -445,7 +449,7 @@ def _account(report: QuantizeReport, tensors: dict, qw, prefix: str, n_weights: 
 def _lm_head(model: Transformer, X: torch.Tensor | None, scheme: QuantScheme, tensors: dict, report) -> None:
     W = model.lm_head.weight.data
     if not scheme.quantize_lm_head:
-        if not model.config.tie_word_embeddings:
+        if not model.tied:
             tensors["lm_head.weight"] = W.contiguous()
         return
     head_scheme = scheme.lm_head_scheme()

@@ -133,6 +133,55 @@ def test_a_weight_file_that_cannot_be_read_is_one_line(tmp_path, kind):
     assert_one_line_error(run_qinfer("generate", str(tmp_path), "hi"), f"model.safetensors is {what}: re-download")
 
 
+@pytest.mark.parametrize("layout", ["no model. prefix", "model.model. prefix", "tied, stored as lm_head only"])
+def test_weight_names_transformers_maps_onto_its_model_are_read(tmp_path, layout):
+    """Checkpoints saved from the base model, or wrapped once more, and a tied table stored under the lm_head's
+    name: transformers adds or strips its base_model_prefix, and ties from either name."""
+    ref = make_model("qwen2", tmp_path)  # tie_word_embeddings: true
+    tensors = load_file(tmp_path / "model.safetensors")
+    if layout == "tied, stored as lm_head only":
+        tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
+    else:
+        rename = (lambda k: k.removeprefix("model.")) if layout == "no model. prefix" else (lambda k: f"model.{k}")
+        tensors = {rename(k): t for k, t in tensors.items()}
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    ids = torch.randint(0, 97, (1, 11))
+    with torch.no_grad():
+        expected = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)(ids).logits
+        torch.testing.assert_close(expected, ref(ids).logits)
+        torch.testing.assert_close(load_model(tmp_path, dtype=torch.float32)(ids), expected, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("quantize_lm_head", [False, True])
+def test_a_head_of_its_own_beside_a_tied_config_is_kept_as_transformers_keeps_it(tmp_path, calib_file,
+                                                                                   quantize_lm_head):
+    """A fine-tune that trained the lm_head and kept the base config's tie_word_embeddings: transformers (5.x)
+    does not tie two different stored tables, and neither does qinfer, nor the folder it quantizes them into."""
+    make_model("qwen2", tmp_path / "src")
+    tensors = load_file(tmp_path / "src" / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"] + 0.5 * torch.randn_like(
+        tensors["model.embed_tokens.weight"])
+    save_file(tensors, tmp_path / "src" / "model.safetensors", metadata={"format": "pt"})
+    ids = torch.randint(0, 97, (1, 11))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.float32)
+    assert theirs.lm_head.weight is not theirs.model.embed_tokens.weight
+    ours = load_model(tmp_path / "src", dtype=torch.float32)
+    assert not ours.tied
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), theirs(ids).logits, atol=2e-4, rtol=2e-4)
+    out = tmp_path / "q8"
+    flags = ["--quantize-lm-head"] if quantize_lm_head else []
+    result = run_qinfer("quantize", str(tmp_path / "src"), "--bits", "8", "--method", "rtn", "--group-size", "32",
+                        "--calib", str(calib_file), "--samples", "2", "--seq-len", "16", *flags, "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    assert "model.embed_tokens.weight" in load_file(out / "model.safetensors")
+    with torch.no_grad():
+        expected, quantized = theirs(ids).logits, load_model(out, dtype=torch.float32)(ids)
+        tied = theirs.model(ids).last_hidden_state @ theirs.model.embed_tokens.weight.T  # had the config been obeyed
+    assert (quantized - expected).abs().max() < 0.1 * (tied - expected).abs().max()
+
+
 def test_an_untied_model_without_its_lm_head_is_refused(tmp_path):
     make_model("llama", tmp_path)  # tie_word_embeddings: false
     tensors = load_file(tmp_path / "model.safetensors")
