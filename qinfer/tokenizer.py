@@ -197,9 +197,10 @@ class Tokenizer:
 
         generation, model_config = _read_json(path / "generation_config.json"), _read_json(path / "config.json")
         bos_token, eos_token = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
-        bos_id = generation.get("bos_token_id", model_config.get("bos_token_id"))
-        if bos_id is None and bos_token is not None:
-            bos_id = backend.token_to_id(bos_token)
+        # The tokenizer's own BOS first, as transformers' tokenizers add it; the configs' id where it names none.
+        bos_id = backend.token_to_id(bos_token) if bos_token is not None else None
+        if bos_id is None:
+            bos_id = generation.get("bos_token_id", model_config.get("bos_token_id"))
         eos_ids: list[int] = []
         for source in (generation.get("eos_token_id"), model_config.get("eos_token_id"),
                        backend.token_to_id(eos_token) if eos_token else None):

@@ -182,6 +182,19 @@ def test_a_head_of_its_own_beside_a_tied_config_is_kept_as_transformers_keeps_it
     assert (quantized - expected).abs().max() < 0.1 * (tied - expected).abs().max()
 
 
+@pytest.mark.parametrize("source", ["config.json", "generation_config.json"])
+def test_the_tokenizers_own_bos_wins_over_a_config_id_that_disagrees(tmp_path, source):
+    """transformers' tokenizer adds the BOS token tokenizer_config.json names, whatever id the configs hold."""
+    make_model("llama", tmp_path)  # BOS <s> = 0 in every file
+    path = tmp_path / source
+    path.write_text(json.dumps({**json.loads(path.read_text()), "bos_token_id": 5}))
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    ours = Tokenizer.from_folder(tmp_path)
+    for text in ("It is", " a", ""):
+        assert ours.encode(text) == theirs(text)["input_ids"]
+    assert ours.encode("It is")[0] == ours.leading_bos == 0
+
+
 def test_an_untied_model_without_its_lm_head_is_refused(tmp_path):
     make_model("llama", tmp_path)  # tie_word_embeddings: false
     tensors = load_file(tmp_path / "model.safetensors")
