@@ -253,6 +253,7 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
         if act_order and method != "gptq":  # named as given, before rtn becomes the scheme's method "fp8"
             raise QinferError(f"--act-order applies only to --method gptq, not {method}: drop --act-order")
         method, group_size, lm_head_bits = ("gptq" if method == "gptq" else "fp8"), -1, 8
+        bits = bits if "bits" in given else 8  # E4M3 is 8 bits: --bits 4 is refused, no --bits is not
     if act_order is None:
         act_order = method == "gptq"
     if sym is None:
@@ -271,8 +272,6 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
                                fp_target_damp=CalibConfig.fp_target_damp if fp_target_damp is None else fp_target_damp)
     tune = TuneConfig(steps=tune_steps, lr=tune_lr, batch=tune_batch, e2e_steps=e2e_steps, seed=seed,
                       rounding=tune_rounding, holdout=tune_holdout)
-    if out is None:
-        out = _default_out(model, scheme)
     unused = [f"--{name.replace('_', '-')}" for name in ("calib", "samples", "seq_len", "seed") if name in given]
     if unused and not uses_calibration(scheme, tune):
         click.echo(f"note: --method rtn rounds to nearest and reads no calibration text: {', '.join(unused)} "
@@ -280,13 +279,19 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
     from qinfer.interop.folders import foreign_quant_method
 
     path = Path(model).expanduser()
-    if path.exists():  # the path given, not only the copy in the cache a GGUF or GPTQ folder is converted into
-        check_output(Path(out), force, source=path)
     if (path / "config.json").is_file() and foreign_quant_method(path) is not None:  # before converting it
         raise QinferError(f"{model} is already quantized ({foreign_quant_method(path)}): quantize the original "
                           "model instead")
+    source = None
+    if out is None:  # named after the group size the run will use (the largest that fits, unless one was given)
+        from qinfer.preflight import fitted_scheme
+
+        source = resolve_model(model)
+        out = _default_out(model, scheme if "group_size" in given else fitted_scheme(source, scheme))
+    if path.exists():  # the path given, not only the copy in the cache a GGUF or GPTQ folder is converted into
+        check_output(Path(out), force, source=path)
     # Ctrl-C: exit 130 with the line every command gives (OUT as it was, or complete if the rename had begun)
-    report = quantize_model(resolve_model(model), out, scheme, calib_config, force=force, tune=tune,
+    report = quantize_model(source or resolve_model(model), out, scheme, calib_config, force=force, tune=tune,
                             fit_group_size="group_size" not in given)
     click.echo(report.summary())
 

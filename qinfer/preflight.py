@@ -5,10 +5,13 @@ minutes in."""
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from qinfer.arch import ModelConfig
 from qinfer.cache import available_memory
 from qinfer.calib.capture import KEEP_DTYPE, compute_dtype
 from qinfer.errors import QinferError
@@ -50,6 +53,15 @@ def fitting_group_size(model: Transformer, scheme: QuantScheme) -> tuple[int, in
         return None
     larger = min(g for g in GROUP_SIZES if g > max(fits))
     return (max(fits), larger, *_misfit(linears, larger))
+
+
+def fitted_scheme(folder: Path, scheme: QuantScheme) -> QuantScheme:
+    """``scheme`` with the group size :func:`fitting_group_size` gives ``folder``'s model, from its config alone
+    (a model on the meta device: no weights read), for naming its output before it is quantized."""
+    with torch.device("meta"):
+        model = Transformer(ModelConfig.from_folder(folder))
+    fit = fitting_group_size(model, scheme)
+    return dataclasses.replace(scheme, group_size=fit[0]) if fit else scheme
 
 
 def _int_linears(model: Transformer, scheme: QuantScheme) -> list[tuple[str, tuple[int, ...], int]]:

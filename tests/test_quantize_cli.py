@@ -65,7 +65,7 @@ def test_cli_quantize_then_generate(tiny, tmp_path, calib_file):
         (["--bits", "5"], "bits"),
         (["--seed", str(2**64), "--group-size", "32"], r"--seed must be in [-2**63, 2**64 - 1] (got 18446744073709551616)"),
         (["--group-size", "100"], "group"),
-        (["--format", "fp8"], "bits"),
+        (["--format", "fp8", "--bits", "4"], "bits (--bits) must be 8"),
         (["--bits", "8", "--format", "fp8", "--method", "awq"], "AWQ produces integer weights"),
         (["--method", "rtn", "--act-order"], "act_order"),
         (["--seq-len", "200", "--calib", "SHORT", "--group-size", "32"], "too short"),
@@ -129,6 +129,20 @@ def test_without_out_the_model_and_scheme_name_a_folder_here(tiny, tmp_path):
     # run again: the folder is there, refused as any OUT is without --force
     again = run_qinfer("quantize", str(tiny) + "/", "--method", "rtn", "--group-size", "32", cwd=tmp_path)
     assert_one_line_error(again, out.name, "--force")
+
+
+def test_the_default_folder_names_the_group_size_the_run_used(tiny, tmp_path):
+    # the tiny models' linears read 64 and 96 channels: 128 (the default) does not fit, 32 is used and named
+    proc = run_qinfer("quantize", str(tiny), "--method", "rtn", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / f"{tiny.name}-rtn-w4g32"
+    assert f"wrote {out.name}" in proc.stdout and QuantScheme.load(out).group_size == 32
+    # FP8 is 8 bits whatever --bits defaults to: no --bits is not "--bits 4"
+    fp8 = run_qinfer("quantize", str(tiny), "--method", "rtn", "--format", "fp8", cwd=tmp_path)
+    assert fp8.returncode == 0, fp8.stderr
+    assert QuantScheme.load(tmp_path / f"{tiny.name}-fp8").bits == 8
+    assert_one_line_error(run_qinfer("quantize", str(tiny), "--format", "fp8", "--bits", "4", cwd=tmp_path),
+                          "bits (--bits) must be 8; got 4")
 
 
 @pytest.mark.parametrize("how", ["closed", "reader gone"])
