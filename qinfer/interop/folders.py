@@ -170,6 +170,12 @@ def export_folder(src: Path, out: Path, fmt: str, force: bool = False) -> Conver
             f"vLLM runs compressed-tensors integer weights of 4 and 8 bits only (its GPTQ kernels also 2 and 3): "
             f"this {scheme.bits}-bit checkpoint is for the compressed-tensors library (llm-compressor, transformers)"
         )
+    if fmt != "gptq" and scheme.format == "int" and not scheme.symmetric:
+        report.notes.append(
+            "asymmetric weights: transformers (5.24, with compressed-tensors 0.20) cannot load them yet (a size "
+            "mismatch on weight_zero_point, llm-compressor issue 1618), though the compressed-tensors library reads "
+            "them; for transformers quantize with --sym"
+        )
     return report
 
 

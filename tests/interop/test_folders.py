@@ -63,8 +63,11 @@ def test_export_then_import_is_exact(quantized, tmp_path, fmt, name):
     report = export_folder(quantized / name, tmp_path / "out", fmt)
     n_linears = 3 * 7 + SCHEMES[name].quantize_lm_head
     assert report.linears == n_linears
-    # vLLM's compressed-tensors kernels take 4- and 8-bit integers: a 3-bit export there says so
-    assert bool(report.notes) == (fmt == "compressed-tensors" and SCHEMES[name].bits == 3)
+    # vLLM's compressed-tensors kernels take 4- and 8-bit integers: a 3-bit export there says so; transformers
+    # loads no asymmetric one, and an asymmetric export says that
+    scheme, ct = SCHEMES[name], fmt == "compressed-tensors"
+    said = [note.split(" ")[0] for note in report.notes]
+    assert said == ["vLLM"] * (ct and scheme.bits == 3) + ["asymmetric"] * (ct and not scheme.symmetric)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == fmt
     assert not (tmp_path / "out" / QUANT_CONFIG_FILE).exists()
