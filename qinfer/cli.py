@@ -276,6 +276,10 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
     if unused and not uses_calibration(scheme, tune):
         click.echo(f"note: --method rtn rounds to nearest and reads no calibration text: {', '.join(unused)} "
                    "not used (--kv-cache or --tune-steps would use them)", err=True)
+    train = samples - tune_holdout  # the samples the block tuning steps draw from (none: refused later)
+    if tune_steps and 0 < train < tune_batch:
+        click.echo(f"note: --tune-batch {tune_batch} is more than the {train} sample{'s' * (train != 1)} the tuning "
+                   f"steps draw from (--samples less --tune-holdout): each batch takes {train}", err=True)
     from qinfer.interop.folders import foreign_quant_method
 
     path = Path(model).expanduser()

@@ -145,6 +145,19 @@ def test_the_default_folder_names_the_group_size_the_run_used(tiny, tmp_path):
                           "bits (--bits) must be 8; got 4")
 
 
+@pytest.mark.parametrize("args, notes", [
+    (["--tune-batch", "100"], ["--tune-batch 100 is more than the 8 samples the tuning steps draw from"]),
+    (["--tune-holdout", "7"], ["--tune-batch 4 is more than the 1 sample the tuning steps draw from"]),
+    (["--tune-holdout", "4"], []),
+])
+def test_tuning_settings_the_samples_cannot_meet_are_noted(tiny, tmp_path, calib_file, args, notes):
+    proc = run_qinfer("quantize", str(tiny), "-o", str(tmp_path / "q"), "--method", "rtn", "--group-size", "32",
+                      "--tune-steps", "1", "--calib", str(calib_file), "--samples", "8", "--seq-len", "16", *args)
+    assert proc.returncode == 0, proc.stderr
+    said = [line for line in proc.stderr.splitlines() if line.startswith("note: --tune")]
+    assert len(said) == len(notes) and all(n in line for n, line in zip(notes, said)), said
+
+
 @pytest.mark.parametrize("how", ["closed", "reader gone"])
 def test_a_stderr_no_one_reads_does_not_stop_the_run(tiny, tmp_path, calib_file, how):
     # `2>&-`, or a log reader that died: the notes and progress bars are lost, not the model
