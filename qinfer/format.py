@@ -117,6 +117,7 @@ FORMATS = ("int", "fp8")
 KV_CACHE_DTYPES = ("none", "int8", "fp8")
 FP8_GRANULARITIES = ("channel", "tensor")
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+FP8_MAX_SCALE = torch.finfo(torch.float32).max / FP8_MAX  # past it, 448 x scale overflows float32
 FP8_SHIFT = 2.0**8  # an E4M3 code's value = the fp16 value of its moved bits (e4m3_as_fp16) * FP8_SHIFT
 _SIGN_AND_MAGNITUDE = (0x80 << 8 | 0x7F << 7) - (1 << 16)  # fp16 bits 15 and 13..7, as an int16
 
@@ -264,6 +265,8 @@ def check_int_shape(shape: tuple[int, ...], bits: int, group_size: int, name: st
     """Raise a ``QinferError`` naming ``name`` unless a ``[N, K]`` weight fits the integer layout."""
     if len(shape) != 2:
         raise QinferError(f"{name}: expected a 2-D weight [N, K], got shape {tuple(shape)}")
+    if min(shape) < 1:
+        raise QinferError(f"{name}: a weight of shape {tuple(shape)} has no elements: the checkpoint is damaged")
     K = shape[1]
     if group_size != -1 and K % group_size:
         fits = [g for g in GROUP_SIZES if g != -1 and K % g == 0]
@@ -513,6 +516,9 @@ class Fp8Weight:
         except QinferError as e:
             raise QinferError(f"{prefix}: {e}") from None
         check_scales(w.scale, f"{prefix}.scale")
+        if bool((w.scale.float() > FP8_MAX_SCALE).any()):
+            raise QinferError(f"{prefix}.scale holds scales past {FP8_MAX_SCALE:.3g}, whose weights overflow float32: "
+                              "the checkpoint is corrupt; re-export or requantize it")
         if bool(((w.weight.view(torch.uint8) & 0x7F) == 0x7F).any()):  # E4M3's only NaN bit patterns
             raise QinferError(f"{prefix}.weight holds NaN codes: the checkpoint is corrupt; re-export or requantize it")
         if w.granularity != scheme.fp8_granularity:

@@ -292,6 +292,27 @@ def test_scales_that_are_not_finite_and_non_negative_are_refused(bad, word):
     with pytest.raises(QinferError, match=f"^p.scale holds {word} scales"):
         Fp8Weight.from_tensors("p", entries, fp8)
 
+def test_fp8_scales_whose_weights_overflow_float32_are_refused_and_the_writers_largest_is_read():
+    fp8 = QuantScheme(method="fp8", format="fp8", bits=8, group_size=-1)
+    top = torch.finfo(torch.float32).max
+    written = fp8_quantize(torch.tensor([[top, -top / 3, 0.0, 1.0]]), fp8)  # the largest scale a writer makes
+    back = Fp8Weight.from_tensors("p", written.tensors("p"), fp8).dequantize(torch.float32)
+    assert back.isfinite().all() and back[0, 2] == 0
+    entries = written.tensors("p")
+    entries["p.scale"] = torch.tensor([[1.4e36]])  # code 1.0 times it: finite in the spec, inf and NaN if run
+    with pytest.raises(QinferError, match="^p.scale holds scales past 7.6e\\+35, whose weights overflow float32"):
+        Fp8Weight.from_tensors("p", entries, fp8)
+
+
+def test_an_empty_weight_is_refused():
+    with pytest.raises(QinferError, match=r"^p: QuantizedWeight: a weight of shape \(4, 0\) has no elements"):
+        QuantizedWeight.from_tensors("p", {"p.qweight": torch.zeros(4, 0, dtype=torch.uint8),
+                                           "p.scale": torch.zeros(4, 0, dtype=torch.float16)},
+                                     QuantScheme(group_size=-1))
+    with pytest.raises(QinferError, match="has no elements"):
+        rtn_quantize(torch.zeros(4, 0), QuantScheme(group_size=-1))
+
+
 def test_fp8_tensors_round_trip_and_granularity_check():
     W = torch.randn(8, 40)
     for gran in ("channel", "tensor"):
