@@ -11,13 +11,11 @@ import json
 import os
 import re
 import shutil
-import signal
 import tempfile
-import threading
 from contextlib import contextmanager
 from pathlib import Path
 
-from qinfer.errors import TERMINATING, QinferError, finished
+from qinfer.errors import QinferError, finished, signals_held
 
 try:
     import fcntl
@@ -316,24 +314,6 @@ def naming_full_disk(path: Path):
         if e.errno in (errno.ENOSPC, errno.EDQUOT) and e.filename != str(path):
             raise OSError(e.errno, e.strerror, str(path)) from None
         raise
-
-
-@contextmanager
-def signals_held():
-    """Hold SIGINT, SIGTERM and SIGHUP back for a few system calls that must not be parted, then deliver them."""
-    if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
-        yield
-        return
-    caught: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
-                for sig in (signal.SIGINT, *TERMINATING)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        for sig in caught:
-            signal.raise_signal(sig)
 
 
 def _appeared(target: Path) -> QinferError:

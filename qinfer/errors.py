@@ -7,6 +7,7 @@ name the problem and the fix. Every such command takes ``-h``.
 """
 
 import errno
+import importlib
 import json
 import os
 import re
@@ -203,12 +204,49 @@ def _termination_unwinds():
             signal.signal(sig, handler)
 
 
+@contextmanager
+def signals_held():
+    """Hold SIGINT, SIGTERM and SIGHUP back for a few system calls that must not be parted, then deliver them."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
+        yield
+        return
+    caught: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
+                for sig in (signal.SIGINT, *TERMINATING)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for sig in caught:
+            signal.raise_signal(sig)
+
+
+def _import_torch() -> None:
+    """Import torch with SIGINT, SIGTERM and SIGHUP held back until it is done: one handled while its C++
+    extension initialises aborts the process (pybind11's terminate: a core dump, no Error line, exit 134)."""
+    with signals_held():
+        importlib.import_module("torch")
+
+
+class _Subcommand(click.Command):
+    def invoke(self, ctx):
+        _import_torch()  # after its options are parsed: `qinfer CMD --help` stays quick
+        return super().invoke(ctx)
+
+
 class Command(_OneLineErrors, click.Command):
     """A click command whose user-facing failures end as one line (``@click.command(cls=Command)``)."""
+
+    def _invoke(self, ctx):
+        _import_torch()
+        return super()._invoke(ctx)
 
 
 class Group(_OneLineErrors, click.Group):
     """A click group whose commands' user-facing failures end as one line."""
+
+    command_class = _Subcommand
 
 
 _LESS = ("close other programs, or ask for less (quantize: fewer --samples or a shorter --seq-len; eval: a smaller "

@@ -309,3 +309,30 @@ def test_quantized_folder_missing_a_linear(tmp_path, options, stored):
     save_file(tensors, path)
     assert_one_line_error(run_qinfer("generate", str(tmp_path / "q"), "hi"),
                           f"missing model.layers.1.mlp.down_proj.{stored})")
+
+
+def test_a_signal_while_torch_is_imported_is_delivered_after_it(monkeypatch):
+    # handled inside torch's C++ initialisation, it aborted the process (pybind11's terminate, exit 134)
+    import importlib
+    import signal
+
+    from qinfer import errors
+
+    imported = []
+
+    def importing(name):
+        signal.raise_signal(signal.SIGINT)  # Ctrl-C half-way through the import
+        imported.append(name)
+
+    monkeypatch.setattr(importlib, "import_module", importing)
+    with pytest.raises(KeyboardInterrupt):
+        errors._import_torch()
+    assert imported == ["torch"]  # the import ran to its end first
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_commands_help_does_not_import_torch():
+    probe = "import sys; from qinfer.cli import main; sys.argv = ['qinfer', 'generate', '--help']\n" \
+            "try:\n    main()\nexcept SystemExit:\n    print('torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip().endswith("False"), proc.stdout + proc.stderr
