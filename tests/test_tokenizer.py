@@ -137,6 +137,22 @@ def test_sentencepiece_bos(sp_tok):
     assert sp_tok.encode("<bos>Hello", add_bos=False) == [2] + hello
 
 
+
+def test_a_dummy_prefix_model_encodes_as_sentencepiece_does(tmp_path):
+    """A Llama-style tokenizer.model alone is sentencepiece's: each stretch of text between special tokens gets
+    the model's dummy prefix, and a leading space stays a space of its own (transformers 5's converted fast
+    tokenizer gives "▁Hello" for " Hello" and drops the prefix after a special token)."""
+    meta = sp_vocab_metadata()
+    meta["tokenizer.ggml.add_space_prefix"] = True
+    folder = _folder(tmp_path, meta)
+    tok, sp = Tokenizer.from_folder(folder), SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
+    for text in TEXTS:
+        assert tok.encode(text, add_bos=False) == sp.encode(text)
+    turn, end = tok.token_to_id("<start_of_turn>"), tok.token_to_id("<end_of_turn>")
+    assert tok.encode("<start_of_turn>user Hello<end_of_turn> is", add_bos=False) == [
+        turn, *sp.encode("user Hello"), end, *sp.encode(" is")]
+    assert _pieces(tok, " Hello") == ["▁▁", "Hello"]
+
 @pytest.mark.parametrize("backend", ["sp_tok", "bpe_tok"])
 def test_ids_past_the_tokenizer_decode_to_nothing(request, backend):
     # a config.json vocab_size padded past the tokenizer (Gemma 3 4B: 262208 rows, 262144 pieces): a sampled
