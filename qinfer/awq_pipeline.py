@@ -44,6 +44,7 @@ def apply_awq(model: Transformer, layer_idx: int, stats: BlockStats, scheme: Qua
     group's statistics in ``stats`` become those of its new inputs ``X / s`` (what its rounding is scored on)."""
     arch = model.config.arch
     block = model.model.layers[layer_idx]
+    prefix = f"model.layers.{layer_idx}."
     ratios = {}
     for group in arch.linear_groups:
         linears = [block.get_submodule(name) for name in group.linears]
@@ -51,7 +52,8 @@ def apply_awq(model: Transformer, layer_idx: int, stats: BlockStats, scheme: Qua
         H = captured.H / max(captured.n, 1)  # [K, K], per token
         weights = [m.weight.data.float() for m in linears]
         if _scalable(block, group, scheme):
-            result = awq_search_scales_gram(captured.abs_mean, H, weights, scheme)
+            result = awq_search_scales_gram(captured.abs_mean, H, weights, scheme,
+                                            names=[prefix + name for name in group.linears])
             s, ratios[group.linears[0]] = result.scales, result.ratio
             if group.norm is not None:
                 _fold_into_norm(block.get_submodule(group.norm), s, arch.norm_offset)
@@ -66,7 +68,7 @@ def apply_awq(model: Transformer, layer_idx: int, stats: BlockStats, scheme: Qua
             H = H / s[:, None] / s[None, :]  # the Gram matrix of the rescaled inputs X / s
             captured.H, captured.abs_sum = captured.H / s[:, None] / s[None, :], captured.abs_sum / s  # (shared)
         for name, module, W in zip(group.linears, linears, weights):
-            module.weight.data = clip_linear(name, W, H, scheme).to(module.weight.dtype)
+            module.weight.data = clip_linear(name, W, H, scheme, prefix).to(module.weight.dtype)
     return ratios
 
 
@@ -90,17 +92,20 @@ def scale_group(
     norm_offset: float,
     quantized: dict[str, QuantizedWeight],
     ref_weights: dict[str, torch.Tensor] | None = None,
+    prefix: str = "",
 ) -> ScaledGroup:
     """AWQ's scale and clip search for one group of a block inside the staged pass (see the module docstring).
 
     ``weights`` are the group's fp32 weights to quantize (maybe aimed); ``stats`` their inputs' statistics;
     ``quantized`` the block's packed linears so far, where a folded producer's scales are replaced. The norm
     is shared by the unquantized stream, which reads it with ``ref_weights``: their columns are scaled too.
+    ``prefix`` (``model.layers.{i}.``) makes the linears' names in errors whole.
     """
     H = stats.H
     pending = None
     if _scalable(block, group, scheme):
-        s = awq_search_scales_gram(stats.abs_mean, H / max(stats.n, 1), list(weights.values()), scheme).scales
+        s = awq_search_scales_gram(stats.abs_mean, H / max(stats.n, 1), list(weights.values()), scheme,
+                                   names=[prefix + name for name in weights]).scales
         if group.norm is not None:
             _fold_into_norm(block.get_submodule(group.norm), s, norm_offset)
             for name in group.linears if ref_weights is not None else ():
@@ -114,7 +119,7 @@ def scale_group(
         if s is not None:
             weights = {name: scale_linear_inputs(W, s) for name, W in weights.items()}
             H = H / s[:, None] / s[None, :]
-    clipped = {name: clip_linear(name, W, H / max(stats.n, 1), scheme) for name, W in weights.items()}
+    clipped = {name: clip_linear(name, W, H / max(stats.n, 1), scheme, prefix) for name, W in weights.items()}
     return ScaledGroup(clipped, H, pending)
 
 
@@ -133,6 +138,6 @@ def _fold_into_norm(norm: torch.nn.Module, s: torch.Tensor, offset: float) -> No
     norm.weight.data = w.to(norm.weight_dtype(norm.weight.dtype, w.dtype))  # fp32 for Gemma's 1 + w
 
 
-def clip_linear(name: str, W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+def clip_linear(name: str, W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, prefix: str = "") -> torch.Tensor:
     """AWQ's clipping search for linear ``name`` (q/k are left alone), ``H`` its inputs' Gram matrix."""
-    return W if name in NO_CLIP else apply_clip(W, *awq_search_clip_gram(H, W, scheme))
+    return W if name in NO_CLIP else apply_clip(W, *awq_search_clip_gram(H, W, scheme, name=prefix + name))

@@ -66,7 +66,7 @@ from qinfer.model import BosState, Transformer
 from qinfer.preflight import check_calibration_size, check_finite, check_shapes, fitting_group_size
 from qinfer.quantizers.fp8 import fp8_kv_scale, fp8_quantize, int8_kv_scale
 from qinfer.quantizers.gptq import fp_target, gptq_quantize_ex
-from qinfer.quantizers.rtn import rtn_quantize
+from qinfer.quantizers.rtn import ACTIVATIONS_OVERFLOW, rtn_quantize
 from qinfer.tokenizer import Tokenizer
 
 # Output rows of the lm_head quantized at a time (gemma3's 262144 x 640 in 8 slices of 84 MB in fp32).
@@ -291,7 +291,7 @@ def quantize_model(
                 H, pending = None if s is None else s.H, None
                 if scheme.method == "awq" and sequential:  # scales searched on these inputs and weights
                     scaled = scale_group(block, arch.linear_groups[g], weights, s, scheme, arch.norm_offset, packed,
-                                         ref_weights)
+                                         ref_weights, prefix=f"model.layers.{i}.")
                     weights, H, pending = scaled.weights, scaled.gram, scaled.pending
                 for name, W in weights.items():
                     prefix = f"model.layers.{i}.{name}"
@@ -333,6 +333,10 @@ def quantize_model(
                 _kv_scales(tensors, i, stats, scheme)
             if X is not None and (not sequential or tune.steps):  # (a staged pass leaves X at the block's output)
                 X = run_block(model, i, X_in, out=X)
+            for stream in (X, X_ref):  # a model that overflows stops here, not at NaN scales or a NaN tuning KL
+                if stream is not None and not bool(torch.isfinite(stream).all()):
+                    raise QinferError(f"model.layers.{i}: its output contains NaN or Inf: "
+                                      f"{ACTIVATIONS_OVERFLOW}")
         _block_tensors(tensors, model, i)  # norms (maybe AWQ-rescaled) go back in the model dtype
         if not tune.e2e_steps:  # done with this block: release its weights (end-to-end tuning needs them all)
             model.model.layers[i] = torch.nn.Identity()
@@ -427,8 +431,10 @@ def _quantize_linear(W: torch.Tensor, H: torch.Tensor | None, scheme: QuantSchem
 def _kv_scales(tensors: dict, i: int, stats, scheme: QuantScheme) -> None:
     if scheme.kv_cache != "none":
         to_scale = int8_kv_scale if scheme.kv_cache == "int8" else fp8_kv_scale
-        tensors[f"model.layers.{i}.self_attn.k_scale"] = to_scale(stats.k_absmax).float()
-        tensors[f"model.layers.{i}.self_attn.v_scale"] = to_scale(stats.v_absmax).float()
+        for kv in "kv":
+            absmax = stats.k_absmax if kv == "k" else stats.v_absmax
+            name = f"model.layers.{i}.self_attn.{kv}_proj: output range"
+            tensors[f"model.layers.{i}.self_attn.{kv}_scale"] = to_scale(absmax, name).float()
 
 
 def _block_tensors(tensors: dict, model: Transformer, i: int) -> None:

@@ -54,7 +54,7 @@ import torch
 
 from qinfer.errors import QinferError
 from qinfer.format import QuantizedWeight, QuantScheme, check_int_shape, dequantize_codes
-from qinfer.quantizers.rtn import FP16_MAX, LEAST_SCALE, check_finite, quantize_codes, rtn_params
+from qinfer.quantizers.rtn import ACTIVATIONS_OVERFLOW, FP16_MAX, LEAST_SCALE, check_finite, quantize_codes, rtn_params
 
 FP16_MIN_NORMAL = 2.0**-14
 MIN_SCALE = 1e-4  # floor for x_mean^ratio: dead channels (x_mean = 0) must not produce a zero or infinite 1/s
@@ -107,12 +107,21 @@ def _check_inputs(X: torch.Tensor, weights: Sequence[torch.Tensor], scheme: Quan
         check_finite(W, f"AWQ weights[{i}]: weight")
 
 
-def _check_gram(gram: torch.Tensor, weights: Sequence[torch.Tensor], scheme: QuantScheme) -> None:
+def _label(names: Sequence[str] | None) -> str:
+    """How errors name the linears being searched: ``model.layers.1.mlp.gate_proj/up_proj``, or "AWQ" unnamed."""
+    if not names:
+        return "AWQ"
+    head, _, _ = names[0].rpartition(".")
+    rest = [n.removeprefix(f"{head}.") for n in names[1:]]
+    return "/".join([names[0], *rest])
+
+
+def _check_gram(gram: torch.Tensor, weights: Sequence[torch.Tensor], scheme: QuantScheme, label: str = "AWQ") -> None:
     """The Gram-matrix searches' twin of :func:`_check_inputs`: ``gram [K, K]`` and weights ``[N, K]`` that fit
     the scheme's integer layout."""
     if gram.dim() != 2 or gram.shape[0] != gram.shape[1]:
         raise QinferError(f"AWQ: the Gram matrix must be square [K, K], got shape {list(gram.shape)}")
-    check_finite(gram, "AWQ: Gram matrix")
+    check_finite(gram, f"{label}: Gram matrix", ACTIVATIONS_OVERFLOW)
     _check_weights(weights, gram.shape[0], "the Gram matrix's", scheme)
 
 
@@ -203,6 +212,7 @@ def awq_search_scales_gram(
     n_grid: int = 20,
     *,
     duo_scaling: bool = False,
+    names: Sequence[str] | None = None,
 ) -> AwqScaleResult:
     """:func:`awq_search_scales` with the default error computed from statistics instead of activations.
 
@@ -210,12 +220,13 @@ def awq_search_scales_gram(
     (what GPTQ calls H). ``||X D^T||^2 = tr(D X^T X D^T)``, so each candidate costs ``N K^2`` instead of
     ``T K N`` and sees every calibration token, not a subsample. The ranking of candidates is the same
     as :func:`awq_search_scales` on the full X (errors are per token and output, like there, when
-    ``gram`` is divided by the token count; the choice does not depend on that factor).
+    ``gram`` is divided by the token count; the choice does not depend on that factor). ``names``, the
+    linears' names in ``weights``' order, label errors.
     """
     _check_int_scheme(scheme)
     _check_grid(n_grid)
-    _check_gram(gram, weights, scheme)
-    check_finite(x_mean, "AWQ: activation means")
+    _check_gram(gram, weights, scheme, _label(names))
+    check_finite(x_mean, f"{_label(names)}: activation means", ACTIVATIONS_OVERFLOW)
     Ws = [w.float() for w in weights]
     H = gram.float()
     w_mean = _group_normalised_abs_mean(Ws, scheme.group_size) if duo_scaling else None
@@ -224,10 +235,10 @@ def awq_search_scales_gram(
     def error(candidate: list[torch.Tensor]) -> float:
         return sum(float(((w - c) @ H * (w - c)).sum()) for w, c in zip(Ws, candidate)) / count
 
-    return _search_scales(x_mean.float(), w_mean, Ws, scheme, error, n_grid)
+    return _search_scales(x_mean.float(), w_mean, Ws, scheme, error, n_grid, names)
 
 
-def _search_scales(x_mean, w_mean, Ws, scheme, error, n_grid) -> AwqScaleResult:
+def _search_scales(x_mean, w_mean, Ws, scheme, error, n_grid, names=None) -> AwqScaleResult:
     ratios = tuple(i / n_grid for i in range(n_grid))
     errors: list[float] = []
     best, best_err = None, math.inf
@@ -242,9 +253,9 @@ def _search_scales(x_mean, w_mean, Ws, scheme, error, n_grid) -> AwqScaleResult:
         if err < best_err:
             best, best_err = (s, ratio), err
     if best is None:
-        raise QinferError(
-            "AWQ: weights too large for a float16 scale at every ratio; check the weights for overflowed values"
-        )
+        too_large = [n for n, w in zip(names or (), Ws) if not _storable(w, scheme)]
+        raise QinferError(f"{too_large[0] if too_large else _label(names)}: weights too large for a float16 scale "
+                          "at every AWQ ratio; weights this large are no trained model's; check the checkpoint")
     return AwqScaleResult(scales=best[0], ratio=best[1], ratios=ratios, errors=tuple(errors))
 
 
@@ -309,15 +320,17 @@ def awq_search_clip(
 
 
 def awq_search_clip_gram(
-    gram: torch.Tensor, W: torch.Tensor, scheme: QuantScheme, n_grid: int = 20, max_shrink: float = 0.5
+    gram: torch.Tensor, W: torch.Tensor, scheme: QuantScheme, n_grid: int = 20, max_shrink: float = 0.5,
+    name: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`awq_search_clip` on all calibration tokens via ``gram = X^T X [K, K]``: a group's output error is
-    ``D_g H_gg D_g^T`` with ``H_gg`` the group's diagonal block, ``N K G`` work per grid step."""
+    ``D_g H_gg D_g^T`` with ``H_gg`` the group's diagonal block, ``N K G`` work per grid step. ``name`` (the
+    linear's) labels errors."""
     _check_int_scheme(scheme)
     _check_grid(n_grid)
     if not 0.0 <= max_shrink < 1.0:
         raise QinferError(f"AWQ clip: max_shrink must be in [0, 1), got {max_shrink!r}")
-    _check_gram(gram, [W], scheme)
+    _check_gram(gram, [W], scheme, _label([name] if name else None))
     G, n_groups = _groups_of(W, scheme.group_size)
     idx = torch.arange(n_groups)
     blocks = gram.float().reshape(n_groups, G, n_groups, G)[idx, :, idx, :]  # [groups, G, G]

@@ -20,7 +20,7 @@ import torch
 
 from qinfer.errors import QinferError
 from qinfer.format import FP8_MAX, Fp8Weight, QuantScheme
-from qinfer.quantizers.rtn import check_finite
+from qinfer.quantizers.rtn import ACTIVATIONS_OVERFLOW, check_finite
 
 INT8_MAX = 127.0
 
@@ -53,18 +53,19 @@ def fp8_quantize(W: torch.Tensor, scheme: QuantScheme, *, name: str = "weight") 
     return Fp8Weight(weight=fp8_cast(W, scale), scale=scale)
 
 
-def _kv_scale(absmax: torch.Tensor, qmax: float) -> torch.Tensor:
-    check_finite(absmax, "KV absmax")
+def _kv_scale(absmax: torch.Tensor, qmax: float, name: str) -> torch.Tensor:
+    check_finite(absmax, name, ACTIVATIONS_OVERFLOW)
     if bool((absmax < 0).any()):
         raise QinferError("KV absmax has negative entries; pass max(|k|) (or max(|v|)) per KV head and channel")
     return _scale_from_absmax(absmax, qmax)
 
 
-def fp8_kv_scale(absmax: torch.Tensor) -> torch.Tensor:
-    """FP8 KV-cache scale ``absmax / 448`` (float32, same shape; 1.0 where absmax is 0)."""
-    return _kv_scale(absmax, FP8_MAX)
+def fp8_kv_scale(absmax: torch.Tensor, name: str = "KV absmax") -> torch.Tensor:
+    """FP8 KV-cache scale ``absmax / 448`` (float32, same shape; 1.0 where absmax is 0); ``name`` labels errors."""
+    return _kv_scale(absmax, FP8_MAX, name)
 
 
-def int8_kv_scale(absmax: torch.Tensor) -> torch.Tensor:
-    """Symmetric INT8 KV-cache scale ``absmax / 127`` (float32, same shape; 1.0 where absmax is 0)."""
-    return _kv_scale(absmax, INT8_MAX)
+def int8_kv_scale(absmax: torch.Tensor, name: str = "KV absmax") -> torch.Tensor:
+    """Symmetric INT8 KV-cache scale ``absmax / 127`` (float32, same shape; 1.0 where absmax is 0); ``name`` labels
+    errors."""
+    return _kv_scale(absmax, INT8_MAX, name)

@@ -44,7 +44,7 @@ import torch
 from qinfer.errors import QinferError
 from qinfer.format import Fp8Weight, QuantizedWeight, QuantScheme, check_int_shape, pack
 from qinfer.quantizers.fp8 import fp8_cast, fp8_quantize
-from qinfer.quantizers.rtn import check_finite, rtn_params
+from qinfer.quantizers.rtn import ACTIVATIONS_OVERFLOW, check_finite, rtn_params
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ def fp_target(W: torch.Tensor, H: torch.Tensor, D: torch.Tensor, damp: float, *,
     K = W.shape[1]
     if tuple(D.shape) != (K, K):
         raise QinferError(f"{name}: input-shift matrix shape {list(D.shape)} does not match in_features K={K}")
-    check_finite(D, f"{name}: input-shift matrix")
+    check_finite(D, f"{name}: input-shift matrix", ACTIVATIONS_OVERFLOW)
     dead = H.diagonal() == 0
     W = W.detach().float()  # whole, dead columns included: an input the quantized model never fires may still
     _, H = _dead_zeroed(W, H)  # fire in the unquantized one, and the live columns take over its part of the output
@@ -113,7 +113,7 @@ def _check_problem(W: torch.Tensor, H: torch.Tensor, blocksize: int, name: str) 
     if type(blocksize) is not int or blocksize < 1:
         raise QinferError(f"{name}: blocksize must be a positive int, got {blocksize!r}")
     check_finite(W, f"{name}: weight")
-    check_finite(H, f"{name}: Hessian")
+    check_finite(H, f"{name}: Hessian", ACTIVATIONS_OVERFLOW)
     if bool((H.diagonal() < 0).any()):
         raise QinferError(f"{name}: Hessian has negative diagonal entries; it is not X^T X")
 

@@ -105,9 +105,15 @@ def quantize_codes(
     return q.to(torch.uint8).reshape(W.shape)
 
 
-def check_finite(t: torch.Tensor, what: str) -> None:
+# The fix for calibration activations, or statistics of them (a Hessian, K/V ranges), that are not finite where every
+# weight is (the pipeline checks the weights first): the model's own arithmetic overflows.
+ACTIVATIONS_OVERFLOW = ("the model's activations overflow there on the calibration text though every weight is finite; "
+                        "check the checkpoint (does `qinfer generate` on it give text?)")
+
+
+def check_finite(t: torch.Tensor, what: str, fix: str = "") -> None:
     if not bool(torch.isfinite(t).all()):
-        raise QinferError(f"{what} contains NaN or Inf")
+        raise QinferError(f"{what} contains NaN or Inf" + (f": {fix}" if fix else ""))
 
 
 def rtn_quantize(W: torch.Tensor, scheme: QuantScheme, *, name: str = "weight") -> QuantizedWeight:

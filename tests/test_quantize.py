@@ -334,6 +334,47 @@ def test_nan_outside_the_linears_is_named_before_any_work(tmp_path, name):
     assert not (tmp_path / "out").exists()
 
 
+
+OVERFLOWS = {  # every path that runs the calibration text: each stops at the block whose activations overflow
+    "gptq": ("gptq", {}, {}),
+    "gptq --fp-target": ("gptq", {"fp_target": True}, {}),
+    "awq": ("awq", {}, {}),
+    "awq --true-sequential": ("awq", {"true_sequential": True}, {}),
+    "awq --fp-target": ("awq", {"fp_target": True}, {}),
+    "rtn --kv-cache fp8": ("rtn", {}, {}),
+    "rtn --tune-steps 2": ("rtn", {}, {"steps": 2}),
+    "rtn --e2e-steps 1": ("rtn", {}, {"e2e_steps": 1}),
+}
+
+
+@pytest.mark.parametrize("case", OVERFLOWS)
+def test_activations_that_overflow_name_the_layer_and_what_to_check(tmp_path, calib_file, case):
+    # finite weights whose activations overflow (a norm weight of 1e30): an error naming block 1 and the checkpoint,
+    # where AWQ named no layer, the KV ranges neither layer nor fix, and end-to-end tuning exited 0 at KL nan
+    method, calib, tune = OVERFLOWS[case]
+    make_model("llama", tmp_path / "src")
+    path = tmp_path / "src" / "model.safetensors"
+    tensors = load_file(path)
+    tensors["model.layers.1.post_attention_layernorm.weight"].fill_(1e30)
+    save_file(tensors, path, metadata={"format": "pt"})
+    scheme = QuantScheme(method=method, group_size=32, kv_cache="fp8" if "kv" in case else "none")
+    with pytest.raises(QinferError, match=r"model\.layers\.1\b[^:]*: .*overflow.*check the checkpoint"):
+        quantize_model(tmp_path / "src", tmp_path / "out", scheme,
+                       CalibConfig(source=str(calib_file), samples=4, seq_len=16, **calib), tune=TuneConfig(**tune))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
+def test_a_weight_too_large_for_its_scale_is_named(tmp_path, calib_file, method):
+    make_model("llama", tmp_path / "src")
+    path = tmp_path / "src" / "model.safetensors"
+    tensors = load_file(path)
+    tensors["model.layers.1.self_attn.q_proj.weight"][3, 5] = 1e30
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(QinferError, match=r"model\.layers\.1\.self_attn\.q_proj: .*too large"):
+        quantize_model(tmp_path / "src", tmp_path / "out", QuantScheme(method=method, group_size=32),
+                       CalibConfig(source=str(calib_file), samples=4, seq_len=16))
+
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_calibration_reads_no_memory_it_did_not_write(tmp_path, calib_file, monkeypatch, method):
     # every float tensor the pipeline gets from torch.empty starts as NaN, so reading one before writing it
@@ -554,7 +595,7 @@ def test_awq_leaves_each_rescaled_group_the_statistics_of_its_new_inputs(tiny, m
     # Without clipping the block computes the same function, so a fresh capture shows what those inputs are.
     from qinfer import awq_pipeline
 
-    monkeypatch.setattr(awq_pipeline, "clip_linear", lambda name, W, H, scheme: W)
+    monkeypatch.setattr(awq_pipeline, "clip_linear", lambda name, W, H, scheme, prefix="": W)
     model = load_model(tiny, dtype=torch.float32)
     groups = tuple(g.linears for g in model.config.arch.linear_groups)
     X = embed_samples(model, calibration_batch(tiny, CALIB), torch.float32)

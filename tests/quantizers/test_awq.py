@@ -389,6 +389,23 @@ def test_bad_inputs_raise():
         fold_scales_into_linear(Ws[0], torch.ones(K))
 
 
+
+def test_gram_search_errors_name_the_linears():
+    from qinfer.quantizers.awq import awq_search_clip_gram, awq_search_scales_gram
+
+    X_cal, _, Ws = _problem(T=64)
+    scheme, names = _scheme(), ["model.layers.3.mlp.gate_proj", "model.layers.3.mlp.up_proj"]
+    gram = X_cal.T @ X_cal
+    gram[1, 2] = float("inf")
+    with pytest.raises(QinferError, match=r"^model\.layers\.3\.mlp\.gate_proj/up_proj: Gram matrix .*overflow"):
+        awq_search_scales_gram(X_cal.abs().mean(0), gram, Ws[:2], scheme, names=names)
+    with pytest.raises(QinferError, match=r"^model\.layers\.3\.mlp\.up_proj: Gram matrix"):
+        awq_search_clip_gram(gram, Ws[1], scheme, name=names[1])
+    huge = Ws[1].clone()
+    huge[0, 0] = 1e30  # finite, but past any float16 scale at every ratio: the one linear holding it is named
+    with pytest.raises(QinferError, match=r"^model\.layers\.3\.mlp\.up_proj: weights too large"):
+        awq_search_scales_gram(X_cal.abs().mean(0), X_cal.T @ X_cal, [Ws[0], huge], scheme, names=names)
+
 @pytest.mark.parametrize("bits,symmetric", [(4, True), (3, False)])
 def test_gram_searches_choose_what_the_activation_searches_choose(bits, symmetric):
     from qinfer.quantizers.awq import awq_search_clip_gram, awq_search_scales_gram

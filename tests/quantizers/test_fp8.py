@@ -96,3 +96,5 @@ def test_kv_scales():
         int8_kv_scale(torch.tensor([1.0, -1.0]))
     with pytest.raises(QinferError, match="NaN or Inf"):
         fp8_kv_scale(torch.tensor([float("nan")]))
+    with pytest.raises(QinferError, match=r"^model\.layers\.2\.self_attn\.v_proj: output range contains NaN .*overflow"):
+        int8_kv_scale(torch.tensor([1.0, float("inf")]), "model.layers.2.self_attn.v_proj: output range")
