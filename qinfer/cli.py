@@ -234,7 +234,7 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
     from qinfer.block_tune import TuneConfig
     from qinfer.cache import check_output
     from qinfer.format import QuantScheme
-    from qinfer.quantize import CalibConfig, quantize_model, uses_calibration
+    from qinfer.quantize import CalibConfig, check_settings, quantize_model, uses_calibration
     from qinfer.sources import resolve_model
 
     if out is not None:
@@ -272,6 +272,7 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
                                fp_target_damp=CalibConfig.fp_target_damp if fp_target_damp is None else fp_target_damp)
     tune = TuneConfig(steps=tune_steps, lr=tune_lr, batch=tune_batch, e2e_steps=e2e_steps, seed=seed,
                       rounding=tune_rounding, holdout=tune_holdout)
+    check_settings(scheme, calib_config, tune)  # a refusal comes alone, not after notes on the settings it refuses
     unused = [f"--{name.replace('_', '-')}" for name in ("calib", "samples", "seq_len", "seed") if name in given]
     if unused and not uses_calibration(scheme, tune):
         click.echo(f"note: --method rtn rounds to nearest and reads no calibration text: {', '.join(unused)} "

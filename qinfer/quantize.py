@@ -207,23 +207,13 @@ def recorded_calibration(scheme: QuantScheme, calib: CalibConfig, tune: TuneConf
     return calib.resolved(scheme.method).__dict__ if uses_calibration(scheme, tune) else None
 
 
-def quantize_model(
-    folder: Path, out: Path, scheme: QuantScheme, calib: CalibConfig, force: bool = False,
-    tune: TuneConfig | None = None, fit_group_size: bool = False,
-) -> QuantizeReport:
-    """Quantize the model in ``folder`` into ``out``. ``fit_group_size`` (the group size was not chosen by the
-    user): where ``scheme.group_size`` does not divide a linear's in_features, take the largest that does, with a
-    note, instead of refusing."""
-    folder, out = Path(folder), Path(out)
-    tune = tune or TuneConfig()
+def check_settings(scheme: QuantScheme, calib: CalibConfig, tune: TuneConfig) -> CalibConfig:
+    """Refuse settings that do not go together, before any note or work; returns ``calib`` resolved for the method."""
     if tune.active and scheme.format != "int":
         raise QinferError("--tune-steps/--e2e-steps tune integer group scales; FP8 weights have none (drop them)")
     if tune.holdout and tune.holdout >= calib.samples:
         raise QinferError(f"--tune-holdout {tune.holdout} leaves none of the {calib.samples} calibration samples to tune "
                           "on: hold out fewer, or raise --samples")
-    check_output(out, force, source=folder)
-    if (folder / "quant_config.json").exists():
-        raise QinferError(f"{folder} is already quantized: quantize the original model instead")
     if scheme.mse_clip and scheme.method == "awq":
         raise QinferError("AWQ searches each group's clipping on the block's output itself (on the min/max grid), "
                           "which --mse-clip's shrink would then move off: drop --mse-clip for --method awq")
@@ -237,6 +227,22 @@ def quantize_model(
         )
     if calib.fp_target and scheme.method not in ("gptq", "awq"):
         raise QinferError(f"--fp-target aims GPTQ or AWQ at the unquantized model: drop it for {flags}")
+    return calib
+
+
+def quantize_model(
+    folder: Path, out: Path, scheme: QuantScheme, calib: CalibConfig, force: bool = False,
+    tune: TuneConfig | None = None, fit_group_size: bool = False,
+) -> QuantizeReport:
+    """Quantize the model in ``folder`` into ``out``. ``fit_group_size`` (the group size was not chosen by the
+    user): where ``scheme.group_size`` does not divide a linear's in_features, take the largest that does, with a
+    note, instead of refusing."""
+    folder, out = Path(folder), Path(out)
+    tune = tune or TuneConfig()
+    calib = check_settings(scheme, calib, tune)
+    check_output(out, force, source=folder)
+    if (folder / "quant_config.json").exists():
+        raise QinferError(f"{folder} is already quantized: quantize the original model instead")
     start = time.perf_counter()
     reuse_freed_memory()
     model = load_model(folder, dtype=torch.bfloat16)

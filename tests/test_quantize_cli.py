@@ -112,6 +112,14 @@ def test_cli_bad_options(tiny, tmp_path, args, needle):
     assert not (tmp_path / "out").exists()
 
 
+
+@pytest.mark.parametrize("args", [["--method", "rtn", "--fp-target", "--samples", "4"],  # a note: rtn reads no text
+                                  ["--bits", "8", "--format", "fp8", "--tune-steps", "1", "--samples", "2"]])  # batch
+def test_a_refused_setting_is_the_only_line_not_after_notes_on_it(tiny, tmp_path, args):
+    proc = run_qinfer("quantize", str(tiny), "-o", str(tmp_path / "out"), *args)
+    assert_one_line_error(proc, "drop")
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
 @pytest.mark.parametrize("command", ["quantize", "export"])
 def test_an_empty_output_name_is_refused(tiny, tmp_path, command):
     # not taken for "." (this folder) and refused as one that exists
