@@ -399,3 +399,5 @@ def main():
     except KeyboardInterrupt:
         click.echo("Error: interrupted", err=True)
         sys.exit(130)
+    finally:  # the command is over and has said how: a Ctrl-C now would only interrupt the interpreter's exit
+        signal.signal(signal.SIGINT, signal.SIG_IGN)

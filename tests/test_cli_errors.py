@@ -335,6 +335,20 @@ def test_a_signal_while_torch_is_imported_is_delivered_after_it(monkeypatch):
         signal.signal(signal.SIGINT, before)
 
 
+
+def test_a_ctrl_c_after_the_command_has_finished_is_no_traceback():
+    # a Ctrl-C while the interpreter exits (torch's exit hooks, after quantize printed its summary) gave
+    # "Exception ignored in atexit callback ... KeyboardInterrupt", or exit 130 after a success
+    probe = ("import atexit, os, signal, sys, time\n"
+             "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(0.2), print('exited')))\n"
+             "signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # (a CI shell's background jobs ignore it)
+             "from qinfer.cli import main\n"
+             "sys.argv = ['qinfer', '--version']\n"
+             "main()")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("exited"), proc.stdout + proc.stderr
+    assert "KeyboardInterrupt" not in proc.stderr, proc.stderr
+
 def test_a_commands_help_does_not_import_torch():
     probe = "import sys; from qinfer.cli import main; sys.argv = ['qinfer', 'generate', '--help']\n" \
             "try:\n    main()\nexcept SystemExit:\n    print('torch' in sys.modules)"
