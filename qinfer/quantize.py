@@ -133,6 +133,7 @@ class QuantizeReport:
     seconds: float
     peak_rss_bytes: int
     layer_errors: dict[str, float] = field(default_factory=dict)
+    raised_damping: dict[str, float] = field(default_factory=dict)  # GPTQ: linear -> the damping it had to raise to
     tune_losses: dict[str, tuple[float, float]] = field(default_factory=dict)  # block -> (before, after)
     tune_discarded: list[str] = field(default_factory=list)  # blocks whose tuning raised the error (undone)
     tune_best_steps: dict[str, int] = field(default_factory=dict)  # --tune-holdout: block -> the step kept
@@ -167,6 +168,11 @@ class QuantizeReport:
             if self.tune_best_steps:
                 steps = sorted(self.tune_best_steps.values())
                 text += f"; held-out check kept step {steps[len(steps) // 2]} (median over blocks)"
+        if self.raised_damping:  # (a Hessian summed from bf16 products can be indefinite: o_proj's in gemma3-270m)
+            n = len(self.raised_damping)
+            name, damp = next(iter(self.raised_damping.items()))
+            text += (f"\nGPTQ raised the damping of {n} linear{'s' * (n != 1)} whose Hessian was not positive definite, "
+                     f"{'e.g. ' * (n != 1)}{name} to {damp:g} (quantize_report.json: raised_damping)")
         if self.kept_bos:
             text += "\nthe BOS position's keys, values and output are the unquantized model's (stored; --no-keep-bos: not)"
         if self.embedding_bits is not None:
@@ -301,7 +307,8 @@ def quantize_model(
                     weights, H, pending = scaled.weights, scaled.gram, scaled.pending
                 for name, W in weights.items():
                     prefix = f"model.layers.{i}.{name}"
-                    packed[name], report.layer_errors[prefix] = _quantize_linear(W, H, scheme, prefix)
+                    packed[name], report.layer_errors[prefix] = _quantize_linear(W, H, scheme, prefix,
+                                                                                 report.raised_damping)
                     if tune.rounding:
                         residuals[name] = rounding_residual(W, packed[name])
                     weight = packed[name].dequantize(torch.float32)  # later groups and blocks see it quantized
@@ -419,10 +426,13 @@ def _linear_weights(block: torch.nn.Module, groups: tuple[tuple[str, ...], ...])
     return {name: block.get_submodule(name).weight.data for group in groups for name in group}
 
 
-def _quantize_linear(W: torch.Tensor, H: torch.Tensor | None, scheme: QuantScheme, name: str):
-    """(packed weight, output error proxy) for one linear."""
+def _quantize_linear(W: torch.Tensor, H: torch.Tensor | None, scheme: QuantScheme, name: str,
+                     raised_damping: dict[str, float] | None = None):
+    """(packed weight, output error proxy) for one linear; a damping GPTQ had to raise goes into ``raised_damping``."""
     if scheme.method == "gptq":  # integer or FP8 grid
         result = gptq_quantize_ex(W, H, scheme, name=name)
+        if result.damp > scheme.damp and raised_damping is not None:
+            raised_damping[name] = max(result.damp, raised_damping.get(name, 0.0))
         return result.weight, result.error
     if scheme.format == "fp8":
         qw = fp8_quantize(W, scheme, name=name)
@@ -469,21 +479,23 @@ def _lm_head(model: Transformer, X: torch.Tensor | None, scheme: QuantScheme, te
     if X is not None and head_scheme.method == "gptq":  # (a stored BOS position's logits are not the head's)
         h = model.model.norm(X[:, first_kept(model):]).reshape(-1, X.shape[-1])
         H = (h.T @ h).float()
-    qw, err = _quantize_rows(W, H, head_scheme, "lm_head")
+    qw, err = _quantize_rows(W, H, head_scheme, "lm_head", raised_damping=report.raised_damping)
     # AWQ's per-channel scales would fold into the final norm, which every position's logits share: to nearest
     report.lm_head_method = "gptq" if H is not None else "fp8" if head_scheme.format == "fp8" else "rtn"
     report.layer_errors["lm_head"] = err
     _account(report, tensors, qw, "lm_head", W.numel())
 
 
-def _quantize_rows(W: torch.Tensor, H: torch.Tensor | None, scheme: QuantScheme, name: str, rows: int = LM_HEAD_ROWS):
+def _quantize_rows(W: torch.Tensor, H: torch.Tensor | None, scheme: QuantScheme, name: str, rows: int = LM_HEAD_ROWS,
+                   raised_damping: dict[str, float] | None = None):
     """``_quantize_linear`` over ``rows`` output rows at a time: every quantizer here treats rows independently
     given ``H`` (GPTQ's error feedback runs along a row), so only a slice is ever in fp32, not the whole
     [vocab, hidden] lm_head (several fp32 copies of gemma3's were 4-5 GiB). A per-tensor FP8 scale spans
     all rows, so that weight is quantized whole."""
     if W.shape[0] <= rows or (scheme.format == "fp8" and scheme.fp8_granularity == "tensor"):
-        return _quantize_linear(W.float(), H, scheme, name)
-    parts = [_quantize_linear(W[r : r + rows].float(), H, scheme, name) for r in range(0, W.shape[0], rows)]
+        return _quantize_linear(W.float(), H, scheme, name, raised_damping)
+    parts = [_quantize_linear(W[r : r + rows].float(), H, scheme, name, raised_damping)
+             for r in range(0, W.shape[0], rows)]
     weights = [w for w, _ in parts]
     error = sum(e for _, e in parts)
     if isinstance(weights[0], Fp8Weight):
@@ -518,6 +530,7 @@ def _report_json(report: QuantizeReport, scheme: QuantScheme, calib: CalibConfig
         "seconds": report.seconds,
         "peak_rss_bytes": report.peak_rss_bytes,
         "layer_errors": report.layer_errors,
+        "raised_damping": report.raised_damping,
         "tuning": tune.__dict__,
         "tune_losses": report.tune_losses,
         "tune_discarded": report.tune_discarded,

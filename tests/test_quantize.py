@@ -428,6 +428,29 @@ def test_calibration_starts_windows_as_the_tokenizer_starts_text(tiny, tmp_path,
     assert not report.kept_bos
 
 
+def test_a_damping_gptq_had_to_raise_is_reported(tmp_path, calib_file, monkeypatch):
+    import qinfer.quantize as pipeline
+
+    make_model("llama", tmp_path / "src")
+    real = pipeline.gptq_quantize_ex
+    bent = "model.layers.1.mlp.down_proj"
+
+    def indefinite_at_one(W, H, scheme, *, name):  # as a Hessian summed in low precision can be: a few
+        if name == bent:  # eigenvalues below zero, which the default damping of 0.01 x mean(diag H) does not lift
+            H = H - 0.05 * float(H.diagonal().mean()) * torch.eye(H.shape[0])
+        return real(W, H, scheme, name=name)
+
+    monkeypatch.setattr(pipeline, "gptq_quantize_ex", indefinite_at_one)
+    report = quantize_model(tmp_path / "src", tmp_path / "out", QuantScheme(method="gptq", group_size=32),
+                            CalibConfig(source=str(calib_file), samples=4, seq_len=16))
+    assert report.raised_damping[bent] == pytest.approx(0.1)  # (bf16 sums can leave o_proj's indefinite too)
+    assert all(damp > 0.01 for damp in report.raised_damping.values())
+    n = len(report.raised_damping)
+    assert f"GPTQ raised the damping of {n} linear" in report.summary()
+    assert "not positive definite" in report.summary() and "quantize_report.json: raised_damping" in report.summary()
+    written = json.loads((tmp_path / "out" / "quantize_report.json").read_text())
+    assert written["raised_damping"] == report.raised_damping
+
 def test_true_sequential_takes_hessians_after_earlier_groups(tiny, tmp_path, calib_file, monkeypatch):
     import qinfer.quantize as pipeline
 
@@ -435,9 +458,9 @@ def test_true_sequential_takes_hessians_after_earlier_groups(tiny, tmp_path, cal
     seen = {}
     quantize_linear = pipeline._quantize_linear
 
-    def spy(W, H, scheme, name):
+    def spy(W, H, scheme, name, *rest):
         seen[name] = H.clone()
-        return quantize_linear(W, H, scheme, name)
+        return quantize_linear(W, H, scheme, name, *rest)
 
     monkeypatch.setattr(pipeline, "_quantize_linear", spy)
     scheme = QuantScheme(method="gptq", bits=4, group_size=32)
