@@ -225,8 +225,9 @@ def awq_search_scales_gram(
     """
     _check_int_scheme(scheme)
     _check_grid(n_grid)
-    _check_gram(gram, weights, scheme, _label(names))
-    check_finite(x_mean, f"{_label(names)}: activation means", ACTIVATIONS_OVERFLOW)
+    label = _label(names)
+    _check_gram(gram, weights, scheme, label)
+    check_finite(x_mean, f"{label}: activation means", ACTIVATIONS_OVERFLOW)
     Ws = [w.float() for w in weights]
     H = gram.float()
     w_mean = _group_normalised_abs_mean(Ws, scheme.group_size) if duo_scaling else None
