@@ -568,50 +568,6 @@ def packed_weight(prefix: str, tensors: dict[str, torch.Tensor], scheme: QuantSc
     return None
 
 
-def stacked(weights: list) -> tuple[object, list] | None:
-    """Weights of the same input size and form stacked along their output rows, as one weight ``[sum N, K]``,
-    and each of them again as a view of its rows of it: ``(stacked, views)``; None where they do not stack
-    (different types, dtypes, bit widths, group sizes, symmetry or column permutations). Dense tensors,
-    ``QuantizedWeight`` and ``Fp8Weight`` stack; an FP8 per-tensor scale becomes one scale per row in the
-    stacked weight (the same numbers), and each view keeps its own scale. A view holds the same numbers as the
-    weight it replaces, so ``linear(x, stacked)`` is the members' outputs side by side."""
-    first = weights[0]
-    if any(type(w) is not type(first) or w.shape[1] != first.shape[1] for w in weights):
-        return None
-    bounds = [0]
-    for w in weights:
-        bounds.append(bounds[-1] + w.shape[0])
-    rows = lambda t: [t[a:b] for a, b in zip(bounds, bounds[1:])]  # noqa: E731
-    if isinstance(first, torch.Tensor):
-        if any(w.dtype != first.dtype or w.device != first.device for w in weights):
-            return None
-        whole = torch.cat(weights)
-        return whole, rows(whole)
-    if isinstance(first, Fp8Weight):
-        codes = torch.cat([w.weight for w in weights])
-        scale = torch.cat([w.scale.expand(w.shape[0], 1) for w in weights])
-        views = [Fp8Weight(c, w.scale if w.granularity == "tensor" else s)
-                 for c, s, w in zip(rows(codes), rows(scale), weights)]
-        return Fp8Weight(codes, scale), views
-    if isinstance(first, QuantizedWeight):
-        same = (first.bits, first.group_size, first.symmetric)
-        if any((w.bits, w.group_size, w.symmetric) != same or not _same_perm(w.perm, first.perm) for w in weights):
-            return None
-        qweight, scale = torch.cat([w.qweight for w in weights]), torch.cat([w.scale for w in weights])
-        zero = None if first.symmetric else torch.cat([w.zero for w in weights])
-        K = first.shape[1]
-        whole = QuantizedWeight(qweight, scale, zero, first.bits, first.group_size, (bounds[-1], K), first.perm)
-        zeros = [None] * len(weights) if zero is None else rows(zero)
-        views = [QuantizedWeight(q, s, z, first.bits, first.group_size, (q.shape[0], K), first.perm)
-                 for q, s, z in zip(rows(qweight), rows(scale), zeros)]
-        return whole, views
-    return None
-
-
-def _same_perm(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
-
-
 def effective_bits(scheme: QuantScheme, shape: tuple[int, int]) -> float:
     """Stored bits per weight of an ``[N, K]`` linear under ``scheme``, scales and zeros included."""
     N, K = shape

@@ -5,12 +5,12 @@ import contextlib
 import pytest
 import torch
 
-from qinfer.format import Fp8Weight, QuantizedWeight, QuantScheme, group_count, pack, stacked
+from qinfer.format import Fp8Weight, QuantizedWeight, QuantScheme, group_count, pack
 from qinfer.generate import decode_step, prefill
 from qinfer.kernels import linear
 from qinfer.kv_cache import make_cache
 from qinfer.loader import huge_pages_reason, load_model
-from qinfer.model import FusedLinear, QLinear, fuse_linears, separate_linears
+from qinfer.model import FusedLinear, QLinear, fuse_linears, separate_linears, stacked
 from qinfer.quantize import CalibConfig, quantize_model
 from tests.tiny_models import make_model
 
