@@ -7,9 +7,10 @@
 #   sequential calibration; hours on 2 cores).
 #   --long also scores every model on 32768 held-out tokens (slow: the reference and one model took 39 min on 2 AVX2
 #   cores).
-#   --seeds adds the two rows the goals rest on (GPTQ --fp-target --mse-clip, AWQ --fp-target) on two more
-#   calibration draws (--seed 1 and 2; ~15 min on 2 AVX-512 cores), to show how far the draw moves them; with
-#   --all also AWQ --fp-target + learned rounding on 512 samples at --seed 1 and 2.
+#   --seeds adds the rows the goals rest on (GPTQ at the defaults, GPTQ --fp-target --mse-clip, AWQ --fp-target) on
+#   two more calibration draws (--seed 1 and 2; ~20 min on 2 AVX-512 cores), to show how far the draw moves them;
+#   with --all also AWQ --fp-target + learned rounding on 512 samples at --seed 1 and 2.
+# GPTQ's default includes the clip search (--mse-clip) since 2026-12-01; --no-mse-clip is GPTQ as its authors run it.
 set -euo pipefail
 out=qinfer-bench all=0 long=0 seeds=0
 for a in "$@"; do
@@ -24,9 +25,9 @@ quant rtn-w4g128 --method rtn --bits 4
 quant awq-w4g128 --method awq --bits 4
 quant awq-w4g128-fpt --method awq --bits 4 --fp-target
 quant gptq-w4g128 --method gptq --bits 4
-quant gptq-w4g128-mse --method gptq --bits 4 --mse-clip
+quant gptq-w4g128-nomse --method gptq --bits 4 --no-mse-clip
 quant gptq-w4g128-e2e --method gptq --bits 4 --e2e-steps 128
-quant gptq-w4g128-fpt --method gptq --bits 4 --fp-target
+quant gptq-w4g128-fpt --method gptq --bits 4 --fp-target --no-mse-clip
 quant gptq-w4g128-fpt-mse --method gptq --bits 4 --fp-target --mse-clip
 if [ $all = 1 ]; then
   quant awq-w4g128-e2e --method awq --bits 4 --e2e-steps 128
@@ -39,10 +40,10 @@ if [ $all = 1 ]; then
   quant gptq-w4g128-tuned-e2e --method gptq --bits 4 --tune-steps 50 --e2e-steps 128
   quant gptq-w4g128-mse-s256-e2e256 --method gptq --bits 4 --mse-clip --samples 256 --e2e-steps 256
   quant gptq-w4g128-noseq --method gptq --bits 4 --no-true-sequential
-  quant gptq-w4g128-mse-e2e --method gptq --bits 4 --mse-clip --e2e-steps 128
 fi
 if [ $seeds = 1 ]; then
   for seed in 1 2; do
+    quant gptq-w4g128-seed$seed --method gptq --bits 4 --seed $seed
     quant gptq-w4g128-fpt-mse-seed$seed --method gptq --bits 4 --fp-target --mse-clip --seed $seed
     quant awq-w4g128-fpt-seed$seed --method awq --bits 4 --fp-target --seed $seed
     if [ $all = 1 ]; then  # learned rounding on 512 samples (70-80 min each on 2 AVX-512 cores)

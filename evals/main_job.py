@@ -29,9 +29,11 @@ from qinfer.sources import resolve_model
 
 MODEL = "gemma3-270m"
 SCHEMES = {
-    # `qinfer quantize` defaults: asymmetric groups, GPTQ with act-order, FP8 through GPTQ's error feedback
+    # `qinfer quantize` defaults: asymmetric groups, GPTQ with act-order and the clip search, FP8 through GPTQ's
+    # error feedback
     "rtn-w4g128": QuantScheme(method="rtn", bits=4, group_size=128, symmetric=False),
-    "gptq-w4g128": QuantScheme(method="gptq", bits=4, group_size=128, symmetric=False, act_order=True),
+    "gptq-w4g128": QuantScheme(method="gptq", bits=4, group_size=128, symmetric=False, act_order=True,
+                                mse_clip=True),
     "awq-w4g128": QuantScheme(method="awq", bits=4, group_size=128, symmetric=False),
     "fp8": QuantScheme(method="gptq", bits=8, group_size=-1, format="fp8", act_order=True),
 }

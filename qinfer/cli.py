@@ -206,9 +206,10 @@ def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed, kv_c
 @click.option("--tune-holdout", type=int, default=0, show_default=True,
               help="With --tune-steps: keep N calibration samples out of the steps and keep, per block, the "
                    "parameters of the check (every steps/10) with the least output error on them.")
-@click.option("--mse-clip", is_flag=True,
+@click.option("--mse-clip/--no-mse-clip", default=None,
               help="Integer formats: each group's range is the shrink of its min/max (1, 0.99, ..., 0.21x) "
-                   "with the least |w - q(w)|^2.4, instead of the min/max itself.")
+                   "with the least |w - q(w)|^2.4, instead of the min/max itself. Default on for GPTQ, off for RTN (the plain baseline); AWQ "
+                   "searches its own clipping.")
 @click.option("--true-sequential/--no-true-sequential", default=None,
               help="GPTQ (default on) and AWQ (default off): inside each block too, calibrate each linear group "
                    "(GPTQ's Hessian; AWQ's scale and clip search) after the groups before it (q/k/v, o, gate/up, "
@@ -258,6 +259,8 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
         act_order = method == "gptq"
     if sym is None:
         sym = fmt == "fp8"
+    if mse_clip is None:
+        mse_clip = method == "gptq" and fmt == "int"
     scheme = QuantScheme(method=method, bits=bits, group_size=group_size, symmetric=sym, act_order=act_order,
                          format=fmt, kv_cache=kv_cache, quantize_lm_head=quantize_lm_head, lm_head_bits=lm_head_bits,
                          mse_clip=mse_clip)

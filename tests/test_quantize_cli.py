@@ -32,13 +32,14 @@ def test_cli_quantize_then_generate(tiny, tmp_path, calib_file):
                       "--calib", str(calib_file), "--samples", "8", "--seq-len", "32")
     assert proc.returncode == 0, proc.stderr
     assert "bits per quantized weight" in proc.stdout
-    scheme = QuantScheme.load(out)  # the defaults: GPTQ, act-order, asymmetric groups
-    assert (scheme.method, scheme.act_order, scheme.symmetric) == ("gptq", True, False)
+    scheme = QuantScheme.load(out)  # the defaults: GPTQ, act-order, asymmetric groups, the clip search
+    assert (scheme.method, scheme.act_order, scheme.symmetric, scheme.mse_clip) == ("gptq", True, False, True)
     assert json.loads((out / "quantize_report.json").read_text())["calibration"]["true_sequential"]
     fp8 = run_qinfer("quantize", str(tiny), "-o", str(tmp_path / "fp8"), "--bits", "8", "--format", "fp8",
                      "--calib", str(calib_file), "--samples", "8", "--seq-len", "32")
     assert fp8.returncode == 0, fp8.stderr  # FP8 needs no --sym
     assert (QuantScheme.load(tmp_path / "fp8").format, QuantScheme.load(tmp_path / "fp8").symmetric) == ("fp8", True)
+    assert not QuantScheme.load(tmp_path / "fp8").mse_clip  # FP8 keeps each channel's full range
     tuned = run_qinfer("quantize", str(tiny), "-o", str(tmp_path / "tuned"), "--method", "rtn", "--group-size", "32",
                        "--tune-steps", "2", "--tune-batch", "3", "--tune-rounding", "--tune-holdout", "2",
                        "--calib", str(calib_file), "--samples", "8", "--seq-len", "32")
@@ -57,6 +58,19 @@ def test_cli_quantize_then_generate(tiny, tmp_path, calib_file):
         (folder / "quant_config.json").unlink()
         proc = run_qinfer("generate", str(folder), "a single", "--max-tokens", "5")
         assert_one_line_error(proc, "holds quantized weights", "but no quant_config.json", "copy it back")
+
+
+@pytest.mark.parametrize("args,mse_clip", [
+    (["--no-mse-clip"], False),  # GPTQ as its authors run it
+    (["--method", "rtn"], False),  # RTN stays the plain min/max baseline
+    (["--method", "rtn", "--mse-clip"], True),
+    (["--method", "awq"], False),  # AWQ's own clip search
+])
+def test_the_clip_search_is_gptqs_default_only(tiny, tmp_path, calib_file, args, mse_clip):
+    proc = run_qinfer("quantize", str(tiny), "-o", str(tmp_path / "q"), "--group-size", "32",
+                      "--calib", str(calib_file), "--samples", "4", "--seq-len", "32", *args)
+    assert proc.returncode == 0, proc.stderr
+    assert QuantScheme.load(tmp_path / "q").mse_clip is mse_clip
 
 
 @pytest.mark.parametrize(

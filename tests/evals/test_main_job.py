@@ -170,3 +170,26 @@ def test_python_m_main_job_ends_in_one_line_as_qinfer_demo_does(job, tmp_path, m
     errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and ("interrupted" if failure == "ctrl-c" else "out of memory") in errors[0]
     assert not isinstance(result.exception, (KeyboardInterrupt, RuntimeError))  # no traceback
+
+
+@pytest.mark.parametrize("name,args", [
+    ("rtn-w4g128", ["--method", "rtn"]),
+    ("gptq-w4g128", []),
+    ("awq-w4g128", ["--method", "awq"]),
+    ("fp8", ["--bits", "8", "--format", "fp8"]),
+])
+def test_the_main_jobs_schemes_are_what_quantize_does_by_default(tmp_path, monkeypatch, name, args):
+    # the README's table says "the quantize defaults": each variant is the scheme `qinfer quantize MODEL [method]` builds
+    import qinfer.quantize
+
+    model = tiny_model(tmp_path / "tiny")
+    built = []
+
+    def capture(folder, out, scheme, calib, **kwargs):
+        built.append(scheme)
+        raise QinferError("captured")
+
+    monkeypatch.setattr(qinfer.quantize, "quantize_model", capture)
+    result = CliRunner().invoke(cli, ["quantize", str(model), "-o", str(tmp_path / "q"), *args])
+    assert "captured" in result.output, result.output
+    assert built == [main_job.SCHEMES[name]]
