@@ -208,8 +208,8 @@ def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed, kv_c
                    "parameters of the check (every steps/10) with the least output error on them.")
 @click.option("--mse-clip/--no-mse-clip", default=None,
               help="Integer formats: each group's range is the shrink of its min/max (1, 0.99, ..., 0.21x) "
-                   "with the least |w - q(w)|^2.4, instead of the min/max itself. Default on for GPTQ, off for RTN (the plain baseline); AWQ "
-                   "searches its own clipping.")
+                   "with the least |w - q(w)|^2.4, instead of the min/max itself. Default on for GPTQ, off for RTN "
+                   "(the plain baseline); AWQ searches its own clipping.")
 @click.option("--true-sequential/--no-true-sequential", default=None,
               help="GPTQ (default on) and AWQ (default off): inside each block too, calibrate each linear group "
                    "(GPTQ's Hessian; AWQ's scale and clip search) after the groups before it (q/k/v, o, gate/up, "
