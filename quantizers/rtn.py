@@ -79,19 +79,32 @@ def rtn_params(
     return scale, torch.where(flat, middle, zero)
 
 
+_CANDIDATE_BUDGET = 1 << 18  # elements per clip-search step: a few shrink factors at once, kept within the L2 cache
+
+
 def _best_shrink(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, maxq: int, symmetric: bool) -> torch.Tensor:
-    """The clip search: per group of ``x [N, groups, G]``, the factor on ``[lo, hi]`` with the least error."""
+    """The clip search: per group of ``x [N, groups, G]``, the factor on ``[lo, hi]`` with the least error.
+
+    Each error is summed in grid steps, ``scale^2.4 * sum |w / scale - (q - zero)|^2.4``, with ``|r|^2.4`` formed as
+    ``exp(2.4 log |r|)`` (3x cheaper than ``pow`` here) and ``|r|`` held at 1e-6 and up: at 0, ``log`` and ``exp``
+    take a slow path, and Gemma's dequantized GGUF weights are 7% zeros. A small ``x`` (one group column of GPTQ's
+    sweep without act-order) is scored for several factors per op. Ties go to the larger factor.
+    """
+    factors = torch.tensor([1 - i / MSE_GRID for i in range(round((1 - MSE_MIN_SHRINK) * MSE_GRID))])
+    per_op = max(1, _CANDIDATE_BUDGET // x.numel())
     best = torch.full_like(lo, float("inf"))
     best_shrink = torch.ones_like(lo)
-    for i in range(round((1 - MSE_MIN_SHRINK) * MSE_GRID)):
-        p = 1 - i / MSE_GRID
+    for i in range(0, len(factors), per_op):
+        p = factors[i : i + per_op].view(-1, 1, 1)  # [factors, 1, 1] against lo, hi [N, groups]
         scale = ((hi - lo) * p / maxq).clamp(min=torch.finfo(torch.float32).tiny)
         zero = torch.full_like(scale, (maxq + 1) // 2) if symmetric else torch.round(-lo * p / scale)
-        q = torch.clamp(torch.round(x / scale.unsqueeze(-1)) + zero.unsqueeze(-1), 0, maxq)
-        err = ((q - zero.unsqueeze(-1)) * scale.unsqueeze(-1) - x).abs_().pow_(MSE_NORM).sum(dim=-1)
+        y = x / scale.unsqueeze(-1)
+        r = torch.clamp(torch.round(y) + zero.unsqueeze(-1), 0, maxq).sub_(zero.unsqueeze(-1)).sub_(y)
+        in_steps = r.abs_().clamp_(min=1e-6).log_().mul_(MSE_NORM).exp_().sum(dim=-1)  # [factors, N, groups]
+        err, pick = (in_steps * scale.pow(MSE_NORM)).min(dim=0)  # the first of equal errors: the larger factor
         better = err < best
         best = torch.where(better, err, best)
-        best_shrink = torch.where(better, p, best_shrink)
+        best_shrink = torch.where(better, p.flatten()[pick], best_shrink)
     return best_shrink
 
 
