@@ -404,3 +404,7 @@ def main():
         sys.exit(130)
     finally:  # the command is over and has said how: a Ctrl-C now would only interrupt the interpreter's exit
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+if __name__ == "__main__":  # `python -m qinfer.cli`, like `python -m qinfer` and the `qinfer` script
+    main()

@@ -29,6 +29,16 @@ def test_missing_path():
     assert_one_line_error(run_qinfer("generate", "./no/such/model", "hi"), "no such file or folder", "gemma3-270m")
 
 
+def test_the_cli_module_runs_as_a_script_too():
+    # `python -m qinfer.cli` ran nothing and exited 0; it is the same command line as `python -m qinfer`
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "qinfer.cli", *args], capture_output=True, text=True, timeout=300)
+
+    assert_one_line_error(run("generate", "./no/such/model", "hi"), "no such file or folder")
+    help_text = run("--help")
+    assert help_text.returncode == 0 and "quantize" in help_text.stdout
+
+
 def test_an_empty_model_is_named_not_read_as_the_working_directory():
     assert_one_line_error(run_qinfer("generate", "", "hi"), "the model is '', empty", "gemma3-270m")
 
