@@ -182,19 +182,12 @@ def test_clip_search_matches_a_brute_force_over_every_group(rows, symmetric):
 
 
 def test_clip_search_picks_the_best_shrink_of_a_single_group():
-    # One group: brute force over the same 80 shrink factors must agree with the search.
+    # One group through rtn_params: its stored scale is the brute force's best shrink of the min/max range.
     torch.manual_seed(0)
     x = torch.randn(1, 64)
     x[0, 3] = 9.0
     scale, _ = rtn_params(x, 4, -1, False, mse=True)
-    lo0, hi0 = x.min().item(), x.max().item()
-    best = None
-    for i in range(80):
-        p = 1 - i / 100
-        s = (hi0 - lo0) * p / 15
-        z = round(-lo0 * p / s)
-        err = ((torch.clamp(torch.round(x / s) + z, 0, 15) - z) * s - x).abs().pow(2.4).sum().item()
-        if best is None or err < best[0]:
-            best = (err, s)
-    assert scale.float().item() == pytest.approx(best[1], rel=1e-3)
-    assert best[1] < (hi0 - lo0) / 15 * 0.99
+    lo, hi = x.min().reshape(1, 1), x.max().reshape(1, 1)
+    best = 1 - _brute_force_errors(x.reshape(1, 1, 64), lo, hi, 15, False)[:, 0, 0].argmin().item() / 100
+    assert scale.float().item() == pytest.approx((hi - lo).item() * best / 15, rel=1e-3)
+    assert best < 0.99
