@@ -3,7 +3,8 @@
 For each group of linears that read one input (``ArchSpec.linear_groups``): search input-channel scales
 on the captured statistics (mean |x| and the Gram matrix X^T X over every calibration token), fold ``1/s``
 into the producer of that input (the RMSNorm, or the linear before), multiply the group's input columns by
-``s``, then search and apply per-group weight clipping. Like AutoAWQ, q/k are not clipped (their errors are
+``s``, then search and apply per-group weight clipping (each group's range re-picked for its whole row's output
+error in two sweeps, see :mod:`qinfer.quantizers.awq`). Like AutoAWQ, q/k are not clipped (their errors are
 amplified through the softmax), and a linear-to-linear fold is skipped when the shapes differ (v_proj ->
 o_proj under grouped-query attention, where one v channel feeds several o_proj columns) or when the
 producer's outputs are cached (v_proj with a quantized KV cache: the scales were calibrated on them).

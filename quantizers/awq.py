@@ -36,6 +36,14 @@ only trim whichever side reaches past it (AutoAWQ's choice for both kinds of gri
 no-op clamp, so no group's error exceeds its unclipped error. The result is the clamp range ``(lo, hi)``
 per group; rounding the clamped group to nearest gives the grid that spans it.
 
+A group's own output error is only part of its row's: the row's error over the tokens is ``D H D^T``
+(``D`` the row's rounding error, ``H = X^T X``), whose cross terms ``D_g H_gh D_h^T`` couple the groups
+wherever the input channels correlate (normed activations share large common components). So
+:func:`awq_search_clip_gram` then sweeps the groups (``sweeps`` times, 2 by default): each group in turn
+re-picks its pair from the same grid for the whole row's error, the other groups' errors held as they
+stand, which can only lower each row's error (a coordinate descent started from the per-group picks). The
+rounding stays round-to-nearest on each group's grid; only which range each group takes changes.
+
 The search results (scales, ratio, error curve, clip values) are data. Applying them is separate:
 :func:`fold_scales_into_norm` / :func:`fold_scales_into_linear` divide the producer of ``X`` by ``s``
 (:func:`fold_scales_into_quantized` when that producer is already quantized), :func:`scale_linear_inputs`
@@ -322,31 +330,39 @@ def awq_search_clip(
 
 def awq_search_clip_gram(
     gram: torch.Tensor, W: torch.Tensor, scheme: QuantScheme, n_grid: int = 20, max_shrink: float = 0.5,
-    name: str | None = None,
+    name: str | None = None, sweeps: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`awq_search_clip` on all calibration tokens via ``gram = X^T X [K, K]``: a group's output error is
-    ``D_g H_gg D_g^T`` with ``H_gg`` the group's diagonal block, ``N K G`` work per grid step. ``name`` (the
-    linear's) labels errors."""
+    ``D_g H_gg D_g^T`` with ``H_gg`` the group's diagonal block, ``N K G`` work per grid step. Then ``sweeps``
+    passes over the groups re-pick each group's range for the whole linear's output error (see the module
+    docstring); ``sweeps=0`` keeps the per-group picks. ``name`` (the linear's) labels errors."""
     _check_int_scheme(scheme)
     _check_grid(n_grid)
     if not 0.0 <= max_shrink < 1.0:
         raise QinferError(f"AWQ clip: max_shrink must be in [0, 1), got {max_shrink!r}")
+    if type(sweeps) is not int or sweeps < 0:
+        raise QinferError(f"AWQ clip: sweeps must be an int >= 0, got {sweeps!r}")
     _check_gram(gram, [W], scheme, _label([name] if name else None))
     G, n_groups = _groups_of(W, scheme.group_size)
+    H = gram.float()
     idx = torch.arange(n_groups)
-    blocks = gram.float().reshape(n_groups, G, n_groups, G)[idx, :, idx, :]  # [groups, G, G]
+    blocks = H.reshape(n_groups, G, n_groups, G)[idx, :, idx, :]  # [groups, G, G]
 
     def group_error(D: torch.Tensor) -> torch.Tensor:
         return torch.einsum("ngk,gkl,ngl->ng", D, blocks, D)
 
-    return _search_clip(W, scheme, n_grid, max_shrink, group_error)
+    lo, hi = _search_clip(W, scheme, n_grid, max_shrink, group_error)
+    if n_groups > 1:
+        for _ in range(sweeps):
+            _clip_sweep(W, H, scheme, n_grid, max_shrink, lo, hi)
+    return lo, hi
 
 
-def _search_clip(W, scheme, n_grid, max_shrink, group_error) -> tuple[torch.Tensor, torch.Tensor]:
+def _clip_grid(W, scheme, n_grid, max_shrink):
+    """The clip search's starting ranges ``lo0, hi0 [N, groups]`` and its (lo, hi) shrink pairs."""
     N, K = W.shape
     G, n_groups = _groups_of(W, scheme.group_size)
-    Wf = W.float()
-    g = Wf.reshape(N, n_groups, G)
+    g = W.float().reshape(N, n_groups, G)
     if scheme.symmetric:
         hi0 = g.abs().amax(dim=-1)  # [N, groups]
         lo0 = -hi0
@@ -354,15 +370,62 @@ def _search_clip(W, scheme, n_grid, max_shrink, group_error) -> tuple[torch.Tens
         lo0, hi0 = g.amin(dim=-1).clamp(max=0.0), g.amax(dim=-1).clamp(min=0.0)
     steps = [1.0 - i / n_grid for i in range(int(round(max_shrink * n_grid)) + 1)]
     pairs = [(p, p) for p in steps] if scheme.symmetric else [(p, q) for p in steps for q in steps]
+    return lo0, hi0, pairs
+
+
+def _round_clamped(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """``fake_quantize`` of groups ``x [..., G]`` clamped to ``[lo, hi] [...]``, float32: the same values, without
+    its reductions. A clamped group's min and max are ``lo`` and ``hi`` (``lo <= min(x, 0)`` unless clamping,
+    likewise ``hi``), so its grid is the one ``rtn_params`` gives the pair ``(lo, hi)``."""
+    scale, zero = rtn_params(torch.stack([lo, hi], dim=-1).reshape(-1, 2), scheme.bits, -1, scheme.symmetric)
+    scale, zero = scale.float().reshape(lo.shape)[..., None], zero.float().reshape(lo.shape)[..., None]
+    q = torch.maximum(torch.minimum(x, hi[..., None]), lo[..., None])
+    return q.div_(scale).add_(zero).round_().clamp_(0, (1 << scheme.bits) - 1).sub_(zero).mul_(scale)
+
+
+def _search_clip(W, scheme, n_grid, max_shrink, group_error) -> tuple[torch.Tensor, torch.Tensor]:
+    N, K = W.shape
+    G, n_groups = _groups_of(W, scheme.group_size)
+    Wf = W.float()
+    lo0, hi0, pairs = _clip_grid(W, scheme, n_grid, max_shrink)
     best_lo, best_hi = lo0.clone(), hi0.clone()
     best_err = torch.full_like(hi0, math.inf)
+    g = Wf.reshape(N, n_groups, G)
     for p, q in pairs:
         lo, hi = lo0 * p, hi0 * q
-        err = group_error((Wf - fake_quantize(apply_clip(Wf, lo, hi), scheme)).reshape(N, n_groups, G))
+        err = group_error(g - _round_clamped(g, lo, hi, scheme))
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_lo, best_hi = torch.where(better, lo, best_lo), torch.where(better, hi, best_hi)
     return best_lo, best_hi
+
+
+def _clip_sweep(W, H, scheme, n_grid, max_shrink, lo, hi) -> None:
+    """One pass over ``W``'s groups, in place on ``lo, hi [N, groups]``: each group in turn takes the grid
+    pair whose whole-row output error ``D H D^T`` is least with the other groups' errors as they stand."""
+    N, K = W.shape
+    G, n_groups = _groups_of(W, scheme.group_size)
+    Wf = W.float()
+    lo0, hi0, pairs = _clip_grid(W, scheme, n_grid, max_shrink)
+    P, Q = torch.tensor(pairs).T  # [pairs] each
+    g = Wf.reshape(N, n_groups, G)
+    D = (g - _round_clamped(g, lo, hi, scheme)).reshape(N, K)  # kept current as groups change
+    chunk = max(1, _CHUNK // (4 * N * G))  # pairs scored at once
+    for j in range(n_groups):
+        cols = slice(j * G, (j + 1) * G)
+        H_jj = H[cols, cols]
+        # D H D^T = d H_jj d^T + 2 d . cross + (terms without d), d = D[:, cols]; cross: the others' errors
+        cross = D @ H[:, cols] - D[:, cols] @ H_jj  # [N, G]
+        Wj = Wf[:, cols]
+        errors = []
+        for c in range(0, len(pairs), chunk):
+            lo_c = lo0[:, j] * P[c : c + chunk, None]  # [c, N]
+            hi_c = hi0[:, j] * Q[c : c + chunk, None]
+            d = Wj - _round_clamped(Wj, lo_c, hi_c, scheme)  # [c, N, G]
+            errors.append(((d @ H_jj + 2 * cross) * d).sum(-1))  # [c, N]
+        pick = torch.cat(errors).argmin(dim=0)  # [N]; the first of equal errors, as in _search_clip
+        lo[:, j], hi[:, j] = lo0[:, j] * P[pick], hi0[:, j] * Q[pick]
+        D[:, cols] = Wj - _round_clamped(Wj, lo[:, j], hi[:, j], scheme)
 
 
 # ---------------------------------------------------------------------------------------------- folding

@@ -181,14 +181,14 @@ def test_every_architecture_quantizes_loads_and_runs(tmp_path, calib_file, kind,
         method="awq", bits=4, group_size=32, symmetric=False)
     calib = CalibConfig(source=str(calib_file), samples=8, seq_len=32)
     quantize_model(src, out, scheme, calib)
-    ids = torch.tensor([[1, 5, 9, 300, 2, 7, 11, 42, 3, 3, 17, 99]])
+    ids = torch.tensor([Tokenizer.from_folder(src).encode(TEXT)[:64]])  # in-distribution text
     ref, q = load_model(src, dtype=torch.float32), load_model(out, dtype=torch.float32, run=True)
     with torch.no_grad():
         a, b = ref(ids), q(ids)
     error = float((a - b).norm() / a.norm())
     if method == "fp8":
         assert error < 0.15  # measured: <= 0.09
-    else:  # below round to nearest at the same scheme (measured 0.67-0.92 of it; a fold that drops 1/s: 2.3-4.4)
+    else:  # below round to nearest at the same scheme (measured 0.43-0.84 of it; a fold that drops 1/s: 2.3-4.1)
         quantize_model(src, tmp_path / "rtn", replace(scheme, method="rtn"), calib)
         assert error < logits_error(src, tmp_path / "rtn", ids), error
 
