@@ -68,7 +68,7 @@ def _report(model, quantized, text, max_tokens, segment, window, stride):
 def _print_model(label: str, s: TokenSeries, segment: int, window: int, stride: int) -> None:
     n = s.nll.numel()
     whole = s.metrics(window, stride)  # exactly what qinfer eval reports for this text
-    click.echo(f"{label}: {n} scored tokens, perplexity {whole.ppl_change:+.2f}% against the reference, "
+    click.echo(f"{label}: {n} scored tokens, perplexity {whole.ppl_change:+.3f}% against the reference, "
                f"KL {whole.kl:.4f}")
     for block in sorted({*BLOCKS, se_block(n)}):
         m = s.metrics(window, stride, block)
