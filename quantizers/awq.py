@@ -352,9 +352,8 @@ def awq_search_clip_gram(
         return torch.einsum("ngk,gkl,ngl->ng", D, blocks, D)
 
     lo, hi = _search_clip(W, scheme, n_grid, max_shrink, group_error)
-    if n_groups > 1:
-        for _ in range(sweeps):
-            _clip_sweep(W, H, scheme, n_grid, max_shrink, lo, hi)
+    if n_groups > 1 and sweeps:
+        _clip_sweeps(W, H, scheme, n_grid, max_shrink, lo, hi, sweeps)
     return lo, hi
 
 
@@ -400,8 +399,8 @@ def _search_clip(W, scheme, n_grid, max_shrink, group_error) -> tuple[torch.Tens
     return best_lo, best_hi
 
 
-def _clip_sweep(W, H, scheme, n_grid, max_shrink, lo, hi) -> None:
-    """One pass over ``W``'s groups, in place on ``lo, hi [N, groups]``: each group in turn takes the grid
+def _clip_sweeps(W, H, scheme, n_grid, max_shrink, lo, hi, sweeps) -> None:
+    """``sweeps`` passes over ``W``'s groups, in place on ``lo, hi [N, groups]``: each group in turn takes the grid
     pair whose whole-row output error ``D H D^T`` is least with the other groups' errors as they stand."""
     N, K = W.shape
     G, n_groups = _groups_of(W, scheme.group_size)
@@ -411,7 +410,7 @@ def _clip_sweep(W, H, scheme, n_grid, max_shrink, lo, hi) -> None:
     g = Wf.reshape(N, n_groups, G)
     D = (g - _round_clamped(g, lo, hi, scheme)).reshape(N, K)  # kept current as groups change
     chunk = max(1, _CHUNK // (4 * N * G))  # pairs scored at once
-    for j in range(n_groups):
+    for j in list(range(n_groups)) * sweeps:
         cols = slice(j * G, (j + 1) * G)
         H_jj = H[cols, cols]
         # D H D^T = d H_jj d^T + 2 d . cross + (terms without d), d = D[:, cols]; cross: the others' errors
