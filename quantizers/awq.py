@@ -11,10 +11,15 @@ Scale search (:func:`awq_search_scales`), in float32:
 - ``x_mean[k] = mean_t |X[t, k]|`` over the calibration tokens.
 - For ``ratio`` in ``{0, 1/n, ..., (n-1)/n}``: ``s = clamp(x_mean^ratio, min=1e-4)``, normalised to
   ``s / sqrt(max(s) min(s))`` so it straddles 1. The candidate weights are ``Q(W_i s) / s`` for every
-  linear ``W_i`` that reads ``X`` (RTN with the caller's scheme), and the candidate's error is the mean
-  squared output difference, ``sum_i ||X W_i^T - X (Q(W_i s) / s)^T||^2 / (T sum_i N_i)``, or the mean
-  squared difference of ``forward(candidate weights)`` from ``forward(original weights)`` when the caller
-  passes the block's forward. The smallest error wins; ties go to the smaller ratio.
+  linear ``W_i [N_i, K]`` that reads ``X`` (RTN with the caller's scheme), and the candidate's error is
+  each linear's relative output error averaged over all the linears' rows,
+  ``sum_i N_i ||X (W_i - Q(W_i s) / s)^T||^2 / ||X W_i^T||^2 / sum_i N_i``, or the mean squared
+  difference of ``forward(candidate weights)`` from ``forward(original weights)`` when the caller passes
+  the block's forward. The smallest error wins; ties go to the smaller ratio.
+- Relative, not absolute: the linears that share an input meet after it in products (``q . k`` through the
+  softmax, Gemma's q/k norms making the size of ``q`` and ``k`` irrelevant; ``act(gate) * up``), where what
+  counts is each factor's error against its own size. Summed absolutely, the linear with the largest outputs
+  would pick the scales for all of them. For one linear the two rank the candidates alike.
 - This is the paper's scale ``x_mean^ratio``, not AutoAWQ's default "duo scaling"
   ``x_mean^ratio / w_mean^(1 - ratio)`` (``w_mean`` being the mean group-normalised ``|W|`` per column).
   Reason: at ``ratio = 0`` the paper's grid gives ``s = 1`` exactly, i.e. plain RTN, so the searched
@@ -193,10 +198,10 @@ def awq_search_scales(
     w_mean = _group_normalised_abs_mean(Ws, scheme.group_size) if duo_scaling else None
 
     if forward is None:
-        count = Xf.shape[0] * sum(w.shape[0] for w in Ws)
+        weight = _relative_weights([float((Xf @ w.T).pow(2).sum()) for w in Ws], Ws)
 
         def error(candidate: list[torch.Tensor]) -> float:
-            return sum(float((Xf @ (w - c).T).pow(2).sum()) for w, c in zip(Ws, candidate)) / count
+            return sum(r * float((Xf @ (w - c).T).pow(2).sum()) for r, w, c in zip(weight, Ws, candidate))
 
     else:
         reference = forward(Ws).float()
@@ -226,10 +231,9 @@ def awq_search_scales_gram(
 
     ``x_mean [K]`` is mean |x| per channel and ``gram [K, K]`` is ``X^T X`` over all calibration tokens
     (what GPTQ calls H). ``||X D^T||^2 = tr(D X^T X D^T)``, so each candidate costs ``N K^2`` instead of
-    ``T K N`` and sees every calibration token, not a subsample. The ranking of candidates is the same
-    as :func:`awq_search_scales` on the full X (errors are per token and output, like there, when
-    ``gram`` is divided by the token count; the choice does not depend on that factor). ``names``, the
-    linears' names in ``weights``' order, label errors.
+    ``T K N`` and sees every calibration token, not a subsample. The errors are those of
+    :func:`awq_search_scales` on the full X (relative errors, so ``gram``'s scale, e.g. a division by the
+    token count, does not change them). ``names``, the linears' names in ``weights``' order, label errors.
     """
     _check_int_scheme(scheme)
     _check_grid(n_grid)
@@ -239,12 +243,20 @@ def awq_search_scales_gram(
     Ws = [w.float() for w in weights]
     H = gram.float()
     w_mean = _group_normalised_abs_mean(Ws, scheme.group_size) if duo_scaling else None
-    count = sum(w.shape[0] for w in Ws)
+    weight = _relative_weights([float((w @ H * w).sum()) for w in Ws], Ws)
 
     def error(candidate: list[torch.Tensor]) -> float:
-        return sum(float(((w - c) @ H * (w - c)).sum()) for w, c in zip(Ws, candidate)) / count
+        return sum(r * float(((w - c) @ H * (w - c)).sum()) for r, w, c in zip(weight, Ws, candidate))
 
     return _search_scales(x_mean.float(), w_mean, Ws, scheme, error, n_grid, names)
+
+
+def _relative_weights(energies: Sequence[float], Ws: Sequence[torch.Tensor]) -> list[float]:
+    """What each linear's squared output error is multiplied by in the scale search's error: ``N_i`` over its
+    output energy ``||X W_i^T||^2`` and the group's rows ``sum_i N_i`` (see the module docstring). A linear whose
+    outputs are all zero (all-zero weights, or dead inputs) quantizes exactly at every scale and weighs 0."""
+    rows = sum(w.shape[0] for w in Ws)
+    return [w.shape[0] / (e * rows) if e > 0 else 0.0 for e, w in zip(energies, Ws)]
 
 
 def _search_scales(x_mean, w_mean, Ws, scheme, error, n_grid, names=None) -> AwqScaleResult:

@@ -35,9 +35,15 @@ def _problem(seed=0, Ns=(96, 64), T=512, n_salient=8, boost=20.0):
 
 
 def _out_err(X, Ws, W_hats):
-    """Mean squared output error over all linears (the search's default objective)."""
+    """Mean squared output error over all linears."""
     total = sum(float((X @ (w - h).T).pow(2).sum()) for w, h in zip(Ws, W_hats))
     return total / (X.shape[0] * sum(w.shape[0] for w in Ws))
+
+
+def _rel_err(X, Ws, W_hats):
+    """Each linear's relative output error, averaged over all the linears' rows (the search's default objective)."""
+    total = sum(w.shape[0] * float((X @ (w - h).T).pow(2).sum() / (X @ w.T).pow(2).sum()) for w, h in zip(Ws, W_hats))
+    return total / sum(w.shape[0] for w in Ws)
 
 
 def _scheme(bits=4, group_size=128, symmetric=True):
@@ -83,12 +89,37 @@ def test_ratio_zero_is_plain_rtn():
     res = awq_search_scales(X_cal, Ws, scheme, n_grid=1)
     assert res.ratios == (0.0,) and res.ratio == 0.0
     assert torch.equal(res.scales, torch.ones(K))
-    e_rtn = _out_err(X_cal, Ws, [rtn_quantize(w, scheme).dequantize(torch.float32) for w in Ws])
+    e_rtn = _rel_err(X_cal, Ws, [rtn_quantize(w, scheme).dequantize(torch.float32) for w in Ws])
     assert res.errors[0] == pytest.approx(e_rtn, rel=1e-6)
     # and the full grid starts from that same point, so the search never does worse than RTN on its data
     full = awq_search_scales(X_cal, Ws, scheme)
     assert full.errors[0] == pytest.approx(e_rtn, rel=1e-6)
     assert full.error <= full.errors[0]
+
+
+@pytest.mark.parametrize("search", ["activations", "gram"])
+def test_the_scale_search_weighs_each_linear_by_its_relative_error(search):
+    from qinfer.quantizers.awq import awq_search_scales_gram
+
+    X_cal, _, Ws = _problem(seed=4)
+    scheme = _scheme(4, 128, False)
+
+    def run(ws):
+        if search == "activations":
+            return awq_search_scales(X_cal, ws, scheme, n_grid=10)
+        return awq_search_scales_gram(X_cal.abs().mean(0), X_cal.T @ X_cal, ws, scheme, n_grid=10)
+
+    res = run(Ws)
+    # a linear whose outputs are 1024x larger (a power of 2: its rounding scales exactly) gets no more say
+    for i in range(2):
+        louder = [w * 1024.0 if j == i else w for j, w in enumerate(Ws)]
+        other = run(louder)
+        assert other.ratio == res.ratio and other.errors == pytest.approx(res.errors, rel=1e-4)
+    # an all-zero linear quantizes exactly and is left out rather than dividing by zero
+    with_zero = run(Ws + [torch.zeros(32, K)])
+    assert all(math.isfinite(e) for e in with_zero.errors) and with_zero.ratio == res.ratio
+    total_rows = sum(w.shape[0] for w in Ws)
+    assert with_zero.errors == pytest.approx([e * total_rows / (total_rows + 32) for e in res.errors], rel=1e-5)
 
 
 def test_result_is_the_argmin_of_its_curve():
@@ -101,7 +132,7 @@ def test_result_is_the_argmin_of_its_curve():
     assert res.ratio == res.ratios[best] and res.error == res.errors[best]
     # the reported error is the objective evaluated at the returned scales
     s = res.scales
-    assert _out_err(X_cal, Ws, [fake_quantize(w * s, scheme) / s for w in Ws]) == pytest.approx(res.error, rel=1e-5)
+    assert _rel_err(X_cal, Ws, [fake_quantize(w * s, scheme) / s for w in Ws]) == pytest.approx(res.error, rel=1e-5)
     # normalised to straddle 1: max * min == 1
     assert float(s.max() * s.min()) == pytest.approx(1.0, rel=1e-5)
 
@@ -110,10 +141,14 @@ def test_forward_objective():
     X_cal, _, Ws = _problem(seed=3)
     scheme = _scheme()
     default = awq_search_scales(X_cal, Ws, scheme, n_grid=8)
-    # a forward that returns the linears' stacked outputs measures the same thing as the default
-    stacked = awq_search_scales(X_cal, Ws, scheme, lambda ws: torch.cat([X_cal @ w.T for w in ws], 1), n_grid=8)
+    # a forward that returns the linears' stacked outputs, each weighed by sqrt(N_i) over its output's norm,
+    # measures the same thing as the default (its mean over T tokens is the default's error / T)
+    norms = [float(math.sqrt(w.shape[0])) / float((X_cal @ w.T).norm()) for w in Ws]
+    stacked = awq_search_scales(X_cal, Ws, scheme, lambda ws: torch.cat([X_cal @ w.T * n for w, n in zip(ws, norms)], 1),
+                                n_grid=8)
     assert stacked.ratio == default.ratio
-    assert stacked.errors == pytest.approx(default.errors, rel=1e-4)
+    T = X_cal.shape[0]
+    assert [e * T for e in stacked.errors] == pytest.approx(default.errors, rel=1e-4)
 
     # a gated MLP block (SiLU(x Wg^T) * x Wu^T): the search optimises the block output instead
     calls = []
@@ -347,7 +382,8 @@ def test_search_then_fold_reproduces_the_searched_error():
     new_norm, _ = fold_scales_into_norm(norm_w, res.scales)
     h_folded = _rms_norm(x, new_norm, 0.0)
     q = [rtn_quantize(scale_linear_inputs(w, res.scales), scheme).dequantize(torch.float32) for w in Ws]
-    err = sum(float((h @ w.T - h_folded @ wq.T).pow(2).sum()) for w, wq in zip(Ws, q)) / (512 * 96)
+    err = sum(w.shape[0] * float((h @ w.T - h_folded @ wq.T).pow(2).sum() / (h @ w.T).pow(2).sum())
+              for w, wq in zip(Ws, q)) / 96
     assert err == pytest.approx(res.error, rel=1e-3)
 
 
