@@ -198,10 +198,14 @@ def awq_search_scales(
     w_mean = _group_normalised_abs_mean(Ws, scheme.group_size) if duo_scaling else None
 
     if forward is None:
-        weight = _relative_weights([float((Xf @ w.T).pow(2).sum()) for w in Ws], Ws)
+
+        def out_sq(D: torch.Tensor) -> float:  # ||X D^T||^2
+            return float((Xf @ D.T).pow(2).sum())
+
+        weight = _relative_weights([out_sq(w) for w in Ws], Ws)
 
         def error(candidate: list[torch.Tensor]) -> float:
-            return sum(r * float((Xf @ (w - c).T).pow(2).sum()) for r, w, c in zip(weight, Ws, candidate))
+            return sum(r * out_sq(w - c) for r, w, c in zip(weight, Ws, candidate))
 
     else:
         reference = forward(Ws).float()
@@ -243,10 +247,14 @@ def awq_search_scales_gram(
     Ws = [w.float() for w in weights]
     H = gram.float()
     w_mean = _group_normalised_abs_mean(Ws, scheme.group_size) if duo_scaling else None
-    weight = _relative_weights([float((w @ H * w).sum()) for w in Ws], Ws)
+
+    def out_sq(D: torch.Tensor) -> float:  # ||X D^T||^2 = tr(D H D^T)
+        return float((D @ H * D).sum())
+
+    weight = _relative_weights([out_sq(w) for w in Ws], Ws)
 
     def error(candidate: list[torch.Tensor]) -> float:
-        return sum(r * float(((w - c) @ H * (w - c)).sum()) for r, w, c in zip(weight, Ws, candidate))
+        return sum(r * out_sq(w - c) for r, w, c in zip(weight, Ws, candidate))
 
     return _search_scales(x_mean.float(), w_mean, Ws, scheme, error, n_grid, names)
 
