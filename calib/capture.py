@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qinfer.kernels.linear import native_half_gemm
+from qinfer.kernels.dense import native_half_gemm
 from qinfer.model import Block, QLinear, RMSNorm, Transformer
 
 

@@ -21,7 +21,7 @@ ceilings from: a linear's from the kernel its rows go to (``QLinear.matmul_dtype
 which takes fewer than ``qinfer.kernels.int4_cpu.max_rows`` rows, 32 where the GEMMs run in bf16 or fp16 and
 128 where they run in fp32, multiplies in fp32, a dense or dequantize-then-matmul linear in the
 activations' dtype, or in fp32 on a CPU without native bf16 GEMMs), attention's in the dtype a dense product
-of the prompt's rows takes (``qinfer.kernels.linear.product_dtype``: on such a CPU, SDPA in bf16 runs at its
+of the prompt's rows takes (``qinfer.kernels.dense.product_dtype``: on such a CPU, SDPA in bf16 runs at its
 fp32 speed, not at the ~7x slower bf16 GEMM peak).
 """
 
@@ -29,7 +29,7 @@ from collections import Counter
 
 import torch
 
-from qinfer.kernels.linear import product_dtype
+from qinfer.kernels.dense import product_dtype
 from qinfer.kv_cache import KVCache
 from qinfer.model import QLinear, RMSNorm, Transformer
 

@@ -32,7 +32,8 @@ from qinfer.evals.decode_profile import alternating_rounds, check_context, warme
 from qinfer.evals.roofline import threads_text
 from qinfer.format import Fp8Weight, QuantizedWeight
 from qinfer.generate import decode_step
-from qinfer.kernels import gemv_cpu, linear
+from qinfer.kernels import gemv_cpu
+from qinfer.kernels.linear import linear
 from qinfer.loader import huge_pages_reason, load_model
 from qinfer.model import QLinear, fuse_linears, separate_linears
 from qinfer.sources import resolve_model

@@ -23,17 +23,17 @@ path. Where the GEMM runs in bf16 or fp16 (AMX or AVX-512 bf16) that is from ``M
 (``python -m qinfer.evals.prefill_bench MODEL`` times both: gemma3-270m's RTN 4-bit prefill on 2 AMX Xeon
 cores, kernel -> dequantize, 16 rows 45 -> 58 ms, 32 rows 66 -> 64, 64 rows 107 -> 73, 128 rows 189 -> 93,
 255 rows 358 -> 129); where it runs in fp32 (fp32 activations, or a CPU without native half GEMMs:
-``qinfer.kernels.linear``) from ``MAX_ROWS_FP32`` = 128 on (the same prefill with the bf16 GEMM turned off,
+``qinfer.kernels.dense``) from ``MAX_ROWS_FP32`` = 128 on (the same prefill with the bf16 GEMM turned off,
 ad hoc: 64 rows 120 -> 150 ms, 128 rows 207 -> 194 ms, 255 rows 366 -> 288 ms; evals/RESULTS-LOG.md).
 """
 
 import contextlib
-import importlib
 
 import torch
 import torch.nn.functional as F
 
 from qinfer.format import QuantizedWeight
+from qinfer.kernels import dense
 from qinfer.kernels.prepared import per_weight
 
 GROUP_SIZES = (32, 64, 128, 256)
@@ -48,7 +48,6 @@ def max_rows(dtype: torch.dtype) -> int:
     """Rows of ``dtype`` from which on the dequantize-then-GEMM path is faster than this kernel."""
     if _rows_limit is not None:
         return _rows_limit
-    dense = importlib.import_module("qinfer.kernels.linear")  # the module: the package's ``linear`` is a function
     return MAX_ROWS if dtype != torch.float32 and dense.native_half_gemm(dtype) else MAX_ROWS_FP32
 
 

@@ -6,7 +6,7 @@ on every call. ``quant_linear`` is the entry point: on a GPU the Triton dequant-
 on CPU, for one row (a decode step) of integer weights, ``gemv_cpu``'s C kernel where it is built; else
 the int4 kernel where it applies (fewer than ``int4_cpu.max_rows`` rows), else for one bf16 row the int8
 kernel (other bit widths), else the reference, which is also a long prefill's fast path: a GEMM in the
-activations' dtype (in fp32 on a CPU without native bf16 GEMMs: ``qinfer.kernels.linear``), after
+activations' dtype (in fp32 on a CPU without native bf16 GEMMs: ``qinfer.kernels.dense``), after
 dequantizing the codes in ``gemv_cpu``'s C loops where they are built (the same weight, 4-19x as fast as the
 reference's PyTorch ops per gemma3 linear, 3-bit codes the most: ``python -m qinfer.evals.prefill_bench
 MODEL``; FP8 codes likewise);
@@ -20,12 +20,12 @@ import torch
 
 from qinfer.format import Fp8Weight, QuantizedWeight
 from qinfer.kernels import fp8_cpu, gemv_cpu, int4_cpu, int8_cpu
-from qinfer.kernels.linear import linear, product_dtype
+from qinfer.kernels.dense import dense_linear, product_dtype
 
 
 def dequant_linear_ref(x: torch.Tensor, weight: QuantizedWeight | Fp8Weight, bias: torch.Tensor | None = None):
     # x: [..., K]; weight: packed [N, K]; returns [..., N] in x's dtype
-    return linear(x, weight.dequantize(x.dtype), bias)
+    return dense_linear(x, weight.dequantize(x.dtype), bias)
 
 
 def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None):
@@ -40,7 +40,7 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
     if int8_cpu.supported(x, weight):
         return int8_cpu.int8_linear(_stored_order(x, weight), weight, bias)
     if gemv_cpu.dequantize_supported(weight, x.dtype):  # the reference's dequantize, in C: the same weight
-        return linear(_stored_order(x, weight), gemv_cpu.dequantize(weight, x.dtype), bias)
+        return dense_linear(_stored_order(x, weight), gemv_cpu.dequantize(weight, x.dtype), bias)
     return dequant_linear_ref(x, weight, bias)
 
 
@@ -63,7 +63,7 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = N
     if fp8_cpu.supported(x, weight):
         return fp8_cpu.fp8_linear(x, weight, bias)
     if gemv_cpu.fp8_dequantize_supported(weight, x.dtype):  # the reference's dequantize, in C: the same weight
-        return linear(x, gemv_cpu.fp8_dequantize(weight, x.dtype), bias)
+        return dense_linear(x, gemv_cpu.fp8_dequantize(weight, x.dtype), bias)
     return dequant_linear_ref(x, weight, bias)
 
 

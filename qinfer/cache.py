@@ -503,7 +503,7 @@ def source_fingerprint(modules: tuple[str, ...], *packages: str) -> str:
     bytes): a cached result keyed on it is redone after any change to the code that produced it."""
     files = [Path(importlib.import_module(m).__file__) for m in modules]
     for package in packages:
-        folder = Path(importlib.import_module(package).__file__).parent
+        folder = Path(next(iter(importlib.import_module(package).__path__)))  # a namespace package has no __file__
         files += sorted(folder.glob("*.py")) + sorted(folder.glob("*.c"))  # C kernels built at first use
     h = hashlib.sha256()
     for f in files:

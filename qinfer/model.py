@@ -16,7 +16,9 @@ from torch import nn
 
 from qinfer.arch import ModelConfig, RopeConfig
 from qinfer.format import Fp8Weight, QuantizedWeight
-from qinfer.kernels import attention, linear, matmul_dtype, rms_norm
+from qinfer.kernels.attention import attention
+from qinfer.kernels.linear import linear, matmul_dtype
+from qinfer.kernels.norm import rms_norm
 from qinfer.kv_cache import KVCache
 
 

@@ -7,7 +7,7 @@ import torch
 
 from qinfer.format import Fp8Weight, QuantizedWeight, QuantScheme, group_count, pack
 from qinfer.generate import decode_step, prefill
-from qinfer.kernels import linear
+from qinfer.kernels.linear import linear
 from qinfer.kv_cache import make_cache
 from qinfer.loader import huge_pages_reason, load_model
 from qinfer.model import FusedLinear, QLinear, fuse_linears, separate_linears, stacked

@@ -74,7 +74,7 @@ def test_the_scan_sees_known_edges():
     edges = {module_name(p): imports(p) for p in sources()}
     assert "qinfer.cli" in edges["qinfer.__main__"]
     assert "qinfer.format" in edges["qinfer.quantizers.rtn"]
-    assert "qinfer.kernels.linear" in edges["qinfer.calib.capture"]
+    assert "qinfer.kernels.dense" in edges["qinfer.calib.capture"]
     assert part_of("qinfer.interop.gptq") == "converters" and part_of("qinfer.kernels.gemv_cpu") == "kernels"
 
 

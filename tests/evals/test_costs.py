@@ -1,4 +1,3 @@
-import importlib
 import os
 import shutil
 from collections import Counter
@@ -11,14 +10,13 @@ from qinfer.evals.checkpoint import content_key, effective_bits, size_on_disk
 from qinfer.evals.costs import decode_bytes, decode_flops, prefill_flops, prefill_flops_by_dtype, weight_bytes
 from qinfer.evals.report import REPORT_FILES
 from qinfer.format import QuantScheme
-from qinfer.kernels import int4_cpu
+from qinfer.kernels import dense, int4_cpu
 from qinfer.kv_cache import make_cache
 from qinfer.loader import is_bos_tensor, load_model
 from qinfer.model import QLinear
 from qinfer.quantize import CalibConfig, quantize_model
 from tests.evals.eval_fixtures import tiny_model
 
-linear_module = importlib.import_module("qinfer.kernels.linear")  # the module (the package's `linear` is the function)
 
 RTN_G32 = QuantScheme(method="rtn", bits=4, group_size=32)
 FP8 = QuantScheme(method="fp8", bits=8, group_size=-1, format="fp8")
@@ -145,25 +143,25 @@ def test_prefill_flops_split_by_the_dtype_each_kernel_multiplies_in(folders, mon
     # through the CPU int4 kernel, which multiplies in fp32, for a prompt shorter than its max_rows, and to
     # the dequantize-then-dense path from there on. The attention goes with a dense product of the prompt's
     # rows; the lm_head's one row stays bf16. The split always sums to prefill_flops.
-    monkeypatch.setattr(linear_module, "native_half_gemm", lambda dtype: native_bf16 or dtype == torch.float32)
-    dense = torch.bfloat16 if native_bf16 else torch.float32
+    monkeypatch.setattr(dense, "native_half_gemm", lambda dtype: native_bf16 or dtype == torch.float32)
+    dense_dtype = torch.bfloat16 if native_bf16 else torch.float32
 
     def split(model, T, blocks_in):
         linears = [m for m in model.model.layers.modules() if isinstance(m, QLinear)]
         blocks = 2 * T * sum(m.in_features * m.out_features for m in linears)
         head = 2 * model.lm_head.in_features * model.lm_head.out_features
         expected = Counter({torch.bfloat16: head})
-        expected[dense] += prefill_flops(model, T) - blocks - head  # the attention
+        expected[dense_dtype] += prefill_flops(model, T) - blocks - head  # the attention
         expected[blocks_in] += blocks
         return dict(expected)
 
     T = 23
     for name in ("ref", "fp8"):
         model = load_model(folders[name])
-        assert prefill_flops_by_dtype(model, T) == split(model, T, dense)
+        assert prefill_flops_by_dtype(model, T) == split(model, T, dense_dtype)
     model = load_model(folders["rtn"])
     linears = [m for m in model.model.layers.modules() if isinstance(m, QLinear)]
     assert all(int4_cpu.supported(torch.empty(T, m.in_features, dtype=model.dtype), m.weight) for m in linears)
     assert prefill_flops_by_dtype(model, T) == split(model, T, torch.float32)
     long = int4_cpu.max_rows(model.dtype)
-    assert prefill_flops_by_dtype(model, long) == split(model, long, dense)
+    assert prefill_flops_by_dtype(model, long) == split(model, long, dense_dtype)

@@ -17,7 +17,7 @@ from qinfer.evals import roofline as rl
 from qinfer.evals.report import SCHEMA_VERSION, format_table
 from qinfer.evals.runner import EvalConfig, ModelResult, run_eval
 from qinfer.kernels import gemv_cpu
-from qinfer.kernels.linear import native_half_gemm
+from qinfer.kernels.dense import native_half_gemm
 from qinfer.loader import huge_pages_reason, weight_pages
 from tests.conftest import qinfer_imports
 from tests.evals.eval_fixtures import install_roofline, install_tasks, text_file, tiny_model
@@ -244,7 +244,7 @@ def test_results_json_follows_the_documented_schema(env):
     }
     assert m["speed"]["compiled_tpot_s"] is None and "compiled tok/s" not in format_table([result])  # not asked for
     assert m["effective_bits"] == 16.0 and m["speed"]["prompt_tokens"] == 24
-    # a bf16 model's linears multiply in bf16, or in fp32 on a CPU without native bf16 GEMMs (qinfer.kernels.linear)
+    # a bf16 model's linears multiply in bf16, or in fp32 on a CPU without native bf16 GEMMs (qinfer.kernels.dense)
     by_dtype = m["speed"]["prefill_flops_by_dtype"]
     assert set(by_dtype) == ({"bf16"} if native_half_gemm(torch.bfloat16) else {"bf16", "fp32"})
     assert sum(by_dtype.values()) == m["speed"]["prefill_flops"]

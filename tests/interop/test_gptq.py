@@ -10,7 +10,7 @@ import torch
 from qinfer.errors import QinferError
 from qinfer.format import QuantizedWeight, QuantScheme, pack
 from qinfer.interop.gptq import from_gptq_tensors, gptq_quantization_config, scheme_from_gptq_config, to_gptq_tensors
-from qinfer.kernels import linear
+from qinfer.kernels.linear import linear
 from qinfer.quantizers.rtn import rtn_quantize
 
 

@@ -5,7 +5,8 @@ import torch
 
 from qinfer.errors import QinferError
 from qinfer.format import FP8_SHIFT, Fp8Weight, QuantScheme, e4m3_as_fp16
-from qinfer.kernels import fp8_cpu, gemv_cpu, linear
+from qinfer.kernels import fp8_cpu, gemv_cpu
+from qinfer.kernels.linear import linear
 from qinfer.kernels.quant_linear import dequant_linear_ref
 from qinfer.quantizers.fp8 import fp8_quantize
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from qinfer.format import Fp8Weight, QuantizedWeight, QuantScheme, pack, unpack
-from qinfer.kernels import gemv_cpu, linear
+from qinfer.kernels import gemv_cpu
+from qinfer.kernels.linear import linear
 from qinfer.kernels.quant_linear import dequant_linear_ref
 from qinfer.quantizers.fp8 import fp8_quantize
 from qinfer.quantizers.rtn import rtn_quantize

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from qinfer.format import QuantScheme
-from qinfer.kernels import int4_cpu, linear
+from qinfer.kernels import int4_cpu
+from qinfer.kernels.linear import linear
 from qinfer.kernels.quant_linear import dequant_linear_ref
 from qinfer.quantizers.rtn import rtn_quantize
 

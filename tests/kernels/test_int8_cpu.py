@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from qinfer.format import QuantScheme, pack
-from qinfer.kernels import gemv_cpu, int4_cpu, int8_cpu, linear
+from qinfer.kernels import gemv_cpu, int4_cpu, int8_cpu
+from qinfer.kernels.linear import linear
 from qinfer.kernels.quant_linear import dequant_linear_ref
 from qinfer.quantizers.rtn import rtn_quantize
 

@@ -1,15 +1,14 @@
 """The linear entry point: every weight form, and no copy of the weight for strided inputs."""
 
-import importlib
 
 import pytest
 import torch
 
 from qinfer.format import QuantScheme
-from qinfer.kernels import int4_cpu, linear, matmul_dtype
+from qinfer.kernels import dense, int4_cpu
+from qinfer.kernels.linear import linear, matmul_dtype
 from qinfer.quantizers.rtn import rtn_quantize
 
-linear_module = importlib.import_module("qinfer.kernels.linear")  # the module (the package's `linear` is the function)
 
 
 def test_last_position_of_a_prefill_does_not_copy_the_weight():
@@ -71,12 +70,12 @@ def test_onednn_switch_is_restored_after_an_error():
 @pytest.fixture
 def no_native_half(monkeypatch):
     """A CPU whose oneDNN takes no bf16/fp16 GEMMs (AVX2 only), whatever this one is."""
-    monkeypatch.setattr(linear_module, "native_half_gemm", lambda dtype: dtype not in (torch.bfloat16, torch.float16))
+    monkeypatch.setattr(dense, "native_half_gemm", lambda dtype: dtype not in (torch.bfloat16, torch.float16))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_without_native_half_gemms_rows_multiply_in_fp32(no_native_half, monkeypatch, dtype):
-    monkeypatch.setattr(linear_module, "_WIDEN_CHUNK", 5 * 64)  # 5 weight rows widened at a time: 4 slices
+    monkeypatch.setattr(dense, "_WIDEN_CHUNK", 5 * 64)  # 5 weight rows widened at a time: 4 slices
     x, weight, bias = torch.randn(3, 8, 64, dtype=dtype), torch.randn(18, 64, dtype=dtype), torch.randn(18, dtype=dtype)
     y = linear(x, weight, bias)
     assert y.dtype == dtype and y.shape == (3, 8, 18)

@@ -1,1 +1,0 @@
-"""Calibration data (corpora, sampling) and block-by-block activation capture."""

@@ -1,1 +1,0 @@
-"""Evaluation: perplexity, KL, multiple-choice tasks, speed and roofline."""
