@@ -19,6 +19,8 @@ from pathlib import Path
 
 import click
 
+from qinfer.deps import version_problem
+
 # The signals that end a command by unwinding it: `kill`, and SIGHUP (its terminal closed, its ssh dropped).
 TERMINATING = (signal.SIGTERM, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else []))
 
@@ -89,6 +91,9 @@ class _OneLineErrors:
 
     def _invoke(self, ctx):
         try:
+            problem = version_problem()
+            if problem is not None:
+                raise QinferError(problem)
             return super().invoke(ctx)
         except Terminated as e:
             try:  # after a SIGHUP the terminal may be gone: the exit status still says it
