@@ -1,16 +1,18 @@
-"""BIG-bench's JSON tasks, read out of the ``bigbench==1.0.0`` sdist on PyPI.
+"""BIG-bench's JSON tasks, read out of the ``bigbench==1.0.0`` sdist.
+
+PyPI no longer serves that sdist's files (only 0.0.1, which holds no tasks), so qinfer's default tasks come from
+:mod:`qinfer.evals.benchmarks`; a user who has the sdist (``bigbench-1.0.0.tar.gz``) names it with
+``qinfer eval --bigbench-sdist FILE`` or copies it into the cache folder below.
 
 Every JSON task is ``bigbench-1.0.0/bigbench/benchmark_tasks/<task>/task.json`` in the sdist; a task.json
 without ``examples`` is a container whose subtasks are ``<task>/<subtask>/task.json`` (BIG-bench's own
-loader reads them the same way). We fetch the sdist with pip, because PyPI is the one site our machines
-can always reach and pip checks PyPI's hash, and read the JSON files we need straight out of the gzip
-stream: the package is never installed (its requirements pull in TensorFlow) nor extracted.
+loader reads them the same way). We read the JSON files we need straight out of the gzip stream: the package
+is never installed (its requirements pull in TensorFlow) nor extracted.
 
 Cache layout (``qinfer.cache.cache_dir() / "data" / "bigbench"``):
 
-- ``bigbench-1.0.0.tar.gz``: the sdist, checked against :data:`SDIST_SHA256` before it is read. It is
-  kept (358 MB) because reading another task out of it takes seconds where downloading it again takes a
-  minute; on a machine without PyPI access, copying the file here is the way in.
+- ``bigbench-1.0.0.tar.gz``: the sdist, if copied here; checked against :data:`SDIST_SHA256` before it is read,
+  as a ``--bigbench-sdist`` file is.
 - ``tasks/<task>.json``: the ``task.json`` of each task read so far, a container's subtasks inlined as
   ``"subtasks": {<subtask folder>: <its task.json>}``. Loading a cached task never opens the sdist.
 - ``index.json``: ``{<task>: [<subtask folders>]}`` for every JSON task in the sdist, so that an unknown
@@ -21,35 +23,30 @@ Every file is written atomically (temp file beside it, then rename).
 
 import difflib
 import json
-import os
 import re
-import shutil
-import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
-from qinfer.cache import cache_dir, sha256_file, temp_path, write_atomic
+from qinfer.cache import cache_dir, sha256_file, write_atomic
 from qinfer.errors import QinferError
-from qinfer.registry import pip_env, pip_failure
 
 SDIST = "bigbench-1.0.0.tar.gz"
-REQUIREMENT = "bigbench==1.0.0"
-# sha256 of bigbench-1.0.0.tar.gz as PyPI serves it (pip checks it on download; we check a kept copy).
+# sha256 of bigbench-1.0.0.tar.gz as PyPI served it
 SDIST_SHA256 = "1bb398a5512c6d798cdebe0dfa0ac03f67f6033fa6b39c6ef71df978c7cbc5c2"
 # Multiple-choice tasks checked end to end; named in error messages as examples.
 SUGGESTED = ("general_knowledge", "social_iqa", "strategyqa", "winowhy")
 _TASKS_ROOT = "bigbench-1.0.0/bigbench/benchmark_tasks/"
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # a folder name: no path separators, no leading dot
-_PIP_TIMEOUT_S = 1800  # 358 MB; a hung network should still end in a clear error
 
 
 def data_dir() -> Path:
     return cache_dir("data", "bigbench")
 
 
-def task_json(task: str) -> dict:
-    """The cached JSON of ``task`` (subtasks inlined), read out of the sdist on first use."""
+def task_json(task: str, sdist: Path | None = None) -> dict:
+    """The cached JSON of ``task`` (subtasks inlined), read out of the sdist (``sdist``, else the cache's copy) on
+    first use."""
     if not _NAME.fullmatch(task):
         raise QinferError(f"{task!r} is not a BIG-bench task name; use e.g. {', '.join(SUGGESTED)}")
     cached = data_dir() / "tasks" / f"{task}.json"
@@ -61,7 +58,7 @@ def task_json(task: str) -> dict:
     index = _read_index()
     if index is not None and task not in index:
         raise _unknown(task, index)
-    index, data = _scan_sdist(_sdist(), task)
+    index, data = _scan_sdist(_sdist(task, sdist), task)
     write_atomic(data_dir() / "index.json", json.dumps(index, indent=1, sort_keys=True).encode())
     if data is None:
         raise _unknown(task, index)
@@ -122,43 +119,18 @@ def _scan_sdist(sdist: Path, task: str) -> tuple[dict, dict | None]:
     return index, top
 
 
-def _sdist() -> Path:
-    """The verified sdist in the cache, downloaded with pip if absent."""
-    path = data_dir() / SDIST
-    if path.exists():
-        digest = sha256_file(path)
-        if digest != SDIST_SHA256:
-            raise QinferError(
-                f"{path} has sha256 {digest[:12]}…, not bigbench 1.0.0's {SDIST_SHA256[:12]}…; delete it and retry"
-            )
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    print(f"qinfer: downloading BIG-bench ({REQUIREMENT} sdist, 358 MB) from PyPI with pip", file=sys.stderr)
-    tmp = temp_path(path.parent, ".bigbench-download-", folder=True)
-    try:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:", REQUIREMENT, "-d", str(tmp)]
-        fix = f"check network access to PyPI, or copy {SDIST} (from `pip download {REQUIREMENT}`) to {path.parent}"
-        try:
-            progress = sys.stderr.fileno()  # pip's progress bar goes to the user's terminal
-        except (AttributeError, OSError, ValueError):  # a stderr replaced by something without a file
-            progress = subprocess.DEVNULL
-        try:
-            proc = subprocess.run(cmd, stdout=progress, stderr=subprocess.PIPE, text=True, timeout=_PIP_TIMEOUT_S,
-                                  env=pip_env(tmp))
-        except subprocess.TimeoutExpired:
-            raise QinferError(f"downloading {REQUIREMENT} timed out after {_PIP_TIMEOUT_S} s; {fix}") from None
-        if proc.returncode != 0:
-            reason, disk_full = pip_failure(proc.stderr)
-            if disk_full:
-                raise QinferError(f"disk full while downloading {REQUIREMENT} (358 MB) into {path.parent}: free "
-                                  "space (or point QINFER_CACHE at a larger disk) and retry")
-            raise QinferError(f"downloading {REQUIREMENT} with pip failed ({reason}); {fix}")
-        got = tmp / SDIST
-        if not got.exists():
-            raise QinferError(f"pip download {REQUIREMENT} wrote no {SDIST}; {fix}")
-        if sha256_file(got) != SDIST_SHA256:
-            raise QinferError(f"the {SDIST} pip downloaded does not match bigbench 1.0.0's sha256; {fix}")
-        os.replace(got, path)  # same folder, same file system: atomic
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+def _sdist(task: str, given: Path | None) -> Path:
+    """The verified sdist: ``given``, else the cache's copy."""
+    path = Path(given).expanduser() if given is not None else data_dir() / SDIST
+    if not path.is_file():
+        from qinfer.evals.benchmarks import TASKS
+
+        where = f"--bigbench-sdist {given}: no such file" if given is not None else "no BIG-bench sdist is at hand"
+        raise QinferError(
+            f"unknown task {task!r}: qinfer's tasks are {', '.join(TASKS)}; a BIG-bench task needs the {SDIST} "
+            f"sdist, which PyPI no longer serves ({where}; pass --bigbench-sdist FILE or copy it to {path.parent})"
+        )
+    digest = sha256_file(path)
+    if digest != SDIST_SHA256:
+        raise QinferError(f"{path} has sha256 {digest[:12]}…, not bigbench 1.0.0's {SDIST_SHA256[:12]}…")
     return path

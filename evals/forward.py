@@ -68,6 +68,13 @@ class LazyLogits:
             raise TypeError(f"LazyLogits supports [b, positions] indexing only, not {index!r}")
         return self._model.lm_head(self._hidden[index])
 
+    def select(self, spans: list[tuple[int, slice]]) -> list[torch.Tensor]:
+        """``[self[b, s] for b, s in spans]`` through one lm_head call: each call streams the whole lm_head
+        (335 MB for Gemma 3 270M) however few rows it multiplies."""
+        rows = [self._hidden[b, s] for b, s in spans]
+        logits = self._model.lm_head(torch.cat(rows))
+        return list(logits.split([len(r) for r in rows]))
+
 
 def batch_forward(model: Transformer, kv_dtype: str) -> Callable[[torch.Tensor], LazyLogits]:
     """``forward(ids [B, T]) -> logits [B, T, V]`` (as a :class:`LazyLogits`) for ``continuation_loglik``."""

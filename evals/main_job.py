@@ -20,6 +20,7 @@ from pathlib import Path
 import click
 
 from qinfer.block_tune import TuneConfig
+from qinfer.calib.austen import fetch_austen
 from qinfer.cache import cache_dir
 from qinfer.errors import Command, QinferError
 from qinfer.format import QuantScheme
@@ -45,7 +46,7 @@ class MainJobConfig:
     model: str = MODEL
     samples: int = 32  # calibration windows (the quantize default is 128)
     seq_len: int = 512
-    limit: int = 25  # examples per BIG-bench task
+    limit: int = 150  # examples per task (the eval default is 250)
     max_tokens: int = 2048  # tokens of Persuasion scored
     repeats: int = 3
 
@@ -89,13 +90,17 @@ def run_main_job(config: MainJobConfig):
     settings = (
         f"settings: calibration {calib.samples} x {calib.seq_len} tokens of Austen (quantize default 128); "
         f"eval: first {eval_config.max_tokens} tokens of Persuasion (window {eval_config.window}, stride "
-        f"{eval_config.stride}), BIG-bench {', '.join(eval_config.tasks)} with {eval_config.limit} examples each, "
+        f"{eval_config.stride}), tasks {', '.join(eval_config.tasks)} with {eval_config.limit} examples each, "
         f"speed: {eval_config.prompt_tokens}-token prompt + {eval_config.decode_steps} decode steps, median of "
         f"{eval_config.repeats} runs"
     )
     _say(f"qinfer main job: {config.model} as bf16 reference, {', '.join(SCHEMES)}\n{settings}")
     runner.check_destinations(eval_config)  # before the quantizing, not after it
+    # Everything the job downloads, before its first long step: a source that is gone fails in seconds, not after
+    # minutes of quantizing. Without the tasks the job still runs, with their columns marked missing.
     folder = resolve_model(config.model)
+    fetch_austen()  # calibration and held-out text
+    loaded_tasks = runner.load_tasks(eval_config)
     models, skipped = [config.model], []
     for name, scheme in SCHEMES.items():
         target = quantized_dir(config.model, name)
@@ -112,9 +117,11 @@ def run_main_job(config: MainJobConfig):
             _say(f"{name}: {report.sizes()} ({time.perf_counter() - t0:.0f} s)")
         models.append(str(target))
     eval_config = dataclasses.replace(eval_config, models=tuple(models))
-    results = runner.run_eval(eval_config)
+    results = runner.run_eval(eval_config, loaded_tasks)
     print(format_table(results))
     print(settings)
+    if loaded_tasks[1]:
+        print(f"note: {runner.missing_tasks_line(loaded_tasks[1])}")
     if skipped:
         print(f"not in the table (quantizing failed, see above): {', '.join(skipped)}")
     print(f"outputs in {config.out.resolve()}: results.json, results.md, pareto.png, roofline.png "

@@ -11,7 +11,8 @@ infinite (a model that produced NaN; the table shows ``nan``)::
         "models": [<MODEL arguments>], "baseline": "<MODEL argument>", "baseline_kv_cache": "bf16",
         "text": "heldout" | "<file>", "text_description": "<what was read, and how many tokens>",
         "max_tokens", "window", "stride": <int>,
-        "tasks": [<task names>], "limit": <int examples per task>,
+        "tasks": [<task names asked for>], "limit": <int examples per task>,
+        "missing_tasks": {"<task>": "<why it was not scored: its source could not be fetched>"},
         "speed": <bool>, "kv_cache": "bf16" | "int8" | "fp8",
         "prompt_tokens", "decode_steps", "repeats": <int>, "compiled": <bool, the compiled decode step timed too>,
         "device": "cpu" | "cuda", "threads": <int>, "torch_version": "<version>",
@@ -27,6 +28,7 @@ infinite (a model that produced NaN; the table shows ``nan``)::
                  "nll_delta", "nll_delta_se", "kl_se": <float, or null with fewer than two blocks of text>},
         "tasks": {"<task>": {"accuracy", "accuracy_norm": <float>, "n": <int>,
                              "accuracy_se", "accuracy_norm_se": <float, or null for one example>}, ...},
+        "missing_tasks": {"<task>": "<why>"} (the tasks asked for and not scored; also under "settings"),
         "speed": null | {
           "prompt_tokens", "decode_steps", "repeats": <int>, "kv_cache",
           "compute_dtype": <str, the dtype most prefill FLOPs multiply in>,
@@ -45,7 +47,8 @@ nll(model) - nll(baseline) per token, so ppl / ppl_baseline = exp(nll_delta); ``
 standard errors over the text (:mod:`qinfer.evals.divergence`); ``effective_bits`` counts scales and zeros.
 The tables show ``vs base %`` = 100 (exp(nll_delta) - 1) and, after ``±``, one standard error of it and of
 KL. ``accuracy`` is BIG-bench's ``multiple_choice_grade`` (:mod:`qinfer.evals.tasks`), ``accuracy_se`` its standard
-error over the examples; ``acc %`` in the tables is the mean over tasks, ± one standard error of that mean.
+error over the examples; ``acc %`` in the tables is the mean over the tasks scored, ± one standard error of that
+mean, and reads ``missing`` where tasks were asked for and none could be scored.
 ``pareto.png`` plots perplexity (lower is better) against decode tokens/s (against size on disk when
 speed was not measured); ``roofline.png`` places each model's decode and prefill on the measured roofline
 (only with speed).
@@ -85,6 +88,7 @@ def results_json(config, results, roofline: Roofline | None, text_description: s
         "models": list(config.models), "baseline": config.baseline_spec, "baseline_kv_cache": BASELINE_KV,
         "text": config.text, "text_description": text_description, "max_tokens": config.max_tokens,
         "window": config.window, "stride": config.stride, "tasks": list(config.tasks), "limit": config.limit,
+        "missing_tasks": dict(results[0].missing_tasks) if results else {},
         "speed": config.speed, "kv_cache": config.kv_cache, "prompt_tokens": config.prompt_tokens,
         "decode_steps": config.decode_steps, "repeats": config.repeats, "compiled": config.compiled,
         "device": eval_device(),
@@ -134,7 +138,8 @@ def _rows(results) -> tuple[list[str], list[list[str]]]:
             f"{r.size_bytes / _MIB:.1f}", f"{r.effective_bits:.3f}", f"{r.text.ppl:.3f}", _vs_base(r.text),
             _with_se(f"{r.text.kl:.4f}", r.text.kl_se, ".4f"),
             f"{100 * r.text.top1_agreement:.1f}",
-            _acc(list(r.tasks.values()), "accuracy"), _acc(list(r.tasks.values()), "accuracy_norm"),
+            *(["missing"] * 2 if r.missing_tasks and not r.tasks else
+              [_acc(list(r.tasks.values()), "accuracy"), _acc(list(r.tasks.values()), "accuracy_norm")]),
             *(["-"] * 6 if s is None else [
                 f"{s.prefill_tok_s:.1f}", f"{s.ttft_s:.3f}", f"{s.decode_tok_s:.2f}", f"{1e3 * s.tpot_s:.1f}",
                 f"{100 * s.mbu:.1f}", f"{100 * s.mfu_prefill:.1f}",
@@ -191,7 +196,10 @@ def results_markdown(data: dict, results) -> str:
         "",
         _md_table(*_rows(results)),
     ]
-    tasks = list(s["tasks"])
+    missing = s.get("missing_tasks", {})
+    tasks = [t for t in s["tasks"] if t not in missing]
+    if missing:
+        parts += ["", "**Missing:** " + "; ".join(f"{t}: {why}" for t, why in missing.items())]
     if tasks:
         header = ["model"] + [f"{t} acc / acc_norm %" for t in tasks]
         rows = [[r.label] + [f"{_acc([r.tasks[t]], 'accuracy')} / {_acc([r.tasks[t]], 'accuracy_norm')}"

@@ -53,7 +53,8 @@ def code_fingerprint() -> str:
 MEASURE_MODULES = {
     "text": ("qinfer.evals.accuracy", "qinfer.evals.divergence", "qinfer.evals.perplexity", "qinfer.evals.forward",
              "qinfer.tokenizer"),
-    "task": ("qinfer.evals.accuracy", "qinfer.evals.tasks", "qinfer.evals.bigbench", "qinfer.evals.forward",
+    "task": ("qinfer.evals.accuracy", "qinfer.evals.tasks", "qinfer.evals.benchmarks", "qinfer.evals.bigbench",
+             "qinfer.evals.forward",
              "qinfer.tokenizer"),
 }
 

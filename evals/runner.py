@@ -24,9 +24,9 @@ import torch
 from qinfer.arch import ModelConfig
 from qinfer.cache import available_memory, cache_dir, check_writable
 from qinfer.errors import QinferError
-from qinfer.evals import result_cache
+from qinfer.evals import benchmarks, result_cache
 from qinfer.evals.accuracy import HELDOUT, load_text, task_accuracy, text_tokens
-from qinfer.evals.bigbench import SUGGESTED
+from qinfer.evals.benchmarks import SourceUnavailable
 from qinfer.evals.checkpoint import content_key, effective_bits, size_on_disk
 from qinfer.evals.divergence import SE_BLOCKS, SE_MIN_BLOCK, TextMetrics, text_metrics
 from qinfer.evals.forward import window_logits
@@ -39,7 +39,7 @@ from qinfer.registry import BUILTINS
 from qinfer.sources import resolve_model
 from qinfer.tokenizer import Tokenizer
 
-DEFAULT_TASKS = SUGGESTED  # general_knowledge, social_iqa, strategyqa, winowhy
+DEFAULT_TASKS = ("arc_easy", "piqa")  # published benchmarks a 270M model scores well above chance on
 BASELINE_KV = "bf16"
 
 
@@ -54,7 +54,8 @@ class EvalConfig:
     window: int = 512
     stride: int | None = None  # None: half the window (each later window scores its second half)
     tasks: tuple[str, ...] = DEFAULT_TASKS
-    limit: int = 25  # examples per task
+    limit: int = 250  # examples per task
+    bigbench_sdist: Path | None = None  # bigbench-1.0.0.tar.gz, for BIG-bench task names
     speed: bool = True
     kv_cache: str = "bf16"
     prompt_tokens: int = 512
@@ -70,6 +71,8 @@ class EvalConfig:
         object.__setattr__(self, "tasks", tuple(self.tasks))
         if self.out is not None:
             object.__setattr__(self, "out", Path(self.out))
+        if self.bigbench_sdist is not None:
+            object.__setattr__(self, "bigbench_sdist", Path(self.bigbench_sdist))
         if not self.models:
             raise QinferError("qinfer eval needs at least one MODEL")
         if self.kv_cache not in KV_DTYPES:
@@ -108,6 +111,7 @@ class ModelResult:
     text: TextMetrics
     tasks: dict[str, MCResult] = field(default_factory=dict)
     speed: SpeedResult | None = None
+    missing_tasks: dict[str, str] = field(default_factory=dict)  # task -> why it was not scored
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -142,10 +146,36 @@ def check_destinations(config: EvalConfig) -> None:
     cache_dir("eval")  # nor the results' (a file in the way)
 
 
-def run_eval(config: EvalConfig) -> list[ModelResult]:
-    """Measure every model of ``config``, write the outputs to ``config.out``, return one result per model."""
+def load_tasks(config: EvalConfig) -> tuple[dict[str, list], dict[str, str]]:
+    """``({task: examples}, {task: why it is missing})`` for the tasks of ``config``. A task whose source cannot be
+    fetched (no network, a release withdrawn) is left out with its reason, so that the rest of an eval still runs;
+    an unknown task name is an error, raised here, before anything is measured."""
+    examples, missing = {}, {}
+    published = [task for task in config.tasks if task in benchmarks.TASKS]
+    try:
+        if published:
+            benchmarks.fetch()  # once for all of them: an unreachable index is asked once
+    except SourceUnavailable as exc:
+        missing = {task: str(exc) for task in published}
+    for task in config.tasks:
+        if task not in missing:
+            examples[task] = load_task(task, config.limit, config.bigbench_sdist)
+    if missing:
+        print(f"qinfer eval: {missing_tasks_line(missing)}; measuring the rest", file=sys.stderr)
+    return examples, missing
+
+
+def missing_tasks_line(missing: dict[str, str]) -> str:
+    """One line: which accuracy columns are missing, and why."""
+    reasons = "; ".join(dict.fromkeys(missing.values()))
+    return f"accuracy not measured for {', '.join(missing)}: {reasons}"
+
+
+def run_eval(config: EvalConfig, loaded_tasks: tuple[dict, dict] | None = None) -> list[ModelResult]:
+    """Measure every model of ``config``, write the outputs to ``config.out``, return one result per model.
+    ``loaded_tasks``: what :func:`load_tasks` returned for ``config``, if the caller has already called it."""
     check_destinations(config)
-    examples = {task: load_task(task, config.limit) for task in config.tasks}  # unknown task: fails here, early
+    examples, missing = load_tasks(config) if loaded_tasks is None else loaded_tasks
     models, baseline, tokens, text_desc = comparison(config)
     text_fields = dict(baseline=baseline.key, baseline_kv=BASELINE_KV, kv=config.kv_cache, window=config.window,
                        stride=config.stride, tokens=hashlib.sha256(tokens.numpy().tobytes()).hexdigest(),
@@ -159,7 +189,7 @@ def run_eval(config: EvalConfig) -> list[ModelResult]:
         results.append(ModelResult(
             label=m.label, spec=m.spec, path=str(m.folder), content_key=m.key, is_baseline=m.folder == baseline.folder,
             size_bytes=size_on_disk(m.folder), effective_bits=effective_bits(m.folder), text=texts[m.label],
-            tasks=tasks, speed=speed,
+            tasks=tasks, speed=speed, missing_tasks=dict(missing),
         ))
     if config.out is not None:
         from qinfer.evals.report import write_outputs  # matplotlib: only when writing

@@ -1,8 +1,13 @@
-"""Zero-shot multiple-choice tasks from BIG-bench, scored by log-likelihood.
+"""Zero-shot multiple-choice tasks, scored by log-likelihood.
 
-The task JSON comes from :mod:`qinfer.evals.bigbench` (the ``bigbench==1.0.0`` sdist on PyPI, cached).
-The prompt is BIG-bench's ``default_format_fn`` at zero shots, with BIG-bench's defaults
-``example_input_prefix="\\nQ: "``, ``example_output_prefix="\\nA: "``, ``choice_prefix="\\n  choice: "`` and
+Two sources. The default is :mod:`qinfer.evals.benchmarks`: published benchmarks (ARC-Easy, PIQA, HellaSwag, ...)
+as AllenAI's OLMo evaluations pose them, a context such as ``"Question: ...\nAnswer:"`` and each choice as its
+continuation with a leading space; their names are the keys of :data:`qinfer.evals.benchmarks.TASKS`. Any other
+name is a BIG-bench JSON task, read from the ``bigbench==1.0.0`` sdist (:mod:`qinfer.evals.bigbench`), which PyPI
+no longer serves: a user who has a copy names it with ``bigbench_sdist``.
+
+A BIG-bench prompt is BIG-bench's ``default_format_fn`` at zero shots, with BIG-bench's defaults
+``example_input_prefix="\nQ: "``, ``example_output_prefix="\nA: "``, ``choice_prefix="\n  choice: "`` and
 ``append_choices_to_input=True`` (``bigbench/api/json_task.py``)::
 
     task_prefix + input_prefix + input [+ choice_prefix + choice_prefix.join(listed choices)] + output_prefix
@@ -16,20 +21,23 @@ multiple-choice tasks put the answer on a line of its own).
 
 Scoring is BIG-bench's ``multiple_choice_grade``: the model's choice (the highest log-likelihood) earns its
 ``target_scores`` value, so a question with two right answers ("3" and "three") credits either, and graded
-scores (emojis_emotion_prediction) credit in part. Examples are skipped as data noise, not errors, when they have
-no ``target_scores``, fewer than two choices, a score outside [0, 1] (BIG-bench 1.0.0 has none), or two choices
-that are equal once stripped; exact duplicates are dropped as BIG-bench drops them.
+scores (emojis_emotion_prediction) credit in part; a benchmark question's right choice scores 1, the others 0.
+Examples are skipped as data noise, not errors, when they have no ``target_scores``, fewer than two choices, a
+score outside [0, 1] (BIG-bench 1.0.0 has none), or two choices that are equal once stripped; exact duplicates are
+dropped as BIG-bench drops them.
 """
 
 import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from qinfer.errors import QinferError
+from qinfer.evals import benchmarks
 from qinfer.evals.bigbench import SUGGESTED, task_json
 
 # BIG-bench's defaults (bigbench/api/json_task.py, JsonTask.load_and_process_json)
@@ -88,23 +96,42 @@ class MCResult:
                 raise QinferError(f"MCResult.{field} must be in [0, 1] or NaN; got {value!r}")
 
 
-def load_task(name: str, limit: int | None = None) -> list[MCExample]:
-    """The zero-shot examples of BIG-bench task ``name`` (``"task"`` or ``"task:subtask"``).
+def load_task(name: str, limit: int | None = None, bigbench_sdist: Path | None = None) -> list[MCExample]:
+    """The zero-shot examples of task ``name``: a benchmark of :data:`qinfer.evals.benchmarks.TASKS`, else a
+    BIG-bench task (``"task"`` or ``"task:subtask"``) read from ``bigbench_sdist`` or the cached sdist.
 
-    A container task yields the examples of all its subtasks (in subtask-folder order, each formatted
-    with its own prefixes); ``"task:subtask"`` names one subtask by its folder. Examples come in a fixed
-    pseudo-random order, ``RandomState(42).permutation`` of the distinct examples, and ``limit`` keeps the
-    first ``limit`` usable ones, so a small limit samples the whole task rather than its first section,
-    and ``limit=n`` is a prefix of ``limit=n + 1``. For a task without subtasks and without skipped
-    examples this is the very sample, in the same order, that BIG-bench's own ``max_examples`` draws.
+    Examples come in a fixed pseudo-random order, ``RandomState(42).permutation`` of the distinct examples, and
+    ``limit`` keeps the first ``limit`` usable ones, so a small limit samples the whole task rather than its first
+    section, and ``limit=n`` is a prefix of ``limit=n + 1``. For a BIG-bench task without subtasks and without
+    skipped examples this is the very sample, in the same order, that BIG-bench's own ``max_examples`` draws. A
+    BIG-bench container task yields the examples of all its subtasks (in subtask-folder order, each formatted with
+    its own prefixes); ``"task:subtask"`` names one subtask by its folder.
     """
     if limit is not None and (type(limit) is not int or limit < 1):
         raise QinferError(f"limit must be a positive integer or None; got {limit!r}")
+    examples = _benchmark_examples(name) if name in benchmarks.TASKS else _bigbench_examples(name, bigbench_sdist)
+    order = np.random.RandomState(_BIGBENCH_SEED).permutation(len(examples))
+    chosen = [examples[i] for i in order if examples[i] is not None]
+    return chosen[:limit] if limit is not None else chosen
+
+
+def _benchmark_examples(name: str) -> list[MCExample | None]:
+    examples: list[MCExample | None] = []
+    for context, choices, right in benchmarks.questions(name):
+        if len(set(choices)) != len(choices):  # two equal choices: data noise, as in BIG-bench
+            examples.append(None)
+            continue
+        scores = tuple(1.0 if i == right else 0.0 for i in range(len(choices)))
+        examples.append(MCExample(context=context, choices=choices, scores=scores))
+    return examples
+
+
+def _bigbench_examples(name: str, sdist: Path | None) -> list[MCExample | None]:
     task, colon, subtask = name.partition(":")
     if colon and not subtask:
         raise QinferError(f"BIG-bench task name {name!r} ends in ':' without a subtask: name one after it, or drop "
                           "the ':'")
-    data = task_json(task)
+    data = task_json(task, sdist)
     parts = _select_subtasks(name, task, subtask, data)
     examples: list[MCExample | None] = []
     for part in parts:
@@ -114,9 +141,7 @@ def load_task(name: str, limit: int | None = None) -> list[MCExample]:
             f"BIG-bench task {name} has no usable multiple-choice examples (none has target_scores for two or "
             f"more choices); qinfer scores multiple-choice tasks only, e.g. {', '.join(SUGGESTED)}"
         )
-    order = np.random.RandomState(_BIGBENCH_SEED).permutation(len(examples))
-    chosen = [examples[i] for i in order if examples[i] is not None]
-    return chosen[:limit] if limit is not None else chosen
+    return examples
 
 
 def score_mc(
@@ -171,7 +196,9 @@ def continuation_loglik(
 
     ``forward(ids [B, T]) -> logits [B, T, V]`` is a causal LM. With ``batch_size`` > 1 several continuations
     run as one right-padded batch: causal attention never looks right, so padding cannot change the logits
-    of real positions (the forward must then accept B > 1; ``batch_size=1`` needs only B = 1).
+    of real positions (the forward must then accept B > 1; ``batch_size=1`` needs only B = 1). Instead of a tensor,
+    ``forward`` may return an object whose ``select([(b, positions), ...])`` gives those rows' logits
+    (:class:`qinfer.evals.forward.LazyLogits`, which runs the lm_head on them only, in one call).
 
     ``max_tokens`` (the model's context): a longer row loses context tokens from the left, after the first (a
     BOS stays where it is), as lm-eval-harness truncates; a continuation that does not fit is an error.
@@ -210,9 +237,11 @@ def continuation_loglik(
         for b, row in enumerate(batch):
             ids[b, : len(row)] = torch.tensor(row)
         logits = forward(ids)  # [B, T, V]
-        for b, row in enumerate(batch):
-            # logits at position p predict token p + 1: continuation tokens n_context.. come from n_context - 1..
-            lp = torch.log_softmax(logits[b, n_context - 1 : len(row) - 1].float(), dim=-1)
+        # logits at position p predict token p + 1: continuation tokens n_context.. come from n_context - 1..
+        spans = [(b, slice(n_context - 1, len(row) - 1)) for b, row in enumerate(batch)]
+        picked = [logits[b, s] for b, s in spans] if isinstance(logits, torch.Tensor) else logits.select(spans)
+        for row, rows_logits in zip(batch, picked):
+            lp = torch.log_softmax(rows_logits.float(), dim=-1)
             target = torch.tensor(row[n_context:])
             out.append((float(lp.gather(-1, target[:, None]).double().sum()), len(row) - n_context))
     return out

@@ -332,9 +332,12 @@ def export(model, out, fmt, force):
 @click.option("--max-tokens", type=int, default=2048, show_default=True, help="Tokens of the text to score.")
 @click.option("--window", type=int, default=512, show_default=True, help="Perplexity window (tokens).")
 @click.option("--stride", type=int, default=None, help="Window advance (tokens)  [default: half the window]")
-@click.option("--tasks", default="general_knowledge,social_iqa,strategyqa,winowhy", show_default=True,
-              help="Comma-separated BIG-bench multiple-choice tasks, or none.")
-@click.option("--limit", type=int, default=25, show_default=True, help="Examples per task.")
+@click.option("--tasks", default="arc_easy,piqa", show_default=True,
+              help="Comma-separated multiple-choice tasks (arc_easy, arc_challenge, boolq, copa, csqa, hellaswag, "
+                   "openbookqa, piqa, sciq, socialiqa; BIG-bench task names with --bigbench-sdist), or none.")
+@click.option("--limit", type=int, default=250, show_default=True, help="Examples per task.")
+@click.option("--bigbench-sdist", type=click.Path(dir_okay=False), default=None,
+              help="A copy of bigbench-1.0.0.tar.gz, for BIG-bench task names (PyPI no longer serves it).")
 @click.option("--speed/--no-speed", default=True, show_default=True, help="Measure prefill/decode speed, MBU, MFU.")
 @_kv_cache_option
 @click.option("--prompt-tokens", type=int, default=512, show_default=True, help="Prompt length for prefill speed.")
@@ -345,22 +348,24 @@ def export(model, out, fmt, force):
                    "tok/s and MBU columns; about a minute to compile each model).")
 @click.option("--out", default="qinfer-results", show_default=True, help="Folder for the results and plots.")
 @click.option("--no-cache", is_flag=True, help="Measure again instead of reusing cached results.")
-def eval_models(models, baseline, text, max_tokens, window, stride, tasks, limit, speed, kv_cache, prompt_tokens,
-                decode_steps, repeats, compiled, out, no_cache):
-    """Accuracy (perplexity, KL, BIG-bench) against speed against the roofline, for each MODEL."""
+def eval_models(models, baseline, text, max_tokens, window, stride, tasks, limit, bigbench_sdist, speed, kv_cache,
+                prompt_tokens, decode_steps, repeats, compiled, out, no_cache):
+    """Accuracy (perplexity, KL, multiple-choice tasks) against speed against the roofline, for each MODEL."""
     from qinfer.evals.report import format_table
-    from qinfer.evals.runner import EvalConfig, run_eval
+    from qinfer.evals.runner import EvalConfig, missing_tasks_line, run_eval
 
     task_list = () if tasks.strip().lower() == "none" else tuple(t.strip() for t in tasks.split(",") if t.strip())
     if not task_list and tasks.strip().lower() != "none":
         raise QinferError(f"--tasks {tasks!r} names no task: give a comma-separated list, or none")
     _check_out_name(out)
     config = EvalConfig(models=models, baseline=baseline, text=text, max_tokens=max_tokens, window=window,
-                        stride=stride, tasks=task_list, limit=limit, speed=speed, kv_cache=kv_cache,
-                        prompt_tokens=prompt_tokens, decode_steps=decode_steps, repeats=repeats, compiled=compiled,
-                        out=out, cache=not no_cache)
+                        stride=stride, tasks=task_list, limit=limit, bigbench_sdist=bigbench_sdist, speed=speed,
+                        kv_cache=kv_cache, prompt_tokens=prompt_tokens, decode_steps=decode_steps, repeats=repeats,
+                        compiled=compiled, out=out, cache=not no_cache)
     results = run_eval(config)
     click.echo(format_table(results))
+    if results[0].missing_tasks:
+        click.echo(f"note: {missing_tasks_line(results[0].missing_tasks)}")
     click.echo(f"wrote results.json, results.md, pareto.png{', roofline.png' if speed else ''} to {out}")
 
 

