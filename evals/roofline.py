@@ -8,7 +8,7 @@ traffic would make the figure neither a read nor a read+write bandwidth. The fp3
 multi-threaded in torch, so memory limits it, not arithmetic (an int32 sum is not: it widens to int64).
 On a CPU the buffer lies in 2 MiB pages where the OS has transparent huge pages, as the weights the qinfer
 commands run do (``qinfer.loader.into_huge_pages``): in 4 KiB pages every 4 KiB read pays an address
-translation, and the same sum read 25.7 against 27.9 GB/s on 2 Xeon cores (evals/RESULTS-LOG.md).
+translation, and the same sum read 25.7 against 27.9 GB/s on 2 Xeon cores (docs/RESULTS-LOG.md).
 
 Compute peaks are large square matmuls per dtype (``2 N^3`` FLOP) with torch's default thread count, in
 the layout every linear layer runs: ``x @ w.T`` with ``w`` stored (out, in). On a CPU without AVX-512,

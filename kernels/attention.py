@@ -13,7 +13,7 @@ long for one (on an AVX2 EPYC). On CPU, eagerly, that step goes to ``gemv_cpu``'
 sums, split over chunks of keys, each key and value row read once for the query heads that share it, no fp32
 copies. At gemma3-270m's shape on 2 AMX Xeon cores, called in a loop, it takes 27 / 164 / 1443 us at 512 / 4096
 / 32768 keys against SDPA's 24 / 335 / 2608 (and the matmuls' 84 / 872 / 23829); inside decode steps, where the
-keys come from memory, 54 against SDPA's 78-88 us at 512 keys (ad hoc timings: evals/RESULTS-LOG.md).
+keys come from memory, 54 against SDPA's 78-88 us at 512 keys (ad hoc timings: docs/RESULTS-LOG.md).
 """
 
 import torch

@@ -3,7 +3,7 @@
 A single bf16 row on CPU (a decode step at batch 1) goes to ``gemv_cpu``'s C kernel where it is built; else
 it bypasses oneDNN: for ``M == 1`` its bf16 matmul streams a weight from memory at a fraction of the rate of
 ATen's own GEMV (also fp32 accumulation); at a few rows oneDNN is already faster (measured in
-``evals/RESULTS-LOG.md``). The switch is the process-wide ``torch.backends.mkldnn.enabled``, restored after
+``docs/RESULTS-LOG.md``). The switch is the process-wide ``torch.backends.mkldnn.enabled``, restored after
 the call.
 
 A CPU without native half-precision GEMMs (AVX2 only: no AVX512-BF16 or AMX; oneDNN declines bf16 there and

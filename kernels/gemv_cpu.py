@@ -22,7 +22,7 @@ it: the references' results up to the order of their sums (and the VNNI loop's f
 zero term cancels most of ``sum q x`` (x far from zero mean over a long group: fp32 rows then differ from the
 reference by up to ~1e-4 of the output where the reference's own error is ~1e-7).
 ``python -m qinfer.evals.gemv_bench MODEL`` times each against PyTorch's path side by side
-(``evals/RESULTS-LOG.md``).
+(``docs/RESULTS-LOG.md``).
 
 Two more row loops of a decode step live here, for the same reason in another form: PyTorch's dispatch of a
 dozen small ops costs more than their arithmetic. ``rms_norm`` (``qinfer.kernels.norm``) normalises a few rows

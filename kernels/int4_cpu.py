@@ -24,7 +24,7 @@ path. Where the GEMM runs in bf16 or fp16 (AMX or AVX-512 bf16) that is from ``M
 cores, kernel -> dequantize, 16 rows 45 -> 58 ms, 32 rows 66 -> 64, 64 rows 107 -> 73, 128 rows 189 -> 93,
 255 rows 358 -> 129); where it runs in fp32 (fp32 activations, or a CPU without native half GEMMs:
 ``qinfer.kernels.dense``) from ``MAX_ROWS_FP32`` = 128 on (the same prefill with the bf16 GEMM turned off,
-ad hoc: 64 rows 120 -> 150 ms, 128 rows 207 -> 194 ms, 255 rows 366 -> 288 ms; evals/RESULTS-LOG.md).
+ad hoc: 64 rows 120 -> 150 ms, 128 rows 207 -> 194 ms, 255 rows 366 -> 288 ms; docs/RESULTS-LOG.md).
 """
 
 import contextlib

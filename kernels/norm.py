@@ -3,7 +3,7 @@
 ``rms_norm_ref`` is the plain-torch definition (the mean of squares always in fp32; bf16 would lose the small
 terms). ``rms_norm`` is the entry point the model calls: a decode step's few rows on CPU go to ``gemv_cpu``'s
 C loop, which computes the same roundings in one call, where PyTorch's path is a dozen small ops (their
-dispatch, not their arithmetic, is what a decode step pays for; evals/RESULTS-LOG.md); everything else, and
+dispatch, not their arithmetic, is what a decode step pays for; docs/RESULTS-LOG.md); everything else, and
 anything ``torch.compile`` traces, takes the reference.
 """
 
