@@ -1,0 +1,415 @@
+"""The ``qinfer`` command line. Each command builds a dataclass and calls a library function."""
+
+import signal
+import sys
+from pathlib import Path
+
+import click
+
+from qinfer.errors import Group, QinferError, Terminated
+
+DTYPES = ("bf16", "fp32")
+
+
+@click.group(cls=Group)
+@click.version_option(package_name="qinfer-llm")
+def cli():
+    """qinfer: quantize a model, run it, and measure what the quantization cost."""
+
+
+def _open(model: str, dtype: str):
+    import torch
+
+    from qinfer.model.loader import load_model
+    from qinfer.sources.resolve import resolve_model
+    from qinfer.sources.tokenizer import Tokenizer
+
+    folder = resolve_model(model)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    return load_model(folder, dtype=torch_dtype, device=device, run=True), Tokenizer.from_folder(folder)
+
+
+def _kv_scales_note(lm, model: str, kv_cache: str) -> None:
+    """Say on stderr when an int8 KV cache has no calibrated scales to use (its accuracy then suffers)."""
+    if kv_cache == "int8" and not getattr(lm, "kv_scales", None):
+        # int8's even steps suffer from a few wide channels setting a position's range (gemma3-270m: KL 0.008 to
+        # the bf16 cache against 0.002 calibrated, docs/format.md); FP8's relative precision barely does: no note there
+        click.echo(f"note: {model} stores no KV-cache scales, so the int8 cache scales each position's keys and "
+                   "values alike over their channels (less accurate: quantizing the original model with --kv-cache "
+                   "int8 calibrates scales per channel)", err=True)
+
+
+def _sampling_options(f):
+    f = click.option("--seed", type=int, default=None, help="Random seed for sampling.")(f)
+    f = click.option("--top-k", type=int, default=0, show_default=True, help="Keep the k most likely tokens (0 = all).")(f)
+    f = click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass.")(f)
+    f = click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")(f)
+    f = click.option("--max-tokens", type=int, default=128, show_default=True, help="Tokens to generate at most.")(f)
+    f = click.option("--dtype", type=click.Choice(DTYPES), default="bf16", show_default=True)(f)
+    return f
+
+
+def _kv_cache_option(f):
+    return click.option(
+        "--kv-cache", type=click.Choice(["bf16", "int8", "fp8"]), default="bf16", show_default=True,
+        help="KV-cache dtype; int8 and fp8 scale each position per KV head as it is written, over the channel "
+             "scales `quantize --kv-cache` stored (1 without them).",
+    )(f)
+
+
+def _compile_option(f):
+    return click.option(
+        "--compile", "compiled", is_flag=True,
+        help="Decode through torch.compile (inductor): up to a minute to compile at the second token, then "
+             "1.05-1.12x the eager decode tokens/s on gemma3-270m with 2 CPU cores (see docs/results.md); needs a C++ "
+             "compiler.",
+    )(f)
+
+
+@cli.command()
+@click.argument("name")
+@click.option("--force", is_flag=True, help="Download and convert again even if cached.")
+def pull(name, force):
+    """Fetch a built-in model into the cache and convert it to a safetensors folder."""
+    from qinfer.sources.registry import pull as pull_model
+
+    click.echo(pull_model(name, force=force))
+
+
+@cli.command(name="list")
+def list_models():
+    """Show the built-in models and which are cached."""
+    from qinfer.store.cache import cache_root, damage
+    from qinfer.sources.registry import BUILTINS, is_pulled, model_dir
+
+    for spec in BUILTINS.values():
+        folder = model_dir(spec.name)
+        broken = damage(folder) if (folder / "config.json").exists() else ""
+        state = f"cached at {folder}" if is_pulled(spec.name) else "not pulled"
+        if broken:
+            state = f"damaged ({broken}): `qinfer pull {spec.name}` converts it again"
+        click.echo(f"{spec.name:24s} {state}\n{'':24s} {spec.description}")
+    from qinfer.format import QUANT_CONFIG_FILE
+
+    # (not a dot-folder: a conversion killed outright, or the folder a replaced one moved to, left behind)
+    converted = sorted(cache_root().joinpath("converted").glob("*/config.json"))
+    for c in (c for c in converted if not c.parent.name.startswith(".")):  # a GGUF dequantized to bf16, or a GPTQ / compressed-tensors folder in the qinfer format
+        kind = "(imported)" if (c.parent / QUANT_CONFIG_FILE).exists() else "(converted gguf)"
+        broken = damage(c.parent)
+        click.echo(f"{kind:24s} {c.parent}" + (f" damaged ({broken}): made again on next use" if broken else ""))
+    quantized = sorted(cache_root().joinpath("quantized").glob(f"*/{QUANT_CONFIG_FILE}"))
+    for q in (q for q in quantized if not q.parent.name.startswith(".")):  # the main job's models (not temp folders)
+        click.echo(f"{'(qinfer demo)':24s} {q.parent}")
+
+
+@cli.command()
+@click.argument("model")
+@click.argument("prompt")
+@_sampling_options
+@_kv_cache_option
+@_compile_option
+def generate(model, prompt, dtype, max_tokens, temperature, top_p, top_k, seed, kv_cache, compiled):
+    """Continue PROMPT with MODEL, streaming tokens to stdout; a timing line goes to stderr."""
+    from qinfer.engine.generate import GenerationStats, SamplingParams, compile_failure_note
+    from qinfer.engine.generate import generate as run
+    from qinfer.sources.tokenizer import StreamDecoder
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    lm, tok = _open(model, dtype)
+    _kv_scales_note(lm, model, kv_cache)
+    stats = GenerationStats()
+    ids = tok.encode(prompt)
+    stream = StreamDecoder(tok, context=ids[-1:])  # the prompt is printed as given: continue it from its last token
+    tokens = run(lm, ids, params, stop_ids=tok.eos_ids, stats=stats, compiled=compiled,  # checked
+                 kv_dtype=kv_cache)
+    sys.stdout.write(prompt)
+    try:
+        for token in tokens:
+            sys.stdout.write(stream.feed(token))
+            sys.stdout.flush()
+    except KeyboardInterrupt:  # Ctrl-C stops the continuation: end its line, say how far it got
+        sys.stdout.write(stream.flush() + "\n")
+        sys.stdout.flush()
+        click.echo(f"stopped (Ctrl-C): {stats.summary() if stats.generated_tokens else 'before the first token'}",
+                   err=True)
+        raise SystemExit(128 + signal.SIGINT) from None
+    except (Exception, Terminated):  # a failure or SIGTERM mid-way: its Error line must not run on after the text
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        raise
+    sys.stdout.write(stream.flush() + "\n")
+    click.echo(stats.summary(), err=True)
+    if compiled and compile_failure_note():
+        click.echo(compile_failure_note(), err=True)
+
+
+@cli.command()
+@click.argument("model")
+@click.option("--system", default=None, help="System prompt.")
+@_sampling_options
+@_kv_cache_option
+@_compile_option
+def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed, kv_cache, compiled):
+    """Chat with MODEL in the terminal using its chat template. /reset clears, /exit (or EOF) quits."""
+    from qinfer.engine.chat import ChatSession, repl
+    from qinfer.engine.generate import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    lm, tok = _open(model, dtype)
+    _kv_scales_note(lm, model, kv_cache)
+    if compiled:
+        click.echo("note: --compile: the first reply pauses after its first token while the decode step compiles "
+                   "(about a minute on 2 CPU cores)", err=True)
+    repl(ChatSession(lm, tok, params, system=system, compiled=compiled, kv_dtype=kv_cache))
+
+
+@cli.command()
+@click.argument("model")
+@click.option("-o", "--out", type=click.Path(),
+              help="Output folder (written atomically); default: MODEL's name and the scheme's in this folder, "
+                   "e.g. ./gemma3-270m-gptq-w4g128.")
+@click.option("--bits", type=int, default=4, show_default=True, help="2, 3, 4 or 8 (8 with --format fp8 for FP8).")
+@click.option("--method", type=click.Choice(["gptq", "awq", "rtn"]), default="gptq", show_default=True)
+@click.option("--group-size", type=int, default=128, show_default=True,
+              help="32, 64, 128, or -1 for per-channel; not given: 128, or the largest that divides every K.")
+@click.option("--sym/--asym", default=None,
+              help="Symmetric (implicit zero) or asymmetric (a zero point per group; the default for integers, "
+                   "more accurate on gemma3-270m, see docs/results.md). FP8 is always symmetric.")
+@click.option("--act-order/--no-act-order", default=None,
+              help="GPTQ: visit columns by decreasing Hessian diagonal, with static groups (default on for GPTQ).")
+@click.option("--format", "fmt", type=click.Choice(["int", "fp8"]), default="int", show_default=True,
+              help="fp8: E4M3 weights, per-channel scales; --method gptq (default) adds error feedback, rtn rounds.")
+@click.option("--kv-cache", type=click.Choice(["none", "int8", "fp8"]), default="none", show_default=True,
+              help="Calibrate KV-cache scales for this cache dtype.")
+@click.option("--calib", default="austen", show_default=True, help="austen, a .txt or .jsonl file, or a dataset name.")
+@click.option("--samples", type=int, default=128, show_default=True)
+@click.option("--seq-len", type=int, default=512, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--quantize-lm-head", is_flag=True, help="Also quantize lm_head (to --lm-head-bits).")
+@click.option("--lm-head-bits", type=int, default=8, show_default=True)
+@click.option("--tune-steps", type=int, default=0, show_default=True,
+              help="After each block is quantized, tune its group scales and norms for N steps towards the "
+                   "unquantized model's block output (integer formats; for gemma3-270m on 2 CPU cores, ~0.4 s per step "
+                   "with AVX-512, ~1 s with AVX2 only).")
+@click.option("--tune-rounding", is_flag=True,
+              help="With --tune-steps: also learn which way each weight rounds (one level up or down from the "
+                   "quantizer's), by signed gradient descent as in AutoRound.")
+@click.option("--e2e-steps", type=int, default=0, show_default=True,
+              help="After all blocks, tune every group scale and norm for N steps (one calibration sample each) on the "
+                   "KL divergence to the unquantized model's next-token distribution (integer formats; ~9 s per step "
+                   "for gemma3-270m on 2 CPU cores).")
+@click.option("--tune-batch", type=int, default=4, show_default=True,
+              help="Calibration samples per --tune-steps step (the step's time grows in proportion).")
+@click.option("--tune-lr", type=float, default=2e-3, show_default=True,
+              help="Learning rate of --tune-steps and --e2e-steps.")
+@click.option("--tune-holdout", type=int, default=0, show_default=True,
+              help="With --tune-steps: keep N calibration samples out of the steps and keep, per block, the "
+                   "parameters of the check (every steps/10) with the least output error on them.")
+@click.option("--mse-clip/--no-mse-clip", default=None,
+              help="Integer formats: each group's range is the shrink of its min/max (1, 0.99, ..., 0.21x) "
+                   "with the least |w - q(w)|^2.4, instead of the min/max itself. Default on for GPTQ, off for RTN "
+                   "(the plain baseline); AWQ searches its own clipping.")
+@click.option("--true-sequential/--no-true-sequential", default=None,
+              help="GPTQ (default on) and AWQ (default off): inside each block too, calibrate each linear group "
+                   "(GPTQ's Hessian; AWQ's scale and clip search) after the groups before it (q/k/v, o, gate/up, "
+                   "down) are quantized, running the block in stages. Off: one capture of every group on the "
+                   "unquantized block, then a second forward for its output.")
+@click.option("--fp-target", is_flag=True,
+              help="GPTQ and AWQ: fit each linear to the unquantized model's output on the unquantized model's inputs "
+                   "(asymmetric calibration, as GPTAQ), not to its own output on the quantized model's inputs; "
+                   "runs an unquantized stream beside the quantized one and implies --true-sequential (slower, "
+                   "one more [samples, seq-len, hidden] activation buffer).")
+@click.option("--fp-target-damp", type=float, default=None,
+              help="--fp-target: ridge of each linear's fit to the unquantized output, as a fraction of the mean "
+                   "of diag(X^T X) (default 0.3; GPTQ's own damping stays 0.01).")
+@click.option("--keep-bos/--no-keep-bos", default=True, show_default=True,
+              help="Store what the unquantized model computes at a leading BOS token (each layer's keys and values, "
+                   "as IntactKV, and the output), use it there at inference instead of the quantized model's, and "
+                   "leave that position out of the calibration statistics (models with a BOS token).")
+@click.option("--force", is_flag=True, help="Replace OUT if it is a model folder (one with config.json) or empty.")
+def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache, calib, samples, seq_len, seed,
+             quantize_lm_head, lm_head_bits, tune_steps, tune_rounding, e2e_steps, tune_batch, tune_lr, tune_holdout,
+             mse_clip, true_sequential, fp_target, fp_target_damp, keep_bos, force):
+    """Quantize MODEL into the qinfer format (safetensors + quant_config.json) at OUT."""
+    from qinfer.pipeline.block_tune import TuneConfig
+    from qinfer.store.cache import check_output
+    from qinfer.format import QuantScheme
+    from qinfer.pipeline.quantize import CalibConfig, check_settings, quantize_model, uses_calibration
+    from qinfer.sources.resolve import resolve_model
+
+    if out is not None:
+        _check_out_name(out)
+    ctx = click.get_current_context()
+    given = {name for name in ctx.params if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE}
+    if "lm_head_bits" in given and not quantize_lm_head:
+        raise QinferError("--lm-head-bits sets the bits of a quantized lm_head: add --quantize-lm-head, or drop it")
+    if fmt == "fp8":  # GPTQ's error feedback onto the FP8 grid, or (--method rtn) plain round to nearest
+        if method == "awq":
+            raise QinferError("AWQ produces integer weights: use --format int, or --method gptq|rtn with --format fp8")
+        if "group_size" in given and group_size != -1:
+            raise QinferError("--format fp8 scales each output channel, not groups: drop --group-size")
+        if "lm_head_bits" in given and lm_head_bits != 8:
+            raise QinferError("--format fp8 quantizes the lm_head to FP8 (8 bits): drop --lm-head-bits")
+        if act_order and method != "gptq":  # named as given, before rtn becomes the scheme's method "fp8"
+            raise QinferError(f"--act-order applies only to --method gptq, not {method}: drop --act-order")
+        method, group_size, lm_head_bits = ("gptq" if method == "gptq" else "fp8"), -1, 8
+        bits = bits if "bits" in given else 8  # E4M3 is 8 bits: --bits 4 is refused, no --bits is not
+    if act_order is None:
+        act_order = method == "gptq"
+    if sym is None:
+        sym = fmt == "fp8"
+    if mse_clip is None:
+        mse_clip = method == "gptq" and fmt == "int"
+    scheme = QuantScheme(method=method, bits=bits, group_size=group_size, symmetric=sym, act_order=act_order,
+                         format=fmt, kv_cache=kv_cache, quantize_lm_head=quantize_lm_head, lm_head_bits=lm_head_bits,
+                         mse_clip=mse_clip)
+    if "tune_lr" in given and not (tune_steps or e2e_steps):
+        raise QinferError("--tune-lr is the rate of the tuning stages: add --tune-steps N or --e2e-steps N, or drop it")
+    if "tune_batch" in given and not tune_steps:
+        raise QinferError("--tune-batch is the block tuning stage's batch: add --tune-steps N, or drop it")
+    if fp_target_damp is not None and not fp_target:
+        raise QinferError("--fp-target-damp sets the ridge of --fp-target's fit: add --fp-target, or drop it")
+    calib_config = CalibConfig(source=calib, samples=samples, seq_len=seq_len, seed=seed, true_sequential=true_sequential,
+                               fp_target=fp_target, keep_bos=keep_bos,
+                               fp_target_damp=CalibConfig.fp_target_damp if fp_target_damp is None else fp_target_damp)
+    tune = TuneConfig(steps=tune_steps, lr=tune_lr, batch=tune_batch, e2e_steps=e2e_steps, seed=seed,
+                      rounding=tune_rounding, holdout=tune_holdout)
+    check_settings(scheme, calib_config, tune)  # a refusal comes alone, not after notes on the settings it refuses
+    unused = [f"--{name.replace('_', '-')}" for name in ("calib", "samples", "seq_len", "seed") if name in given]
+    if unused and not uses_calibration(scheme, tune):
+        click.echo(f"note: --method rtn rounds to nearest and reads no calibration text: {', '.join(unused)} "
+                   "not used (--kv-cache or --tune-steps would use them)", err=True)
+    train = samples - tune_holdout  # the samples the block tuning steps draw from (none: refused later)
+    if tune_steps and 0 < train < tune_batch:
+        click.echo(f"note: --tune-batch {tune_batch} is more than the {train} sample{'s' * (train != 1)} the tuning "
+                   f"steps draw from (--samples less --tune-holdout): each batch takes {train}", err=True)
+    from qinfer.interop.folders import foreign_quant_method
+
+    path = Path(model).expanduser()
+    if (path / "config.json").is_file() and foreign_quant_method(path) is not None:  # before converting it
+        raise QinferError(f"{model} is already quantized ({foreign_quant_method(path)}): quantize the original "
+                          "model instead")
+    source = None
+    if out is None:  # named after the group size the run will use (the largest that fits, unless one was given)
+        from qinfer.pipeline.preflight import fitted_scheme
+
+        source = resolve_model(model)
+        out = _default_out(model, scheme if "group_size" in given else fitted_scheme(source, scheme))
+    if path.exists():  # the path given, not only the copy in the cache a GGUF or GPTQ folder is converted into
+        check_output(Path(out), force, source=path)
+    # Ctrl-C: exit 130 with the line every command gives (OUT as it was, or complete if the rename had begun)
+    report = quantize_model(source or resolve_model(model), out, scheme, calib_config, force=force, tune=tune,
+                            fit_group_size="group_size" not in given)
+    click.echo(report.summary())
+
+
+@cli.command()
+@click.argument("model")
+@click.option("-o", "--out", required=True, type=click.Path(), help="Output folder (written atomically).")
+@click.option("--format", "fmt", type=click.Choice(["gptq", "compressed-tensors"]), required=True,
+              help="gptq: GPTQ v1 (GPTQModel, AutoGPTQ, vLLM). compressed-tensors: llm-compressor and vLLM.")
+@click.option("--force", is_flag=True, help="Replace OUT if it is a model folder (one with config.json) or empty.")
+def export(model, out, fmt, force):
+    """Write the qinfer-quantized MODEL as a GPTQ or compressed-tensors checkpoint at OUT."""
+    from qinfer.store.cache import check_output
+    from qinfer.interop.folders import export_folder
+    from qinfer.sources.resolve import resolve_model
+
+    _check_out_name(out)
+    if Path(model).expanduser().exists():  # the path given, not only its converted copy in the cache
+        check_output(Path(out), force, source=Path(model).expanduser())
+    report = export_folder(resolve_model(model), out, fmt, force=force)
+    click.echo(f"wrote {report.out} ({fmt}, {report.linears} quantized linears)")
+    for note in report.notes:
+        click.echo(f"note: {note}")
+
+
+@cli.command(name="eval")
+@click.argument("models", nargs=-1, required=True)
+@click.option("--baseline", default=None, help="Reference model for KL and agreement (default: the first MODEL).")
+@click.option("--text", default="heldout", show_default=True, help="heldout (Austen's Persuasion) or a UTF-8 file.")
+@click.option("--max-tokens", type=int, default=2048, show_default=True, help="Tokens of the text to score.")
+@click.option("--window", type=int, default=512, show_default=True, help="Perplexity window (tokens).")
+@click.option("--stride", type=int, default=None, help="Window advance (tokens)  [default: half the window]")
+@click.option("--tasks", default="arc_easy,piqa", show_default=True,
+              help="Comma-separated multiple-choice tasks (arc_easy, arc_challenge, boolq, copa, csqa, hellaswag, "
+                   "openbookqa, piqa, sciq, socialiqa; BIG-bench task names with --bigbench-sdist), or none.")
+@click.option("--limit", type=int, default=250, show_default=True, help="Examples per task.")
+@click.option("--bigbench-sdist", type=click.Path(dir_okay=False), default=None,
+              help="A copy of bigbench-1.0.0.tar.gz, for BIG-bench task names (PyPI no longer serves it).")
+@click.option("--speed/--no-speed", default=True, show_default=True, help="Measure prefill/decode speed, MBU, MFU.")
+@_kv_cache_option
+@click.option("--prompt-tokens", type=int, default=512, show_default=True, help="Prompt length for prefill speed.")
+@click.option("--decode-steps", type=int, default=16, show_default=True, help="Decode steps per speed run.")
+@click.option("--repeats", type=int, default=3, show_default=True, help="Speed runs (medians are reported).")
+@click.option("--compile", "compiled", is_flag=True, default=False,
+              help="Also time the decode step through torch.compile, as generate --compile runs it (compiled "
+                   "tok/s and MBU columns; about a minute to compile each model).")
+@click.option("--out", default="qinfer-results", show_default=True, help="Folder for the results and plots.")
+@click.option("--no-cache", is_flag=True, help="Measure again instead of reusing cached results.")
+def eval_models(models, baseline, text, max_tokens, window, stride, tasks, limit, bigbench_sdist, speed, kv_cache,
+                prompt_tokens, decode_steps, repeats, compiled, out, no_cache):
+    """Accuracy (perplexity, KL, multiple-choice tasks) against speed against the roofline, for each MODEL."""
+    from qinfer.evals.report import format_table
+    from qinfer.evals.runner import EvalConfig, missing_tasks_line, run_eval
+
+    task_list = () if tasks.strip().lower() == "none" else tuple(t.strip() for t in tasks.split(",") if t.strip())
+    if not task_list and tasks.strip().lower() != "none":
+        raise QinferError(f"--tasks {tasks!r} names no task: give a comma-separated list, or none")
+    _check_out_name(out)
+    config = EvalConfig(models=models, baseline=baseline, text=text, max_tokens=max_tokens, window=window,
+                        stride=stride, tasks=task_list, limit=limit, bigbench_sdist=bigbench_sdist, speed=speed,
+                        kv_cache=kv_cache, prompt_tokens=prompt_tokens, decode_steps=decode_steps, repeats=repeats,
+                        compiled=compiled, out=out, cache=not no_cache)
+    results = run_eval(config)
+    click.echo(format_table(results))
+    if results[0].missing_tasks:
+        click.echo(f"note: {missing_tasks_line(results[0].missing_tasks)}")
+    click.echo(f"wrote results.json, results.md, pareto.png{', roofline.png' if speed else ''} to {out}")
+
+
+@cli.command()
+@click.option("--force", is_flag=True, help="Measure again even if a cached roofline matches this machine.")
+def roofline(force):
+    """Measure (or show the cached) memory bandwidth and matmul peaks of this machine."""
+    import torch
+
+    from qinfer.evals.roofline import format_roofline, measure_roofline
+
+    click.echo(format_roofline(measure_roofline("cuda" if torch.cuda.is_available() else "cpu", force=force)))
+
+
+@cli.command()
+@click.option("--out", default="qinfer-results", show_default=True, help="Folder for the results and plots.")
+def demo(out):
+    """The main job: pull gemma3-270m, quantize it (RTN, GPTQ, AWQ 4-bit; FP8), eval all, plot."""
+    from qinfer.evals.main_job import MainJobConfig, run_main_job
+
+    run_main_job(MainJobConfig(out=out))
+
+
+def _default_out(model: str, scheme) -> str:
+    """``<model's name>-<scheme's tag>`` in the current folder: ``gemma3-270m-gptq-w4g128``."""
+    path = Path(model).expanduser()
+    name = path.resolve().name if path.exists() else model.rstrip("/").rsplit("/", 1)[-1]
+    return f"{name.removesuffix('.gguf') or 'model'}-{scheme.tag}"
+
+
+def _check_out_name(out: str) -> None:
+    if not out.strip():
+        raise QinferError("--out is empty: name a folder (--out . for this one)")
+
+
+def main():
+    try:
+        cli(prog_name="qinfer", standalone_mode=True)
+    except KeyboardInterrupt:
+        click.echo("Error: interrupted", err=True)
+        sys.exit(130)
+    finally:  # the command is over and has said how: a Ctrl-C now would only interrupt the interpreter's exit
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+if __name__ == "__main__":  # `python -m qinfer.cli.commands`; `python -m qinfer.cli` and `python -m qinfer` are the same
+    main()

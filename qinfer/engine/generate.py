@@ -1,0 +1,224 @@
+"""Generation: ``prefill`` the prompt, then ``decode_step`` one token at a time, sampling as configured."""
+
+import functools
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from qinfer.errors import QinferError, check_seed
+from qinfer.model.kv_cache import KVCache, make_cache
+from qinfer.model.decoder import Transformer
+
+
+# Prompt positions per prefill forward: longer prompts run in chunks (at 32768 tokens a single forward's two
+# [T, T] masks were 1 GiB each); 4096 keeps every prompt the evals time in one forward.
+PREFILL_CHUNK = 4096
+
+
+class ContextFull(QinferError):
+    """A prompt and its --max-tokens past the model's context (a chat turn: the conversation has grown too long)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k cut
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise QinferError(f"--max-tokens must be at least 1 (got {self.max_tokens})")
+        if not 0 <= self.temperature < float("inf"):  # NaN fails too
+            raise QinferError(f"--temperature must be a finite number >= 0 (got {self.temperature})")
+        if not 0 < self.top_p <= 1:
+            raise QinferError(f"--top-p must be in (0, 1] (got {self.top_p})")
+        if self.top_k < 0:
+            raise QinferError(f"--top-k must be >= 0 (got {self.top_k})")
+        check_seed(self.seed)
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    decode_steps: int = 0  # the steps in decode_seconds: one per token after prefill's, and one more for a stop id
+    compile_seconds: float = 0.0  # the decode steps that compiled (with ``compiled``): not in decode_seconds
+    compile_steps: int = 0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        # The first token comes out of prefill; decode speed counts the steps timed after it (a compiling one
+        # apart), including the step whose token was a stop id, which is timed but not yielded.
+        return self.decode_steps / self.decode_seconds if self.decode_seconds and self.decode_steps else 0.0
+
+    def summary(self) -> str:
+        compiled = f", compiling the decode step {self.compile_seconds:.0f} s" if self.compile_steps else ""
+        rate = f"at {self.decode_tps:.1f} tok/s" if self.decode_tps else "(no decode step after prefill's to time)"
+        prefill = f"prefill {self.prompt_tokens} tok at {self.prefill_tps:.1f} tok/s"
+        return f"{prefill}, decode {self.generated_tokens} tok {rate}{compiled}"
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """[B, V] logits -> [B] ids of each row's largest logit (the first of a tie, a NaN's if any), as ``argmax``
+    gives them. Through ``torch.max``, whose CPU kernel reads a vocabulary row 2-5x faster than argmax's: 0.2
+    against 0.9 ms a step for gemma3's 262144 bf16 logits on 2 cores."""
+    return torch.max(logits, dim=-1).indices
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    # logits: [B, V] -> token ids [B]
+    if params.temperature < 1e-45:  # 0, or a temperature fp32 holds as 0 (under its least subnormal)
+        return greedy(logits)
+    # Less the row's largest first: a tiny temperature (1e-40) then sends the others to -inf, not inf/NaN.
+    logits = logits.float()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
+    if params.top_k:
+        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum - sorted_logits.softmax(dim=-1) >= params.top_p  # keep the smallest prefix reaching top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def prefill(model: Transformer, ids: torch.Tensor, cache: KVCache, chunk: int = PREFILL_CHUNK) -> torch.Tensor:
+    # ids: [B, T] -> last-position logits [B, V]. Runs ``chunk`` positions per forward, each against the
+    # keys cached before it, so a long prompt's masks and activations are [chunk, ...], not [T, ...].
+    T = ids.shape[1]
+    for start in range(0, T, chunk):
+        end = min(T, start + chunk)
+        logits = model(ids[:, start:end], torch.arange(start, end, device=ids.device), cache, last_only=True)
+    return logits[:, -1]
+
+
+@torch.no_grad()
+def decode_step(model: Transformer, token: torch.Tensor, pos: int, cache: KVCache) -> torch.Tensor:
+    # token: [B] at position pos -> logits [B, V]
+    return model(token[:, None], torch.tensor([pos], device=token.device), cache, span=(pos, pos))[:, -1]
+
+
+@functools.cache
+def compiled_decode_step() -> Callable:
+    """``decode_step`` through ``torch.compile`` (inductor, dynamic shapes: one compile serves every position,
+    cache length and prompt, with two exceptions: a step whose keys fill the whole cache is another graph, so
+    callers keep a spare position; and a graph inductor read from its on-disk cache guards which side of a
+    sliding window the position lies on, so a sequence passing the window compiles once more. Another model
+    compiles again). On 2 CPU cores it takes up to a minute to compile, then runs 1.05-1.12x as many decode
+    steps a second as the eager step on gemma3-270m and its 4-bit and FP8 models (``qinfer eval MODEL
+    --compile``, docs/results.md; more before the eager step's products, norms and attention ran in C, and 1.57x on
+    SmolLM2 then; ``python -m qinfer.evals.decode_profile MODEL --compile`` times one model). Inductor's fused
+    code sums in another order than the eager kernels: the logits differ in their last bits, and a greedy
+    continuation can part from the eager one at a near-tie. Inductor compiles C++ with the machine's compiler."""
+    return torch.compile(decode_step, dynamic=True)
+
+
+def compiled_graphs() -> int:
+    """The graphs torch.compile has built in this process. Imports torch._dynamo (150 MiB, a second): only for
+    callers that compile."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+_COMPILE_ERRORS: list[str] = []  # why compiling the decode step failed in this process: not tried again
+
+
+def compile_error() -> str:
+    """Why compiling the decode step failed in this process ("" if it has not); decoding went on eagerly."""
+    return _COMPILE_ERRORS[0] if _COMPILE_ERRORS else ""
+
+
+def compile_failure_reason(error: Exception) -> str:
+    """A failed compile's exception as one line: its type and the first line of its message."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+def compile_failure_note() -> str:
+    """The one line ``generate`` and ``chat`` print when ``--compile`` failed ("" when it has not)."""
+    return f"note: --compile failed ({compile_error()}); decoded without it" if _COMPILE_ERRORS else ""
+
+
+def _step_logits(compiled: bool, model, token, pos, cache) -> torch.Tensor:
+    """A decode step's logits, through the compiled step when ``compiled`` (and compiling has not failed)."""
+    if not compiled or _COMPILE_ERRORS:
+        return decode_step(model, token, pos, cache)
+    try:
+        return compiled_decode_step()(model, token, pos, cache)
+    except Exception as e:  # no C++ compiler, an op inductor cannot lower, ...: decode eagerly from now on
+        _COMPILE_ERRORS.append(compile_failure_reason(e))
+        return decode_step(model, token, pos, cache)  # rewrites the same cache positions
+
+
+def generate(
+    model: Transformer,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    stop_ids: tuple[int, ...] = (),
+    stats: GenerationStats | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+    compiled: bool = False,
+    kv_dtype: str = "bf16",
+) -> Iterator[int]:
+    """Generated token ids one by one (stop ids are not yielded), attending over a KV cache of ``kv_dtype``
+    (qinfer.model.kv_cache: "int8" and "fp8" use the scales ``qinfer quantize --kv-cache`` stored, if any).
+    ``compiled``: decode through :func:`compiled_decode_step` from the second step on (the first, eager, builds
+    the kernels' weight layouts, which must not be made inside a traced step). A request that cannot run (an
+    empty prompt, or one too long for the model's context) is refused here, before any token: the caller has
+    written nothing yet."""
+    if not prompt_ids:
+        raise QinferError("the prompt is empty after tokenization")
+    if len(prompt_ids) + params.max_tokens > model.config.max_position_embeddings:
+        raise ContextFull(
+            f"prompt ({len(prompt_ids)} tokens) + --max-tokens ({params.max_tokens}) exceeds the model's context "
+            f"of {model.config.max_position_embeddings} tokens: shorten the prompt or lower --max-tokens"
+        )
+    cache = make_cache(model, 1, len(prompt_ids) + params.max_tokens, kv_dtype)
+    return _tokens(model, prompt_ids, params, stop_ids, stats if stats is not None else GenerationStats(),
+                   should_stop, compiled, cache)
+
+
+def _tokens(model, prompt_ids, params, stop_ids, stats, should_stop, compiled, cache) -> Iterator[int]:
+    max_len = len(prompt_ids) + params.max_tokens
+    generator = None
+    if params.seed is not None:
+        generator = torch.Generator(device=model.device).manual_seed(params.seed)
+    # the last step writes position max_len - 2: a spare position, so no step's keys fill the cache (one graph)
+    ids = torch.tensor([prompt_ids], device=model.device)
+    stats.prompt_tokens = len(prompt_ids)
+    t0 = time.perf_counter()
+    token = sample(prefill(model, ids, cache), params, generator)
+    stats.prefill_seconds = time.perf_counter() - t0
+    for pos in range(len(prompt_ids), max_len):
+        tok = int(token[0])
+        if tok in stop_ids:
+            break
+        stats.generated_tokens += 1
+        yield tok
+        if pos == max_len - 1 or should_stop():
+            break
+        compiling = compiled and pos > len(prompt_ids)  # the first step stays eager (see the docstring)
+        graphs, errors = compiled_graphs() if compiling else 0, len(_COMPILE_ERRORS)
+        t0 = time.perf_counter()
+        token = sample(_step_logits(compiling, model, token, pos, cache), params, generator)
+        if compiling and (compiled_graphs() > graphs or len(_COMPILE_ERRORS) > errors):
+            stats.compile_seconds += time.perf_counter() - t0
+            stats.compile_steps += 1
+        else:
+            stats.decode_seconds += time.perf_counter() - t0
+            stats.decode_steps += 1
