@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from qinfer.kernels.dense import native_half_gemm
-from qinfer.model import Block, QLinear, RMSNorm, Transformer
+from qinfer.model.decoder import Block, QLinear, RMSNorm, Transformer
 
 
 def compute_dtype(device: torch.device) -> torch.dtype:
@@ -311,7 +311,7 @@ def calibrate_in_stages(
 ) -> BlockStats:
     """Calibrate block ``layer_idx`` one linear group at a time ("true sequential"), in one pass per stream.
 
-    The block runs in its stages (:class:`qinfer.model.Block`), each ending at a linear group's input, in
+    The block runs in its stages (:class:`qinfer.model.decoder.Block`), each ending at a linear group's input, in
     forward order (q/k/v, o, gate/up, down). After a stage has run on every sample, ``quantize(g, stats)``
     is called with group ``g``'s statistics and replaces that group's weights, so the next stage computes
     its inputs with the groups before it already quantized. Nothing is computed twice: the residual stream

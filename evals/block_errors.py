@@ -14,15 +14,15 @@ Diagnostic only: nothing is written.
 import click
 import torch
 
-from qinfer.arch import ModelConfig
+from qinfer.model.arch import ModelConfig
 from qinfer.calib.capture import embed_samples, run_block
 from qinfer.errors import Command, QinferError
 from qinfer.evals.checkpoint import check_quantized, check_same_model
-from qinfer.loader import load_model
-from qinfer.preflight import check_seq_len
-from qinfer.quantize import CalibConfig, calibration_batch
-from qinfer.sources import resolve_model
-from qinfer.tokenizer import Tokenizer
+from qinfer.model.loader import load_model
+from qinfer.pipeline.preflight import check_seq_len
+from qinfer.pipeline.quantize import CalibConfig, calibration_batch
+from qinfer.sources.resolve import resolve_model
+from qinfer.sources.tokenizer import Tokenizer
 
 HELD = 16  # the last samples are scored too: --tune-holdout's, the usual choice
 

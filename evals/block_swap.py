@@ -24,8 +24,8 @@ from qinfer.evals.checkpoint import check_quantized, check_same_model
 from qinfer.evals.divergence import text_metrics
 from qinfer.evals.forward import LogitsFn, window_logits
 from qinfer.evals.runner import EvalConfig, comparison
-from qinfer.loader import load_model
-from qinfer.sources import resolve_model
+from qinfer.model.loader import load_model
+from qinfer.sources.resolve import resolve_model
 
 
 @click.command(cls=Command)

@@ -22,11 +22,11 @@ import hashlib
 import json
 from pathlib import Path
 
-from qinfer.arch import ModelConfig
+from qinfer.model.arch import ModelConfig
 from qinfer.errors import QinferError
 from qinfer.evals.report import REPORT_FILES
 from qinfer.format import QUANT_CONFIG_FILE, QuantScheme
-from qinfer.loader import safetensors_header, weight_files
+from qinfer.model.loader import safetensors_header, weight_files
 
 _WEIGHT_KEYS = ("weight", "qweight", "scale", "zero", "perm")  # a linear's stored weight; its bias is not a weight
 _HASHED_FILES = ("config.json", QUANT_CONFIG_FILE)

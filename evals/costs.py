@@ -30,8 +30,8 @@ from collections import Counter
 import torch
 
 from qinfer.kernels.dense import product_dtype
-from qinfer.kv_cache import KVCache
-from qinfer.model import QLinear, RMSNorm, Transformer
+from qinfer.model.kv_cache import KVCache
+from qinfer.model.decoder import QLinear, RMSNorm, Transformer
 
 
 def weight_bytes(weight) -> int:

@@ -33,10 +33,10 @@ from torch.profiler import ProfilerActivity, profile
 from qinfer.errors import Command, QinferError
 from qinfer.evals.roofline import threads_text
 from qinfer.evals.speed import checked_prompt
-from qinfer.generate import compiled_decode_step, decode_step, greedy, prefill
-from qinfer.kv_cache import KVCache, make_cache
-from qinfer.loader import load_model
-from qinfer.sources import resolve_model
+from qinfer.engine.generate import compiled_decode_step, decode_step, greedy, prefill
+from qinfer.model.kv_cache import KVCache, make_cache
+from qinfer.model.loader import load_model
+from qinfer.sources.resolve import resolve_model
 
 WARMUP_STEPS = 4
 

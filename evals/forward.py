@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from qinfer.kv_cache import make_cache
-from qinfer.model import Transformer
+from qinfer.model.kv_cache import make_cache
+from qinfer.model.decoder import Transformer
 
 # (ids [T], first) -> logits [T - first, V]: the logits at positions first..T-1 of one sequence
 LogitsFn = Callable[[torch.Tensor, int], torch.Tensor]

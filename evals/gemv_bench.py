@@ -11,9 +11,9 @@ Two parts, each alternating the two paths so a machine that slows down for a whi
    steps at batch 1), ``--steps`` steps of each path per round from copies of one cache state, and whether
    their greedy tokens agree; and, in the same rounds, the C GEMVs' steps on a second copy of the model whose
    weights stay in the checkpoint's file map (4 KiB pages) against the copy in 2 MiB pages that the qinfer
-   commands run (``qinfer.loader.into_huge_pages``), where the OS has transparent huge pages; the C GEMVs
+   commands run (``qinfer.model.loader.into_huge_pages``), where the OS has transparent huge pages; the C GEMVs
    with PyTorch's ops for RMSNorm and the attention (``gemv_cpu.only_gemvs``); the C kernels with q/k/v and
-   gate/up multiplied one linear at a time (``qinfer.model.separate_linears``) instead of fused; and, on a CPU
+   gate/up multiplied one linear at a time (``qinfer.model.decoder.separate_linears``) instead of fused; and, on a CPU
    with AVX-VNNI or AVX512-VNNI, the C kernels with 4-bit rows through the AVX2 float loop
    (``gemv_cpu.without_vnni``) instead of the VNNI one.
 
@@ -31,12 +31,12 @@ from qinfer.errors import Command, QinferError
 from qinfer.evals.decode_profile import alternating_rounds, check_context, warmed_up
 from qinfer.evals.roofline import threads_text
 from qinfer.format import Fp8Weight, QuantizedWeight
-from qinfer.generate import decode_step
+from qinfer.engine.generate import decode_step
 from qinfer.kernels import gemv_cpu
 from qinfer.kernels.linear import linear
-from qinfer.loader import huge_pages_reason, load_model
-from qinfer.model import QLinear, fuse_linears, separate_linears
-from qinfer.sources import resolve_model
+from qinfer.model.loader import huge_pages_reason, load_model
+from qinfer.model.decoder import QLinear, fuse_linears, separate_linears
+from qinfer.sources.resolve import resolve_model
 
 
 @click.command(cls=Command)

@@ -19,14 +19,15 @@ from pathlib import Path
 
 import click
 
-from qinfer.block_tune import TuneConfig
+from qinfer.pipeline.block_tune import TuneConfig
 from qinfer.calib.austen import fetch_austen
-from qinfer.cache import cache_dir
+from qinfer.store.cache import cache_dir
 from qinfer.errors import Command, QinferError
 from qinfer.format import QuantScheme
-from qinfer.loader import safetensors_header
-from qinfer.quantize import CalibConfig, code_fingerprint, quantize_model, recorded_calibration, source_identity
-from qinfer.sources import resolve_model
+from qinfer.model.loader import safetensors_header
+from qinfer.pipeline.quantize import (CalibConfig, code_fingerprint, quantize_model, recorded_calibration,
+                                     source_identity)
+from qinfer.sources.resolve import resolve_model
 
 MODEL = "gemma3-270m"
 SCHEMES = {

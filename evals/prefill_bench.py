@@ -26,12 +26,12 @@ from qinfer.evals.gemv_bench import _kind, _timed
 from qinfer.evals.roofline import threads_text
 from qinfer.evals.speed import checked_prompt
 from qinfer.format import Fp8Weight, QuantizedWeight
-from qinfer.generate import prefill
+from qinfer.engine.generate import prefill
 from qinfer.kernels import gemv_cpu, int4_cpu
-from qinfer.kv_cache import make_cache
-from qinfer.loader import load_model
-from qinfer.model import QLinear
-from qinfer.sources import resolve_model
+from qinfer.model.kv_cache import make_cache
+from qinfer.model.loader import load_model
+from qinfer.model.decoder import QLinear
+from qinfer.sources.resolve import resolve_model
 
 PATHS = ("torch", "C")
 

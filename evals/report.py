@@ -64,12 +64,12 @@ from pathlib import Path
 
 import torch
 
-from qinfer.cache import naming_full_disk, release, signals_held, temp_path
+from qinfer.store.cache import naming_full_disk, release, signals_held, temp_path
 from qinfer.errors import QinferError
 from qinfer.evals.divergence import SE_BLOCKS, SE_MIN_BLOCK
 from qinfer.evals.roofline import Roofline, threads_text
 from qinfer.kernels import gemv_cpu
-from qinfer.loader import weight_pages
+from qinfer.model.loader import weight_pages
 
 SCHEMA_VERSION = 1
 RESULTS_JSON, RESULTS_MD, PARETO_PNG, ROOFLINE_PNG = "results.json", "results.md", "pareto.png", "roofline.png"

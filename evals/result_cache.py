@@ -1,6 +1,6 @@
 """The eval result cache: one small JSON file per measured part, keyed by everything that determines it.
 
-Layout: ``qinfer.cache.cache_dir() / "eval" / <part> / <key>.json`` where ``part`` is "text", "task" or
+Layout: ``qinfer.store.cache.cache_dir() / "eval" / <part> / <key>.json`` where ``part`` is "text", "task" or
 "speed" and ``key`` is the sha256 of the JSON of the key fields (the model's content key, the baseline's,
 every setting, :data:`CACHE_VERSION`, the torch version, and a fingerprint of the runtime code that produces
 the numbers: the decoder, KV cache, loader, format and every kernel, and whether the C kernels are in use, so a
@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from qinfer.cache import cache_dir, cache_root, source_fingerprint, write_atomic
+from qinfer.store.cache import cache_dir, cache_root, source_fingerprint, write_atomic
 from qinfer.errors import QinferError
 from qinfer.kernels import gemv_cpu
-from qinfer.loader import weight_pages
+from qinfer.model.loader import weight_pages
 
 T = typing.TypeVar("T")
 
@@ -33,8 +33,8 @@ CACHE_VERSION = 2
 
 # Modules whose code decides what an eval measures (besides the kernels package, which is read whole): the
 # decoder and every qinfer module it imports that computes (errors and the cache's paths do not).
-RUNTIME_MODULES = ("qinfer.arch", "qinfer.model", "qinfer.kv_cache", "qinfer.loader", "qinfer.format",
-                   "qinfer.generate")
+RUNTIME_MODULES = ("qinfer.model.arch", "qinfer.model.decoder", "qinfer.model.kv_cache", "qinfer.model.loader",
+                   "qinfer.format", "qinfer.engine.generate")
 
 
 @functools.cache
@@ -52,10 +52,10 @@ def code_fingerprint() -> str:
 # Modules whose code decides how the text (perplexity, KL) and the tasks are measured: a text or task key's own part.
 MEASURE_MODULES = {
     "text": ("qinfer.evals.accuracy", "qinfer.evals.divergence", "qinfer.evals.perplexity", "qinfer.evals.forward",
-             "qinfer.tokenizer"),
+             "qinfer.sources.tokenizer"),
     "task": ("qinfer.evals.accuracy", "qinfer.evals.tasks", "qinfer.evals.benchmarks", "qinfer.evals.bigbench",
              "qinfer.evals.forward",
-             "qinfer.tokenizer"),
+             "qinfer.sources.tokenizer"),
 }
 
 

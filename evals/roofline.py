@@ -7,7 +7,7 @@ a 32 MiB L3) through ``.sum()``, a read-only reduction. A copy would also write,
 traffic would make the figure neither a read nor a read+write bandwidth. The fp32 sum is vectorised and
 multi-threaded in torch, so memory limits it, not arithmetic (an int32 sum is not: it widens to int64).
 On a CPU the buffer lies in 2 MiB pages where the OS has transparent huge pages, as the weights the qinfer
-commands run do (``qinfer.loader.into_huge_pages``): in 4 KiB pages every 4 KiB read pays an address
+commands run do (``qinfer.model.loader.into_huge_pages``): in 4 KiB pages every 4 KiB read pays an address
 translation, and the same sum read 25.7 against 27.9 GB/s on 2 Xeon cores (docs/RESULTS-LOG.md).
 
 Compute peaks are large square matmuls per dtype (``2 N^3`` FLOP) with torch's default thread count, in
@@ -22,7 +22,7 @@ CPU time), the figures are used once, with a note, and not cached.
 ``device="cuda"`` runs the same measurements with ``torch.cuda.synchronize`` around each; the tests
 exercise the CPU path only.
 
-Cache: ``qinfer.cache.cache_dir() / "roofline-<device>.json"``, reused while the machine, torch version and
+Cache: ``qinfer.store.cache.cache_dir() / "roofline-<device>.json"``, reused while the machine, torch version and
 thread count match the current process (any of them changes the roofline) and it timed ``MATMUL_OP``,
 re-measured with ``force=True``. The machine is more than the CPU's name, which virtual machines often
 shorten ("AMD EPYC" for an AVX-512 part and an AVX2 one alike): its family, model and stepping, CPU count
@@ -48,9 +48,9 @@ from types import MappingProxyType
 
 import torch
 
-from qinfer.cache import cache_dir, write_atomic
+from qinfer.store.cache import cache_dir, write_atomic
 from qinfer.errors import QinferError
-from qinfer.loader import huge_page_buffer, huge_pages_reason
+from qinfer.model.loader import huge_page_buffer, huge_pages_reason
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DEVICES = ("cpu", "cuda")
@@ -420,7 +420,7 @@ def _in_pages(roofline: Roofline) -> str:
 
 def _buffer_pages(device: str) -> str:
     """The pages the bandwidth is read from: a CPU's 2 MiB pages where the OS has transparent huge pages, as
-    the qinfer commands hold a model's weights (``qinfer.loader.into_huge_pages``), else its 4 KiB ones."""
+    the qinfer commands hold a model's weights (``qinfer.model.loader.into_huge_pages``), else its 4 KiB ones."""
     if device != "cpu":
         return "device memory"
     return "4 KiB" if huge_pages_reason() else "2 MiB"

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from qinfer.arch import ModelConfig
-from qinfer.cache import available_memory, cache_dir, check_writable
+from qinfer.model.arch import ModelConfig
+from qinfer.store.cache import available_memory, cache_dir, check_writable
 from qinfer.errors import QinferError
 from qinfer.evals import benchmarks, result_cache
 from qinfer.evals.accuracy import HELDOUT, load_text, task_accuracy, text_tokens
@@ -33,11 +33,11 @@ from qinfer.evals.forward import window_logits
 from qinfer.evals.roofline import Roofline, busy_cpu_seconds, busy_while, check_roofline_path, measure_roofline
 from qinfer.evals.speed import SpeedResult, measure_speeds
 from qinfer.evals.tasks import MCResult, load_task
-from qinfer.kv_cache import KV_DTYPES
-from qinfer.loader import load_model
-from qinfer.registry import BUILTINS
-from qinfer.sources import resolve_model
-from qinfer.tokenizer import Tokenizer
+from qinfer.model.kv_cache import KV_DTYPES
+from qinfer.model.loader import load_model
+from qinfer.sources.registry import BUILTINS
+from qinfer.sources.resolve import resolve_model
+from qinfer.sources.tokenizer import Tokenizer
 
 DEFAULT_TASKS = ("arc_easy", "piqa")  # published benchmarks a 270M model scores well above chance on
 BASELINE_KV = "bf16"

@@ -21,7 +21,7 @@ Utilisation against the measured roofline (:mod:`qinfer.evals.roofline`):
           held to the fp32 peak; longer ones, and a bf16 model's, to the peak of the dtype their GEMMs run
           in: bf16, or fp32 on a CPU without native bf16 GEMMs)
 
-With ``compiled`` the decode steps are also timed through :func:`qinfer.generate.compiled_decode_step`
+With ``compiled`` the decode steps are also timed through :func:`qinfer.engine.generate.compiled_decode_step`
 (``torch.compile``, what ``qinfer generate --compile`` decodes with): after the eager warm-up, one compiled
 warm-up run per model at the timed positions compiles it (``compile_s``: its wall time; a graph compiled for
 other positions can be another graph, e.g. inside a sliding window and past it), and every run then decodes its
@@ -45,10 +45,10 @@ from tqdm import tqdm
 from qinfer.errors import QinferError
 from qinfer.evals.costs import decode_bytes, decode_flops, prefill_bytes, prefill_flops, prefill_flops_by_dtype
 from qinfer.evals.roofline import DTYPES, Roofline, mbu, mfu
-from qinfer.generate import (compile_failure_reason, compiled_decode_step, compiled_graphs, decode_step, greedy,
+from qinfer.engine.generate import (compile_failure_reason, compiled_decode_step, compiled_graphs, decode_step, greedy,
                              prefill)
-from qinfer.kv_cache import KVCache, make_cache
-from qinfer.model import Transformer
+from qinfer.model.kv_cache import KVCache, make_cache
+from qinfer.model.decoder import Transformer
 
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _WARMUP_PROMPT, _WARMUP_STEPS = 16, 2

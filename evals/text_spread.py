@@ -29,7 +29,7 @@ from qinfer.evals.checkpoint import check_quantized
 from qinfer.evals.divergence import TokenSeries, se_block, token_series
 from qinfer.evals.forward import window_logits
 from qinfer.evals.runner import EvalConfig, comparison
-from qinfer.loader import load_model
+from qinfer.model.loader import load_model
 
 BLOCKS = (1, 32, 128, 512, 2048)  # besides qinfer eval's own
 

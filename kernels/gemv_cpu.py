@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 from torch.autograd import profiler
 
-from qinfer.cache import cache_dir, sha256_file, temp_path, write_atomic
+from qinfer.store.cache import cache_dir, sha256_file, temp_path, write_atomic
 from qinfer.format import Fp8Weight, QuantizedWeight
 from qinfer.kernels.prepared import per_weight, zero_groups
 

@@ -1,3 +1,3 @@
-from qinfer.cli import main
+from qinfer.cli.commands import main
 
 main()

@@ -273,7 +273,7 @@ def _request(e: BaseException) -> str:
 def _unwritable(e: OSError) -> str:
     """One line for a file or folder that could not be written: where, why, and the fix (the cache's own
     folder: ``QINFER_CACHE``)."""
-    from qinfer.cache import cache_root  # cache imports this module
+    from qinfer.store.cache import cache_root  # cache imports this module
 
     path, root = Path(e.filename).absolute(), cache_root().absolute()
     fix = ("set QINFER_CACHE to a folder you can write to" if path == root or root in path.parents

@@ -65,7 +65,7 @@ def qinfer_imports(modules) -> set[str]:
 
 def builtin_gguf(gguf_name: str) -> Path:
     """The verified GGUF of a built-in model, fetched into the cache on first use (slow tests only)."""
-    from qinfer.registry import BUILTINS, fetch_gguf
+    from qinfer.sources.registry import BUILTINS, fetch_gguf
 
     spec = next(s for s in BUILTINS.values() if s.gguf_name == gguf_name)
     return fetch_gguf(spec)

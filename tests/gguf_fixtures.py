@@ -1,7 +1,7 @@
 """Tiny GGUF files written the way llama.cpp's converter writes them, for fast conversion and tokenizer tests.
 
 The HF → GGUF direction here is written out by hand from llama.cpp's tensor names and conventions (Q/K row
-permutation for llama, ``1 + w`` norms for gemma3), independently of ``qinfer.gguf_convert``'s table, so
+permutation for llama, ``1 + w`` norms for gemma3), independently of ``qinfer.sources.gguf_convert``'s table, so
 that a round trip checks the converter rather than repeating it.
 """
 

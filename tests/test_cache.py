@@ -13,8 +13,9 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from qinfer import cache, registry
-from qinfer.cache import (atomic_dir, check_output, damage, source_fingerprint, temp_path, write_atomic,
+from qinfer.sources import registry
+from qinfer.store import cache
+from qinfer.store.cache import (atomic_dir, check_output, damage, source_fingerprint, temp_path, write_atomic,
                           write_manifest)
 from qinfer.errors import Command, QinferError, _kept
 from tests.test_cli_errors import assert_one_line_error, run_qinfer

@@ -157,13 +157,13 @@ def test_out_of_memory_is_one_line(tmp_path, monkeypatch):
     import torch
     from click.testing import CliRunner
 
-    import qinfer.quantize
-    from qinfer.cli import cli
+    import qinfer.pipeline.quantize
+    from qinfer.cli.commands import cli
 
     def allocate_too_much(*args, **kwargs):
         return torch.empty(1 << 50, dtype=torch.uint8)  # 1 PiB
 
-    monkeypatch.setattr(qinfer.quantize, "quantize_model", allocate_too_much)
+    monkeypatch.setattr(qinfer.pipeline.quantize, "quantize_model", allocate_too_much)
     make_model("llama", tmp_path / "src")
     result = CliRunner().invoke(cli, ["quantize", str(tmp_path / "src"), "-o", str(tmp_path / "out")])
     assert result.exit_code == 1, result.output
@@ -178,13 +178,13 @@ def test_a_map_the_address_space_limit_refuses_is_out_of_memory(tmp_path, monkey
 
     from click.testing import CliRunner
 
-    import qinfer.quantize
-    from qinfer.cli import cli
+    import qinfer.pipeline.quantize
+    from qinfer.cli.commands import cli
 
     def refuse(*args, **kwargs):
         raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
 
-    monkeypatch.setattr(qinfer.quantize, "quantize_model", refuse)
+    monkeypatch.setattr(qinfer.pipeline.quantize, "quantize_model", refuse)
     make_model("llama", tmp_path / "src")
     result = CliRunner().invoke(cli, ["quantize", str(tmp_path / "src"), "-o", str(tmp_path / "out")])
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
@@ -266,8 +266,8 @@ def test_unwritable_paths_are_one_line(tmp_path, monkeypatch, code):
 
     from click.testing import CliRunner
 
-    import qinfer.sources
-    from qinfer.cli import cli
+    import qinfer.sources.resolve
+    from qinfer.cli.commands import cli
 
     monkeypatch.setenv("QINFER_CACHE", str(tmp_path / "cache"))
     reason = os.strerror(getattr(errno, code))
@@ -276,7 +276,7 @@ def test_unwritable_paths_are_one_line(tmp_path, monkeypatch, code):
         def refuse(*args, **kwargs):
             raise OSError(getattr(errno, code), reason, str(where))
 
-        monkeypatch.setattr(qinfer.sources, "resolve_model", refuse)
+        monkeypatch.setattr(qinfer.sources.resolve, "resolve_model", refuse)
         result = CliRunner().invoke(cli, ["generate", "anything", "hi"])
         assert result.exit_code == 1, result.output
         assert result.exception is None or isinstance(result.exception, SystemExit)
@@ -352,7 +352,7 @@ def test_a_ctrl_c_after_the_command_has_finished_is_no_traceback():
     probe = ("import atexit, os, signal, sys, time\n"
              "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(0.2), print('exited')))\n"
              "signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # (a CI shell's background jobs ignore it)
-             "from qinfer.cli import main\n"
+             "from qinfer.cli.commands import main\n"
              "sys.argv = ['qinfer', '--version']\n"
              "main()")
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
@@ -360,7 +360,7 @@ def test_a_ctrl_c_after_the_command_has_finished_is_no_traceback():
     assert "KeyboardInterrupt" not in proc.stderr, proc.stderr
 
 def test_a_commands_help_does_not_import_torch():
-    probe = "import sys; from qinfer.cli import main; sys.argv = ['qinfer', 'generate', '--help']\n" \
+    probe = "import sys; from qinfer.cli.commands import main; sys.argv = ['qinfer', 'generate', '--help']\n" \
             "try:\n    main()\nexcept SystemExit:\n    print('torch' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip().endswith("False"), proc.stdout + proc.stderr

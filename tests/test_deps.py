@@ -5,7 +5,7 @@ from importlib.metadata import PackageNotFoundError
 from click.testing import CliRunner
 
 from qinfer import deps
-from qinfer.cli import cli
+from qinfer.cli.commands import cli
 
 
 def test_the_installed_environment_is_in_range():

@@ -23,9 +23,9 @@ def test_pull_and_list():
 
 
 def test_generate_gemma3_knows_paris():
-    from qinfer.loader import load_model
-    from qinfer.registry import pull
-    from qinfer.tokenizer import Tokenizer
+    from qinfer.model.loader import load_model
+    from qinfer.sources.registry import pull
+    from qinfer.sources.tokenizer import Tokenizer
 
     proc = run_qinfer("generate", "gemma3-270m", "The capital of France is", "--max-tokens", "20", timeout=1800)
     assert proc.returncode == 0, proc.stderr
@@ -92,9 +92,9 @@ def test_perplexity_matches_transformers_on_heldout_text():
 
     from qinfer.calib.austen import heldout_text
     from qinfer.evals.perplexity import perplexity
-    from qinfer.loader import load_model
-    from qinfer.registry import pull
-    from qinfer.tokenizer import Tokenizer
+    from qinfer.model.loader import load_model
+    from qinfer.sources.registry import pull
+    from qinfer.sources.tokenizer import Tokenizer
 
     folder = pull("gemma3-270m")
     tokens = torch.tensor(Tokenizer.from_folder(folder).encode(heldout_text()))[:2048]

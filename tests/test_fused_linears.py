@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from qinfer.format import Fp8Weight, QuantizedWeight, QuantScheme, group_count, pack
-from qinfer.generate import decode_step, prefill
+from qinfer.engine.generate import decode_step, prefill
 from qinfer.kernels.linear import linear
-from qinfer.kv_cache import make_cache
-from qinfer.loader import huge_pages_reason, load_model
-from qinfer.model import FusedLinear, QLinear, fuse_linears, separate_linears, stacked
-from qinfer.quantize import CalibConfig, quantize_model
+from qinfer.model.kv_cache import make_cache
+from qinfer.model.loader import huge_pages_reason, load_model
+from qinfer.model.decoder import FusedLinear, QLinear, fuse_linears, separate_linears, stacked
+from qinfer.pipeline.quantize import CalibConfig, quantize_model
 from tests.tiny_models import make_model
 
 

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from qinfer.errors import QinferError
-from qinfer.generate import GenerationStats, SamplingParams, generate, greedy, prefill, sample
-from qinfer.kv_cache import KVCache, make_cache
-from qinfer.loader import load_model
-from qinfer.tokenizer import Tokenizer
+from qinfer.engine.generate import GenerationStats, SamplingParams, generate, greedy, prefill, sample
+from qinfer.model.kv_cache import KVCache, make_cache
+from qinfer.model.loader import load_model
+from qinfer.sources.tokenizer import Tokenizer
 from tests.test_cli_errors import assert_one_line_error, run_qinfer
 from tests.tiny_models import make_model
 
-generate_module = importlib.import_module("qinfer.generate")
+generate_module = importlib.import_module("qinfer.engine.generate")
 
 
 @pytest.fixture(scope="module")
@@ -272,7 +272,7 @@ def test_generate_and_chat_run_over_the_kv_cache_asked_for_with_the_stored_scale
     from safetensors.torch import load_file, save_file
 
     from qinfer.format import QuantScheme
-    from qinfer.quantize import CalibConfig, quantize_model
+    from qinfer.pipeline.quantize import CalibConfig, quantize_model
     from tests.tiny_models import TEXT
 
     make_model("llama", tmp_path / "src")
@@ -319,7 +319,7 @@ def test_generate_and_chat_run_over_the_kv_cache_asked_for_with_the_stored_scale
 
 
 def test_an_empty_system_message_is_sent_as_one(tmp_path):
-    from qinfer.chat import ChatSession
+    from qinfer.engine.chat import ChatSession
 
     make_model("llama", tmp_path)
     tok = Tokenizer.from_folder(tmp_path)
@@ -336,7 +336,7 @@ def test_an_empty_system_message_is_sent_as_one(tmp_path):
 def test_a_ctrl_c_before_the_answer_begins_keeps_no_half_turn(tmp_path, monkeypatch):
     # a Ctrl-C while the turn's KV cache is allocated: the question is dropped, so the next turn's history still
     # alternates (Gemma's, Mistral's and Llama 2's templates refuse two user messages in a row)
-    from qinfer.chat import ChatSession
+    from qinfer.engine.chat import ChatSession
 
     make_model("llama", tmp_path)
     session = ChatSession(load_model(tmp_path, dtype=torch.float32), Tokenizer.from_folder(tmp_path),
@@ -393,7 +393,7 @@ def test_chat_names_input_that_is_not_utf8_in_a_strict_locale(tmp_path):
 
 
 ECHO_CHAT = """
-from qinfer.chat import repl
+from qinfer.engine.chat import repl
 class Echo:
     compiled, system, has_history = False, None, False
     def reset(self): pass
@@ -445,7 +445,7 @@ def test_ctrl_c_ends_generates_line_and_says_how_far_it_got(tmp_path, monkeypatc
     # says where it stopped, and the exit status is 130 as for any Ctrl-C
     from click.testing import CliRunner
 
-    from qinfer.cli import cli
+    from qinfer.cli.commands import cli
 
     make_model("llama", tmp_path)
     real = generate_module.generate
@@ -476,8 +476,8 @@ def test_a_generation_ended_mid_way_puts_its_error_on_a_line_of_its_own(tmp_path
 
     from click.testing import CliRunner
 
-    import qinfer.generate as generate_module
-    from qinfer.cli import cli
+    import qinfer.engine.generate as generate_module
+    from qinfer.cli.commands import cli
     from qinfer.errors import Terminated
 
     make_model("llama", tmp_path)

@@ -16,11 +16,11 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from qinfer import registry
-from qinfer.cli import cli
+from qinfer.sources import registry
+from qinfer.cli.commands import cli
 from qinfer.errors import QinferError
-from qinfer.gguf_convert import convert_gguf, unpermute_qk
-from qinfer.sources import resolve_model
+from qinfer.sources.gguf_convert import convert_gguf, unpermute_qk
+from qinfer.sources.resolve import resolve_model
 from tests.conftest import builtin_gguf
 from tests.gguf_fixtures import (
     bpe_vocab_metadata,
@@ -312,7 +312,7 @@ def _greedy(folder: Path, ids: list[int], n: int) -> list[int]:
 
 @pytest.mark.slow
 def test_real_gemma3_270m_knows_paris(tmp_path):
-    from qinfer.tokenizer import Tokenizer
+    from qinfer.sources.tokenizer import Tokenizer
 
     out = _convert(tmp_path, _real("gemma-3-270m-q4_k_m.gguf"), dtype=torch.bfloat16)
     tok = Tokenizer.from_folder(out)
@@ -325,7 +325,7 @@ def test_real_gemma3_270m_knows_paris(tmp_path):
 
 @pytest.mark.slow
 def test_real_smollm2_135m_chat_knows_paris(tmp_path):
-    from qinfer.tokenizer import Tokenizer
+    from qinfer.sources.tokenizer import Tokenizer
 
     out = _convert(tmp_path, _real("SmolLM2-135M-Instruct.Q4_1.gguf"), dtype=torch.bfloat16)
     tok = Tokenizer.from_folder(out)

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from qinfer.kv_cache import KVCache
-from qinfer.loader import load_model
+from qinfer.model.kv_cache import KVCache
+from qinfer.model.loader import load_model
 from tests.tiny_models import make_model
 
 

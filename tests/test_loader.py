@@ -11,10 +11,10 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-import qinfer.loader
+import qinfer.model.loader
 from qinfer.format import QuantScheme
-from qinfer.loader import HUGE_PAGE, drop_pages, huge_pages_reason, into_huge_pages, load_model, read_safetensors
-from qinfer.quantize import CalibConfig, quantize_model
+from qinfer.model.loader import HUGE_PAGE, drop_pages, huge_pages_reason, into_huge_pages, load_model, read_safetensors
+from qinfer.pipeline.quantize import CalibConfig, quantize_model
 from tests.tiny_models import COMMON, CONFIGS, make_model
 
 
@@ -67,7 +67,7 @@ def test_huge_pages_take_every_weight_and_change_no_output(tmp_path, monkeypatch
     monkeypatch.delenv("QINFER_HUGE_PAGES", raising=False)
     if huge_pages_reason():
         pytest.skip(huge_pages_reason())
-    monkeypatch.setattr(qinfer.loader, "COPY_SLICE", 3000)  # each weight copied in many slices, none page-aligned
+    monkeypatch.setattr(qinfer.model.loader, "COPY_SLICE", 3000)  # each weight copied in many slices, none page-aligned
     folder = tmp_path / "src"
     make_model("gemma3", folder)  # a tied embedding: one tensor under two names, or one packed lm_head
     if scheme is not None:
@@ -91,12 +91,12 @@ def test_huge_pages_take_every_weight_and_change_no_output(tmp_path, monkeypatch
 def test_no_room_for_the_huge_page_copy_keeps_the_weights_where_they_are(tmp_path, monkeypatch):
     # under ulimit -v the second copy's map is refused (ENOMEM): the model runs from its own pages
     make_model("llama", tmp_path)
-    monkeypatch.setattr(qinfer.loader, "huge_pages_reason", lambda: "")
+    monkeypatch.setattr(qinfer.model.loader, "huge_pages_reason", lambda: "")
 
     def refuse(nbytes):
         raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
 
-    monkeypatch.setattr(qinfer.loader, "huge_page_buffer", refuse)
+    monkeypatch.setattr(qinfer.model.loader, "huge_page_buffer", refuse)
     plain, kept = load_model(tmp_path), load_model(tmp_path, run=True)
     ids = torch.tensor([[0, 7, 7, 300, 5]])
     assert torch.equal(kept(ids), plain(ids))
@@ -109,13 +109,13 @@ def test_the_weights_fusing_read_leave_before_the_copy_into_huge_pages(tmp_path,
     wide = {**COMMON, "hidden_size": 256, "intermediate_size": 512, "head_dim": 64, "num_hidden_layers": 2}
     monkeypatch.setitem(CONFIGS, "llama-wide", lambda: transformers.LlamaConfig(**wide))
     make_model("llama-wide", tmp_path, dtype=torch.bfloat16)  # bf16, as loaded: the weights stay in the map
-    real, resident = qinfer.loader.into_huge_pages, []
+    real, resident = qinfer.model.loader.into_huge_pages, []
 
     def measured(model):
         resident.append(_mapped_kib(tmp_path / "model.safetensors"))
         return real(model)
 
-    monkeypatch.setattr(qinfer.loader, "into_huge_pages", measured)
+    monkeypatch.setattr(qinfer.model.loader, "into_huge_pages", measured)
     moved = load_model(tmp_path, run=True)
     # at most the pages the 10 stacked weights (1.5 MiB) share with their neighbours, two each
     assert resident and resident[0] * 1024 <= 20 * mmap.PAGESIZE, resident
@@ -133,8 +133,8 @@ def test_huge_pages_off_leaves_the_weights_in_the_file_map(tmp_path, monkeypatch
     monkeypatch.delenv("QINFER_HUGE_PAGES")
     setting = tmp_path / "enabled"
     setting.write_text("always madvise [never]\n")
-    monkeypatch.setattr("qinfer.loader._THP_SETTING", setting)
+    monkeypatch.setattr("qinfer.model.loader._THP_SETTING", setting)
     assert "off" in huge_pages_reason() and into_huge_pages(model) == 0
-    monkeypatch.setattr("qinfer.loader._THP_SETTING", tmp_path / "missing")
+    monkeypatch.setattr("qinfer.model.loader._THP_SETTING", tmp_path / "missing")
     assert "not readable" in huge_pages_reason() and into_huge_pages(model) == 0
     assert [t.data_ptr() for t in _weights(model)] == where

@@ -11,11 +11,11 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from qinfer.arch import ModelConfig
+from qinfer.model.arch import ModelConfig
 from qinfer.errors import QinferError
 from qinfer.format import QuantScheme
-from qinfer.loader import INDEX_FILE, load_model
-from qinfer.tokenizer import Tokenizer
+from qinfer.model.loader import INDEX_FILE, load_model
+from qinfer.sources.tokenizer import Tokenizer
 from tests.test_cli_errors import assert_one_line_error, run_qinfer
 from tests.tiny_models import COMMON, CONFIGS, TEXT, VOCAB, make_model, write_tokenizer
 
@@ -259,14 +259,14 @@ def test_a_truncated_weight_file_names_the_fix_for_where_it_is(tmp_path, monkeyp
 
 def test_a_folder_named_like_a_built_in_gets_a_note(tmp_path, monkeypatch, capsys):
     # the name means the built-in (so it can always be named); the folder of that name here is pointed out
-    import qinfer.sources
+    import qinfer.sources.resolve
 
-    monkeypatch.setattr(qinfer.sources, "pull", lambda name: tmp_path / "cache" / name)
+    monkeypatch.setattr(qinfer.sources.resolve, "pull", lambda name: tmp_path / "cache" / name)
     monkeypatch.chdir(tmp_path)
-    assert qinfer.sources.resolve_model("gemma3-270m") == tmp_path / "cache" / "gemma3-270m"
+    assert qinfer.sources.resolve.resolve_model("gemma3-270m") == tmp_path / "cache" / "gemma3-270m"
     assert capsys.readouterr().err == ""
     make_model("llama", tmp_path / "gemma3-270m")
     for _ in range(2):
-        assert qinfer.sources.resolve_model("gemma3-270m") == tmp_path / "cache" / "gemma3-270m"
+        assert qinfer.sources.resolve.resolve_model("gemma3-270m") == tmp_path / "cache" / "gemma3-270m"
     assert capsys.readouterr().err.count("write ./gemma3-270m for it") == 1
-    assert qinfer.sources.resolve_model("./gemma3-270m").resolve() == tmp_path / "gemma3-270m"
+    assert qinfer.sources.resolve.resolve_model("./gemma3-270m").resolve() == tmp_path / "gemma3-270m"

@@ -6,8 +6,8 @@ import pytest
 import torch
 import transformers
 
-from qinfer.kv_cache import KVCache
-from qinfer.loader import load_model
+from qinfer.model.kv_cache import KVCache
+from qinfer.model.loader import load_model
 from tests.tiny_models import CONFIGS, make_model
 
 

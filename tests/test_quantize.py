@@ -10,16 +10,16 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from qinfer.block_tune import TuneConfig
+from qinfer.pipeline.block_tune import TuneConfig
 from qinfer.errors import QinferError
 from qinfer.format import QuantScheme
-from qinfer.kv_cache import make_cache
-from qinfer.loader import load_model
+from qinfer.model.kv_cache import make_cache
+from qinfer.model.loader import load_model
 from qinfer.calib.capture import calibrate_in_stages, capture_block, embed_samples, run_block
-import qinfer.quantize
-from qinfer.quantize import CalibConfig, calibration_batch, quantize_model
+import qinfer.pipeline.quantize
+from qinfer.pipeline.quantize import CalibConfig, calibration_batch, quantize_model
 from qinfer.quantizers.gptq import fp_target
-from qinfer.tokenizer import Tokenizer
+from qinfer.sources.tokenizer import Tokenizer
 from tests.tiny_models import COMMON, CONFIGS, TEXT, VOCAB, make_model
 
 CALIB = CalibConfig(samples=16, seq_len=64)
@@ -121,7 +121,7 @@ def test_blocks_calibrated_in_fp32_or_bf16_give_the_same_format(tiny, tmp_path, 
     scheme = QuantScheme(method=method, bits=4, group_size=32, kv_cache="int8")
     outs = []
     for dtype in (torch.bfloat16, torch.float32):
-        monkeypatch.setattr("qinfer.quantize.compute_dtype", lambda device, dtype=dtype: dtype)
+        monkeypatch.setattr("qinfer.pipeline.quantize.compute_dtype", lambda device, dtype=dtype: dtype)
         out = tmp_path / str(dtype)
         quantize_model(tiny, out, scheme, CalibConfig(str(calib_file), 8, 32), tune=TuneConfig(steps=2, e2e_steps=2))
         assert json.loads((out / "quantize_report.json").read_text())["compute_dtype"] == str(dtype).split(".")[1]
@@ -137,7 +137,7 @@ def test_blocks_calibrated_in_fp32_or_bf16_give_the_same_format(tiny, tmp_path, 
 def test_output_folder_is_complete_and_loads_packed(tiny, tmp_path, calib_file, monkeypatch):
     out = tmp_path / "q"
     scheme = QuantScheme(method="gptq", bits=4, group_size=32, kv_cache="int8", quantize_lm_head=True)
-    atomic_dir, finished = qinfer.quantize.atomic_dir, []
+    atomic_dir, finished = qinfer.pipeline.quantize.atomic_dir, []
 
     @contextlib.contextmanager
     def watched(target, force=False):  # what the temp folder holds when it is renamed to OUT
@@ -145,7 +145,7 @@ def test_output_folder_is_complete_and_loads_packed(tiny, tmp_path, calib_file, 
             yield tmp
             finished.extend(p.name for p in tmp.iterdir())
 
-    monkeypatch.setattr(qinfer.quantize, "atomic_dir", watched)
+    monkeypatch.setattr(qinfer.pipeline.quantize, "atomic_dir", watched)
     report = quantize_model(tiny, out, scheme, CalibConfig(source=str(calib_file), samples=8, seq_len=32))
     assert sorted(finished) == sorted(p.name for p in out.iterdir())  # the report too: OUT never appears without it
     names = {p.name for p in out.iterdir()}
@@ -334,15 +334,16 @@ def test_calibration_reads_no_memory_it_did_not_write(tmp_path, calib_file, monk
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_letting_the_checkpoints_pages_go_changes_nothing_written(tmp_path, calib_file, monkeypatch, method):
-    # quantize drops the memory-mapped weights' pages once read (qinfer.loader.drop_pages), to be faulted back in
+    # quantize drops the memory-mapped weights' pages once read (qinfer.model.loader.drop_pages), to be faulted back in
     # from the file when needed again: the same model comes out as when every page stays
     make_model("gemma3", tmp_path / "src", dtype=torch.bfloat16)  # bf16, as loaded: the tensors stay in the map
     scheme, calib = QuantScheme(method=method, bits=4, group_size=32), CalibConfig(str(calib_file), 8, 32)
-    real, dropped = qinfer.quantize.drop_pages, []
-    monkeypatch.setattr(qinfer.quantize, "drop_pages", lambda tensors: dropped.append(real(tensors)) or dropped[-1])
+    real, dropped = qinfer.pipeline.quantize.drop_pages, []
+    monkeypatch.setattr(qinfer.pipeline.quantize, "drop_pages",
+                        lambda tensors: dropped.append(real(tensors)) or dropped[-1])
     quantize_model(tmp_path / "src", tmp_path / "dropped", scheme, calib)
     assert sum(dropped) > 0
-    monkeypatch.setattr(qinfer.quantize, "drop_pages", lambda tensors: 0)
+    monkeypatch.setattr(qinfer.pipeline.quantize, "drop_pages", lambda tensors: 0)
     quantize_model(tmp_path / "src", tmp_path / "kept", scheme, calib)
     a, b = (load_file(tmp_path / name / "model.safetensors") for name in ("dropped", "kept"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -364,7 +365,7 @@ def test_calibration_starts_windows_as_the_tokenizer_starts_text(tiny, tmp_path,
 
 
 def test_true_sequential_takes_hessians_after_earlier_groups(tiny, tmp_path, calib_file, monkeypatch):
-    import qinfer.quantize as pipeline
+    import qinfer.pipeline.quantize as pipeline
 
     calib = CalibConfig(source=str(calib_file), samples=8, seq_len=32)
     seen = {}
@@ -401,8 +402,8 @@ def test_sequential_awq_pass_computes_what_is_written(tiny, tmp_path, calib_file
     computes down_proj as Q(W s) / s on up_proj's kept outputs). Each block's change to the residual stream in
     the pass must be what the written checkpoint computes, and the unquantized stream must stay the
     unquantized model's."""
-    import qinfer.awq_pipeline as awq_pipeline
-    import qinfer.quantize as pipeline
+    import qinfer.pipeline.awq as awq_pipeline
+    import qinfer.pipeline.quantize as pipeline
 
     tiny = with_salient_channels(tiny, tmp_path)
     passes, folds = {}, []
@@ -442,7 +443,7 @@ def test_sequential_awq_pass_computes_what_is_written(tiny, tmp_path, calib_file
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_fp_target_aims_at_the_unquantized_model(tiny, tmp_path, calib_file, monkeypatch, method):
-    import qinfer.quantize as pipeline
+    import qinfer.pipeline.quantize as pipeline
 
     tiny = with_salient_channels(tiny, tmp_path)
     calib = CalibConfig(source=str(calib_file), samples=16, seq_len=64)
@@ -485,7 +486,7 @@ def test_fp_target_aims_at_the_unquantized_model(tiny, tmp_path, calib_file, mon
 )
 def test_lm_head_quantized_in_slices_of_rows_equals_whole(scheme):
     # the lm_head is quantized a slice of rows at a time (memory); every quantizer treats rows independently
-    from qinfer.quantize import _quantize_linear, _quantize_rows
+    from qinfer.pipeline.quantize import _quantize_linear, _quantize_rows
 
     g = torch.Generator().manual_seed(0)
     W = (torch.randn(100, 64, generator=g) * 0.05).bfloat16()
@@ -503,7 +504,7 @@ def test_kv_scales_cover_what_the_stored_model_writes(tiny, tmp_path, calib_file
     # each stored scale is the calibrated absmax over 127 of the keys / values the *quantized* block computes,
     # per KV head and channel (RTN and AWQ measured them before quantizing: the stored model's keys passed them
     # by up to 4%)
-    from qinfer.quantize import calibration_batch
+    from qinfer.pipeline.quantize import calibration_batch
 
     calib = CalibConfig(source=str(calib_file), samples=4, seq_len=32, keep_bos=False)
     quantize_model(tiny, tmp_path / "q", QuantScheme(method=method, bits=3, group_size=32, kv_cache="int8"), calib)
@@ -528,7 +529,7 @@ def test_kv_scales_cover_what_the_stored_model_writes(tiny, tmp_path, calib_file
 def test_awq_leaves_each_rescaled_group_the_statistics_of_its_new_inputs(tiny, monkeypatch):
     # The rounding (and the report's layer errors) of a rescaled group is scored on its inputs X / s, not on X.
     # Without clipping the block computes the same function, so a fresh capture shows what those inputs are.
-    from qinfer import awq_pipeline
+    from qinfer.pipeline import awq as awq_pipeline
 
     monkeypatch.setattr(awq_pipeline, "clip_linear", lambda name, W, H, scheme, prefix="": W)
     model = load_model(tiny, dtype=torch.float32)
@@ -551,10 +552,10 @@ def test_the_lm_head_hessian_leaves_out_a_stored_bos_position(tmp_path, calib_fi
     # the lm_head's Hessian is taken over the other positions
     make_model("llama", tmp_path / "src")
     seen = {}
-    real_lm_head, real_rows = qinfer.quantize._lm_head, qinfer.quantize._quantize_rows
-    monkeypatch.setattr(qinfer.quantize, "_lm_head", lambda model, X, *a: seen.update(model=model, X=X.clone())
+    real_lm_head, real_rows = qinfer.pipeline.quantize._lm_head, qinfer.pipeline.quantize._quantize_rows
+    monkeypatch.setattr(qinfer.pipeline.quantize, "_lm_head", lambda model, X, *a: seen.update(model=model, X=X.clone())
                         or real_lm_head(model, X, *a))
-    monkeypatch.setattr(qinfer.quantize, "_quantize_rows",
+    monkeypatch.setattr(qinfer.pipeline.quantize, "_quantize_rows",
                         lambda W, H, *a, **k: seen.update(H=H) or real_rows(W, H, *a, **k))
     scheme = QuantScheme(method="gptq", bits=4, group_size=32, quantize_lm_head=True)
     quantize_model(tmp_path / "src", tmp_path / "q", scheme, CalibConfig(str(calib_file), 4, 32))

@@ -10,7 +10,7 @@ import pytest
 import transformers
 
 from qinfer.format import QuantScheme
-from qinfer.loader import load_model
+from qinfer.model.loader import load_model
 from tests.test_cli_errors import assert_one_line_error, run_qinfer
 from tests.tiny_models import COMMON, TEXT, make_model, write_tokenizer
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qinfer.block_tune import TuneConfig
+from qinfer.pipeline.block_tune import TuneConfig
 from qinfer.errors import QinferError
 from qinfer.format import QuantScheme
-from qinfer.quantize import CalibConfig, quantize_model
+from qinfer.pipeline.quantize import CalibConfig, quantize_model
 from tests.tiny_models import make_model
 
 CALIB = CalibConfig(samples=16, seq_len=64)  # (the rtn cases read no text)
@@ -87,7 +87,7 @@ def test_a_weight_too_large_for_its_scale_is_named(tmp_path, calib_file, method)
 
 
 def test_a_damping_gptq_had_to_raise_is_reported(tmp_path, calib_file, monkeypatch):
-    import qinfer.quantize as pipeline
+    import qinfer.pipeline.quantize as pipeline
 
     make_model("llama", tmp_path / "src")
     real = pipeline.gptq_quantize_ex

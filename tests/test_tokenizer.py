@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from sentencepiece import SentencePieceProcessor
 
-import qinfer.tokenizer as tokenizer_module
+import qinfer.sources.tokenizer as tokenizer_module
 from qinfer.errors import QinferError
-from qinfer.gguf_convert import generation_config
-from qinfer.gguf_vocab import GGUFVocab, resolve_special_tokens, sentencepiece_proto, write_tokenizer_files
-from qinfer.tokenizer import StreamDecoder, Tokenizer
+from qinfer.sources.gguf_convert import generation_config
+from qinfer.sources.gguf_vocab import GGUFVocab, resolve_special_tokens, sentencepiece_proto, write_tokenizer_files
+from qinfer.sources.tokenizer import StreamDecoder, Tokenizer
 from tests.conftest import builtin_gguf
 from tests.gguf_fixtures import CHATML_TEMPLATE, bpe_vocab_metadata, sp_vocab_metadata
 
@@ -383,7 +383,7 @@ def test_folder_without_tokenizer(tmp_path):
 
 @pytest.mark.slow
 def test_real_gemma3_vocabulary(tmp_path):
-    from qinfer.gguf_convert import open_gguf, read_metadata
+    from qinfer.sources.gguf_convert import open_gguf, read_metadata
 
     path = builtin_gguf("gemma-3-270m-q4_k_m.gguf")
     tok = Tokenizer.from_folder(_folder(tmp_path, read_metadata(open_gguf(path))))

@@ -411,5 +411,5 @@ def main():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-if __name__ == "__main__":  # `python -m qinfer.cli.commands`; `python -m qinfer.cli` and `python -m qinfer` are the same
+if __name__ == "__main__":  # `python -m qinfer.cli.commands`, the same as `python -m qinfer.cli` and `python -m qinfer`
     main()

@@ -34,13 +34,13 @@ from pathlib import Path
 
 import torch
 
-from qinfer.arch import ModelConfig, read_config
-from qinfer.cache import atomic_dir, check_output, damage, save_tensors, write_manifest
+from qinfer.model.arch import ModelConfig, read_config
+from qinfer.store.cache import atomic_dir, check_output, damage, save_tensors, write_manifest
 from qinfer.errors import QinferError, read_json_object
 from qinfer.format import QUANT_CONFIG_FILE, QuantScheme, packed_weight
 from qinfer.interop import compressed_tensors as ct
 from qinfer.interop import gptq
-from qinfer.kv_cache import QMAX, check_scale
+from qinfer.model.kv_cache import QMAX, check_scale
 
 EXPORT_FORMATS = ("gptq", "compressed-tensors")
 AUTOGPTQ_CONFIG_FILE = "quantize_config.json"
@@ -89,7 +89,7 @@ def foreign_quant_method(folder: Path) -> str | None:
 
 def export_folder(src: Path, out: Path, fmt: str, force: bool = False) -> ConvertReport:
     """Write the qinfer-quantized folder ``src`` to ``out`` in ``fmt`` ("gptq" or "compressed-tensors")."""
-    from qinfer.loader import is_bos_tensor, read_folder_tensors
+    from qinfer.model.loader import is_bos_tensor, read_folder_tensors
 
     src, out = Path(src), Path(out)
     if fmt not in EXPORT_FORMATS:
@@ -181,7 +181,7 @@ def export_folder(src: Path, out: Path, fmt: str, force: bool = False) -> Conver
 
 def import_folder(src: Path, out: Path, force: bool = False) -> ConvertReport:
     """Convert a GPTQ (v1) or compressed-tensors folder ``src`` into a qinfer-quantized folder ``out``."""
-    from qinfer.loader import read_folder_tensors
+    from qinfer.model.loader import read_folder_tensors
 
     src, out = Path(src), Path(out)
     config = read_config(src)
@@ -259,7 +259,7 @@ def imported_copy(src: Path, cache: Path) -> Path:
     generation files copied beside the weights, and the size, modification time and first megabyte of each weight
     file.
     """
-    from qinfer.loader import load_model, weight_files
+    from qinfer.model.loader import load_model, weight_files
 
     src = Path(src)
     h = hashlib.sha256(IMPORT_REVISION + (src / "config.json").read_bytes())

@@ -77,10 +77,10 @@ LM_HEAD_ROWS = 32768
 # module it and they import (which windows are drawn, how they tokenize, how the blocks compute), bar the
 # errors, the cache's paths and qinfer.interop.folders (of which quantize reads only the side files' names).
 QUANTIZE_MODULES = (
-    "qinfer.pipeline.quantize", "qinfer.pipeline.awq", "qinfer.pipeline.block_tune", "qinfer.calib.capture", "qinfer.calib.sampling",
-    "qinfer.calib.sources", "qinfer.calib.austen", "qinfer.calib.debian", "qinfer.calib.rlazyload",
-    "qinfer.sources.tokenizer", "qinfer.model.arch", "qinfer.model.decoder", "qinfer.model.kv_cache", "qinfer.model.loader", "qinfer.format",
-    "qinfer.pipeline.preflight",
+    "qinfer.pipeline.quantize", "qinfer.pipeline.awq", "qinfer.pipeline.block_tune", "qinfer.pipeline.preflight",
+    "qinfer.calib.capture", "qinfer.calib.sampling", "qinfer.calib.sources", "qinfer.calib.austen", "qinfer.calib.debian",
+    "qinfer.calib.rlazyload", "qinfer.sources.tokenizer", "qinfer.model.arch", "qinfer.model.decoder",
+    "qinfer.model.kv_cache", "qinfer.model.loader", "qinfer.format",
 )
 QUANTIZE_PACKAGES = ("qinfer.quantizers", "qinfer.kernels")  # read whole
 

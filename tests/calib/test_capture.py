@@ -7,7 +7,7 @@ import torch
 
 from qinfer.calib import capture
 from qinfer.calib.capture import calibrate_in_stages, capture_block, embed_samples, run_block
-from qinfer.loader import load_model
+from qinfer.model.loader import load_model
 from tests.tiny_models import make_model
 
 

@@ -7,7 +7,7 @@ import os
 import click
 import pytest
 
-from qinfer.cli import cli
+from qinfer.cli.commands import cli
 from qinfer.evals.runner import EvalConfig
 from tests.evals.eval_fixtures import install_roofline, install_tasks, text_file, tiny_model
 from tests.test_cli_errors import assert_one_line_error, run_qinfer

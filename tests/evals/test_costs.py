@@ -11,10 +11,10 @@ from qinfer.evals.costs import decode_bytes, decode_flops, prefill_flops, prefil
 from qinfer.evals.report import REPORT_FILES
 from qinfer.format import QuantScheme
 from qinfer.kernels import dense, int4_cpu
-from qinfer.kv_cache import make_cache
-from qinfer.loader import is_bos_tensor, load_model
-from qinfer.model import QLinear
-from qinfer.quantize import CalibConfig, quantize_model
+from qinfer.model.kv_cache import make_cache
+from qinfer.model.loader import is_bos_tensor, load_model
+from qinfer.model.decoder import QLinear
+from qinfer.pipeline.quantize import CalibConfig, quantize_model
 from tests.evals.eval_fixtures import tiny_model
 
 

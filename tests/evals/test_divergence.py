@@ -8,7 +8,7 @@ from qinfer.errors import QinferError
 from qinfer.evals.divergence import batch_means_se, se_block, text_metrics
 from qinfer.evals.forward import window_logits
 from qinfer.evals.perplexity import perplexity, windows
-from qinfer.loader import load_model
+from qinfer.model.loader import load_model
 from tests.evals.eval_fixtures import tiny_model
 
 V = 37

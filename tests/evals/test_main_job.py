@@ -7,13 +7,13 @@ import pytest
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from qinfer.cache import cache_dir
-from qinfer.cli import cli
+from qinfer.store.cache import cache_dir
+from qinfer.cli.commands import cli
 from qinfer.errors import QinferError
 from qinfer.evals import benchmarks, main_job, runner
 from qinfer.format import QuantScheme
-from qinfer.loader import safetensors_header
-from qinfer.quantize import quantize_model
+from qinfer.model.loader import safetensors_header
+from qinfer.pipeline.quantize import quantize_model
 from tests.conftest import qinfer_imports
 from tests.evals.eval_fixtures import tiny_model
 
@@ -170,11 +170,11 @@ def test_an_out_where_eval_cannot_write_is_refused_before_any_quantizing(job, tm
 def test_the_quantize_fingerprint_reads_every_module_quantize_imports():
     """A change to how windows are drawn, text tokenized or blocks computed changes what quantize writes: the
     main job must not reuse a folder quantized before it."""
-    from qinfer import quantize
+    from qinfer.pipeline import quantize
 
     inside = qinfer_imports(quantize.QUANTIZE_MODULES)
     uncovered = {m for m in inside if not m.startswith(tuple(p + "." for p in quantize.QUANTIZE_PACKAGES))}
-    exempt = {"qinfer.errors", "qinfer.cache", "qinfer.interop.folders"}  # (see QUANTIZE_MODULES' comment)
+    exempt = {"qinfer.errors", "qinfer.store.cache", "qinfer.interop.folders"}  # (see QUANTIZE_MODULES' comment)
     assert uncovered - set(quantize.QUANTIZE_PACKAGES) - exempt <= set(quantize.QUANTIZE_MODULES)
 
 
@@ -209,7 +209,7 @@ def test_python_m_main_job_ends_in_one_line_as_qinfer_demo_does(job, tmp_path, m
 ])
 def test_the_main_jobs_schemes_are_what_quantize_does_by_default(tmp_path, monkeypatch, name, args):
     # the README's table says "the quantize defaults": each variant is the scheme `qinfer quantize MODEL [method]` builds
-    import qinfer.quantize
+    import qinfer.pipeline.quantize
 
     model = tiny_model(tmp_path / "tiny")
     built = []
@@ -218,7 +218,7 @@ def test_the_main_jobs_schemes_are_what_quantize_does_by_default(tmp_path, monke
         built.append(scheme)
         raise QinferError("captured")
 
-    monkeypatch.setattr(qinfer.quantize, "quantize_model", capture)
+    monkeypatch.setattr(qinfer.pipeline.quantize, "quantize_model", capture)
     result = CliRunner().invoke(cli, ["quantize", str(model), "-o", str(tmp_path / "q"), *args])
     assert "captured" in result.output, result.output
     assert built == [main_job.SCHEMES[name]]

@@ -6,7 +6,7 @@ from click.testing import CliRunner
 from qinfer.evals.prefill_bench import main
 from qinfer.format import QuantScheme
 from qinfer.kernels import gemv_cpu
-from qinfer.quantize import CalibConfig, quantize_model
+from qinfer.pipeline.quantize import CalibConfig, quantize_model
 from tests.evals.eval_fixtures import tiny_model
 
 needs_kernels = pytest.mark.skipif(not gemv_cpu.available(), reason=f"no C kernels here: {gemv_cpu.unavailable_reason()}")

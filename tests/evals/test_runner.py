@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qinfer.cache import cache_dir
+from qinfer.store.cache import cache_dir
 from qinfer.errors import QinferError
 from qinfer.evals import result_cache, runner
 from qinfer.evals import roofline as rl
@@ -18,7 +18,7 @@ from qinfer.evals.report import SCHEMA_VERSION, format_table
 from qinfer.evals.runner import EvalConfig, ModelResult, run_eval
 from qinfer.kernels import gemv_cpu
 from qinfer.kernels.dense import native_half_gemm
-from qinfer.loader import huge_pages_reason, weight_pages
+from qinfer.model.loader import huge_pages_reason, weight_pages
 from tests.conftest import qinfer_imports
 from tests.evals.eval_fixtures import install_roofline, install_tasks, text_file, tiny_model
 
@@ -142,7 +142,7 @@ def test_the_runtime_fingerprint_reads_every_module_the_runtime_imports():
     """A fix in a module the decoder imports (the architecture table: attention scale, sliding windows) must not
     leave cached numbers of the old code in use."""
     runtime = {m for m in qinfer_imports(result_cache.RUNTIME_MODULES) if not m.startswith("qinfer.kernels")}
-    assert runtime - {"qinfer.errors", "qinfer.cache"} <= set(result_cache.RUNTIME_MODULES)
+    assert runtime - {"qinfer.errors", "qinfer.store.cache"} <= set(result_cache.RUNTIME_MODULES)
 
 
 def test_a_runtime_code_change_is_a_cache_miss(env, count_loads, monkeypatch):
@@ -377,7 +377,7 @@ def test_a_task_named_twice_is_run_once():
 def test_an_imported_model_is_labelled_by_the_folder_given(env):
     from qinfer.format import QuantScheme
     from qinfer.interop.folders import export_folder
-    from qinfer.quantize import CalibConfig, quantize_model
+    from qinfer.pipeline.quantize import CalibConfig, quantize_model
 
     quantize_model(env["model"], env["root"] / "q", QuantScheme(method="rtn", group_size=32), CalibConfig())
     export_folder(env["root"] / "q", env["root"] / "q-ct", "compressed-tensors")

@@ -342,8 +342,8 @@ def test_a_choice_scores_the_same_whatever_choices_run_beside_it(tmp_path, monke
     # quantized cache without stored scales took them from its first write, the whole batch)
     import qinfer.evals.accuracy as accuracy
     from qinfer.evals.tasks import MCExample
-    from qinfer.loader import load_model
-    from qinfer.tokenizer import Tokenizer
+    from qinfer.model.loader import load_model
+    from qinfer.sources.tokenizer import Tokenizer
     from tests.evals.eval_fixtures import tiny_model
 
     folder = tiny_model(tmp_path / "m", "llama")
@@ -362,8 +362,8 @@ def test_an_empty_prompt_is_scored_after_an_end_of_text_where_the_model_adds_no_
     # BIG-bench's cause_and_effect one_sentence_no_prompt: no input, no prefix; SmolLM2 and Qwen add no BOS
     import qinfer.evals.accuracy as accuracy
     from qinfer.evals.tasks import MCExample
-    from qinfer.loader import load_model
-    from qinfer.tokenizer import Tokenizer
+    from qinfer.model.loader import load_model
+    from qinfer.sources.tokenizer import Tokenizer
     from tests.evals.eval_fixtures import tiny_model
 
     folder = tiny_model(tmp_path / "m", "llama")

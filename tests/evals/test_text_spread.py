@@ -10,8 +10,8 @@ from qinfer.evals.accuracy import load_text, text_tokens
 from qinfer.evals.divergence import text_metrics
 from qinfer.evals.forward import window_logits
 from qinfer.evals.text_spread import main
-from qinfer.loader import load_model
-from qinfer.tokenizer import Tokenizer
+from qinfer.model.loader import load_model
+from qinfer.sources.tokenizer import Tokenizer
 from tests.evals.eval_fixtures import block_quantized
 
 WHOLE = re.compile(r"^(\S+): (\d+) scored tokens, perplexity (\S+)% against the reference, KL (\S+)$", re.M)

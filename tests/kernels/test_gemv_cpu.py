@@ -369,8 +369,9 @@ def test_available_carries_the_mark_torch_compiler_sets_for_a_constant():
 
 def test_the_commands_leave_torch_dynamo_unimported():
     # ~150 MiB of memory and a second of start-up in every command: imported only by what compiles
-    code = ("import sys, qinfer.cli, qinfer.quantize, qinfer.generate, qinfer.chat, qinfer.evals.runner, "
-            "qinfer.evals.speed, qinfer.kernels.linear; print(sorted(m for m in sys.modules if 'torch._dynamo' in m))")
+    code = ("import sys, qinfer.cli.commands, qinfer.pipeline.quantize, qinfer.engine.generate, qinfer.engine.chat, "
+            "qinfer.evals.runner, qinfer.evals.speed, qinfer.kernels.linear; "
+            "print(sorted(m for m in sys.modules if 'torch._dynamo' in m))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

@@ -16,7 +16,7 @@ import triton
 from qinfer.format import Fp8Weight, QuantizedWeight, QuantScheme
 from qinfer.kernels import triton_matmul
 from qinfer.kernels.quant_linear import dequant_linear_ref
-from qinfer.loader import load_model
+from qinfer.model.loader import load_model
 from qinfer.quantizers.fp8 import fp8_quantize
 from qinfer.quantizers.rtn import rtn_quantize
 from tests.tiny_models import make_model

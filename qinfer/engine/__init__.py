@@ -1,0 +1,1 @@
+"""Generation and chat on the model."""

@@ -1,0 +1,1 @@
+"""The quantize pipeline: walks a model block by block (capture, quantize one block, save)."""

@@ -1,0 +1,1 @@
+"""Sources: the built-in registry and pull, resolving a MODEL argument, GGUF conversion, tokenizers."""

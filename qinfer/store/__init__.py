@@ -1,0 +1,1 @@
+"""Shared ground: the cache's paths, atomic writes, locks, manifests and fingerprints."""
