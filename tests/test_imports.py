@@ -9,6 +9,7 @@ finds Hugging Face's ``kernels`` package with ``find_spec("kernels")``, so a reg
 import subprocess
 import sys
 import sysconfig
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,15 @@ PROBE = ("import importlib.util as u, transformers.modeling_utils\n"
          "from transformers.utils.import_utils import is_kernels_available\n"
          "s = u.find_spec('kernels')\n"
          "print(s.origin, is_kernels_available())\n")
+
+
+def _hf_kernels_installed() -> bool:
+    # by its metadata: from the repository root `import kernels` finds ./kernels, as a namespace package
+    try:
+        version("kernels")
+    except PackageNotFoundError:
+        return False
+    return True
 
 
 def _run(args: list[str], cwd: Path = ROOT) -> str:
@@ -35,9 +45,7 @@ def test_top_level_folders_are_not_packages():
 
 @pytest.mark.skipif(sys.platform == "win32", reason="symlinked site folder")
 def test_transformers_imports_from_the_repository_root_with_hf_kernels_installed():
-    try:
-        import kernels  # noqa: F401  (Hugging Face's, a dependency of transformers 5.25)
-    except ImportError:
+    if not _hf_kernels_installed():  # (a dependency of transformers 5.25)
         pytest.skip("Hugging Face's kernels package is not installed here")
     origin, available = _run(["-c", PROBE]).split()
     assert not origin.startswith(str(ROOT)), origin  # the installed package answers, not ./kernels
