@@ -15,6 +15,11 @@ from tests.tiny_models import TEXT, make_model
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# transformers (5.25) loads a model through Hugging Face's kernels package unless told not to, and refuses to load
+# one where that package is absent. The parity references are transformers' own torch code (on a CPU the hub's
+# kernels are not used anyway), so they run the same with the package installed or not.
+os.environ.setdefault("USE_HUB_KERNELS", "NO")
+
 
 @pytest.fixture(autouse=True)
 def _isolated_cache(request, tmp_path_factory, monkeypatch):
