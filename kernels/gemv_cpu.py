@@ -44,6 +44,7 @@ their dispatch.
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import os
@@ -66,9 +67,19 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _KV_CODES = {torch.int8: 3, torch.float8_e4m3fn: 4}  # a quantized KV cache's keys and values
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
-_disabled = False  # set by disabled()
-_only_gemvs = False  # set by only_gemvs()
-_no_dequantize = False  # set by pytorch_dequantize()
+
+
+@dataclasses.dataclass
+class Switches:
+    """Which of this module's kernels the callers take, for side-by-side timings; each is set only inside its
+    context manager below (``disabled``, ``only_gemvs``, ``pytorch_dequantize``)."""
+
+    disabled: bool = False  # every caller takes PyTorch's kernels
+    only_gemvs: bool = False  # RMSNorm and decode attention take PyTorch's ops; the GEMVs stay in C
+    no_dequantize: bool = False  # a prompt's packed weights are dequantized by the format's PyTorch ops
+
+
+SWITCHES = Switches()
 _PREPARED: dict[str, dict] = {"bf16": {}, "int": {}, "fp8": {}}  # per_weight stores: (data pointers, Weight)
 
 
@@ -132,7 +143,7 @@ def _build(cc: str, path: Path) -> str:
 
 
 def available() -> bool:
-    return not _disabled and _library()[0] is not None
+    return not SWITCHES.disabled and _library()[0] is not None
 
 
 # A traced graph keeps the path it was traced with: torch.compile takes available() as a constant. This is the mark
@@ -142,39 +153,37 @@ available._dynamo_marked_constant = True
 
 
 @contextlib.contextmanager
-def disabled():
-    """Inside it, the callers take PyTorch's kernels (a side-by-side timing); eager calls only: a compiled
-    graph keeps the path it was traced with."""
-    global _disabled
-    prior, _disabled = _disabled, True
+def _switched(name: str):
+    prior = getattr(SWITCHES, name)
+    setattr(SWITCHES, name, True)
     try:
         yield
     finally:
-        _disabled = prior
+        setattr(SWITCHES, name, prior)
+
+
+@contextlib.contextmanager
+def disabled():
+    """Inside it, the callers take PyTorch's kernels (a side-by-side timing); eager calls only: a compiled
+    graph keeps the path it was traced with."""
+    with _switched("disabled"):
+        yield
 
 
 @contextlib.contextmanager
 def only_gemvs():
     """Inside it, RMSNorm and a decode step's attention take PyTorch's ops and the GEMVs stay in C (a
     side-by-side timing of those two)."""
-    global _only_gemvs
-    prior, _only_gemvs = _only_gemvs, True
-    try:
+    with _switched("only_gemvs"):
         yield
-    finally:
-        _only_gemvs = prior
 
 
 @contextlib.contextmanager
 def pytorch_dequantize():
     """Inside it, a prompt's packed weights are dequantized by the format's PyTorch ops, not the C loops (a
     side-by-side timing; the same bits either way)."""
-    global _no_dequantize
-    prior, _no_dequantize = _no_dequantize, True
-    try:
+    with _switched("no_dequantize"):
         yield
-    finally:
-        _no_dequantize = prior
 
 
 VNNI_LOOPS = {1: "AVX-VNNI", 2: "AVX512-VNNI"}  # qinfer_int4_vnni's numbers of the 4-bit VNNI loops
@@ -263,7 +272,7 @@ def _row_loop_allowed(*tensors: torch.Tensor) -> bool:
     eager call (a compiled graph fuses these ops itself), not inside :func:`only_gemvs`, and the kernels built."""
     return (
         not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-        and not torch.compiler.is_compiling() and not _only_gemvs and available()
+        and not torch.compiler.is_compiling() and not SWITCHES.only_gemvs and available()
     )
 
 
@@ -443,7 +452,7 @@ def _dequantize_allowed(scale: torch.Tensor) -> bool:
     call, not inside :func:`pytorch_dequantize`, and the kernels built."""
     return (
         not (torch.is_grad_enabled() and scale.requires_grad) and not torch.compiler.is_compiling()
-        and not _no_dequantize and available()
+        and not SWITCHES.no_dequantize and available()
     )
 
 

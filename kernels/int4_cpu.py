@@ -28,6 +28,7 @@ ad hoc: 64 rows 120 -> 150 ms, 128 rows 207 -> 194 ms, 255 rows 366 -> 288 ms; d
 """
 
 import contextlib
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -39,15 +40,25 @@ from qinfer.kernels.prepared import per_weight
 GROUP_SIZES = (32, 64, 128, 256)
 MAX_ROWS = 32  # from this many rows on, dequantize + a bf16 or fp16 GEMM is faster
 MAX_ROWS_FP32 = 128  # ... + an fp32 GEMM
-_rows_limit: int | None = None  # set by rows_limit()
 MATMUL_DTYPE = torch.float32  # the kernel widens activations and unpacked weights to fp32 and multiply-adds in fp32
 _PACKED: dict[int, tuple[torch.Tensor, dict[torch.dtype, torch.Tensor]]] = {}
 
 
+@dataclasses.dataclass
+class Limit:
+    """``rows``: the row count from which prompts take the dequantize-then-GEMM path whatever the dtype; None (the
+    default) lets ``max_rows`` choose by dtype. Set only inside ``rows_limit``."""
+
+    rows: int | None = None
+
+
+LIMIT = Limit()
+
+
 def max_rows(dtype: torch.dtype) -> int:
     """Rows of ``dtype`` from which on the dequantize-then-GEMM path is faster than this kernel."""
-    if _rows_limit is not None:
-        return _rows_limit
+    if LIMIT.rows is not None:
+        return LIMIT.rows
     return MAX_ROWS if dtype != torch.float32 and dense.native_half_gemm(dtype) else MAX_ROWS_FP32
 
 
@@ -55,12 +66,11 @@ def max_rows(dtype: torch.dtype) -> int:
 def rows_limit(rows: int):
     """Inside it, ``max_rows`` is ``rows`` whatever the dtype (a side-by-side timing of the two paths: 0 sends
     every prompt to the dequantize-then-GEMM path, a large number every prompt to the kernel)."""
-    global _rows_limit
-    prior, _rows_limit = _rows_limit, rows
+    prior, LIMIT.rows = LIMIT.rows, rows
     try:
         yield
     finally:
-        _rows_limit = prior
+        LIMIT.rows = prior
 
 
 def supported(x: torch.Tensor, weight: QuantizedWeight) -> bool:

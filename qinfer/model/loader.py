@@ -130,8 +130,7 @@ def drop_pages(tensors: Iterable[torch.Tensor]) -> int:
     whole pages inside each tensor's bytes are dropped from this process (``MADV_DONTNEED``). The maps are
     private and never written, so a later read of those bytes faults the file's contents back in: nothing
     is lost. Tensors not in a live map (copies, other devices) are skipped. Returns the bytes dropped."""
-    global _MAPPINGS
-    _MAPPINGS = [m for m in _MAPPINGS if m[0]() is not None]
+    _MAPPINGS[:] = [m for m in _MAPPINGS if m[0]() is not None]  # forget the maps already closed
     page, dropped = mmap.PAGESIZE, 0
     for t in tensors:
         if t.device.type != "cpu" or not t.numel():
