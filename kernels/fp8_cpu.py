@@ -17,7 +17,7 @@ fp32 rows and many rows (a prefill) take the reference: a fp16 GEMM was 6x slowe
 Under ``torch.compile`` the move into fp16 is one opaque operator, ``torch.ops.qinfer.e4m3_as_fp16``:
 inductor would otherwise fuse its three integer passes into one scalar C++ loop (its float8 bit casts do not
 vectorise), and gemma3-270m's compiled FP8 decode step took 95.8 ms against 76.3 eager (``python -m
-qinfer.evals.decode_profile MODEL --compile``). The rest of the path (the row's scaling, the GEMV, the
+qinfer.evals.diagnostics.decode_profile MODEL --compile``). The rest of the path (the row's scaling, the GEMV, the
 output's scales) stays in the graph for inductor. Eager calls skip the operator's dispatch.
 """
 

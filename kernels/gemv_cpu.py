@@ -21,7 +21,7 @@ rounded once to the row's dtype, a bias (Qwen2's q/k/v) added in fp32 before tha
 it: the references' results up to the order of their sums (and the VNNI loop's fixed-point x), except where the
 zero term cancels most of ``sum q x`` (x far from zero mean over a long group: fp32 rows then differ from the
 reference by up to ~1e-4 of the output where the reference's own error is ~1e-7).
-``python -m qinfer.evals.gemv_bench MODEL`` times each against PyTorch's path side by side
+``python -m qinfer.evals.diagnostics.gemv_bench MODEL`` times each against PyTorch's path side by side
 (``docs/RESULTS-LOG.md``).
 
 Two more row loops of a decode step live here, for the same reason in another form: PyTorch's dispatch of a
@@ -31,7 +31,7 @@ slice without fp32 copies of the keys and values (a quantized cache's int8 or E4
 scales folded into the queries, scores and sums). Both are eager only (a compiled graph fuses these ops itself).
 And a prompt's GEMM needs its packed weights dense: ``dequantize`` and ``fp8_dequantize`` write an integer or
 FP8 weight out in the activations' dtype, the format's own numbers bit for bit, in one pass 4-19x as fast as its
-PyTorch ops (``python -m qinfer.evals.prefill_bench MODEL``).
+PyTorch ops (``python -m qinfer.evals.diagnostics.prefill_bench MODEL``).
 
 The C source is compiled at first use with the system's C compiler into ``<cache>/kernels`` (half a second;
 the file name carries a hash of the source, flags and compiler) and loaded with ``ctypes``. Without a

@@ -215,7 +215,7 @@ def test_evals_tools_give_the_same_one_line_errors(tool, monkeypatch):
 
     from click.testing import CliRunner
 
-    module = importlib.import_module(f"qinfer.evals.{tool}")
+    module = importlib.import_module(f"qinfer.evals.diagnostics.{tool}")
 
     def refuse(*args, **kwargs):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 2147483648 bytes")

@@ -121,7 +121,7 @@ def compiled_decode_step() -> Callable:
     compiles again). On 2 CPU cores it takes up to a minute to compile, then runs 1.05-1.12x as many decode
     steps a second as the eager step on gemma3-270m and its 4-bit and FP8 models (``qinfer eval MODEL
     --compile``, docs/results.md; more before the eager step's products, norms and attention ran in C, and 1.57x on
-    SmolLM2 then; ``python -m qinfer.evals.decode_profile MODEL --compile`` times one model). Inductor's fused
+    SmolLM2 then; ``python -m qinfer.evals.diagnostics.decode_profile MODEL --compile`` times one model). Inductor's fused
     code sums in another order than the eager kernels: the logits differ in their last bits, and a greedy
     continuation can part from the eager one at a near-tie. Inductor compiles C++ with the machine's compiler."""
     return torch.compile(decode_step, dynamic=True)

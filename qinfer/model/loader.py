@@ -342,7 +342,7 @@ def into_huge_pages(model: Transformer) -> int:
     A decode step reads every weight once from memory, small linears included. With 4 KiB pages a 2.6 MB
     weight spans 640 pages, and every page costs its own address translation (a page walk, nested under a
     virtual machine) that no prefetcher covers; 2 MiB pages need 2. gemma3-270m's decode step on 2 Xeon cores
-    (``python -m qinfer.evals.gemv_bench MODEL``, which times both): see docs/RESULTS-LOG.md.
+    (``python -m qinfer.evals.diagnostics.gemv_bench MODEL``, which times both): see docs/RESULTS-LOG.md.
     """
     if huge_pages_reason():
         return 0

@@ -2,7 +2,7 @@ import re
 
 from click.testing import CliRunner
 
-from qinfer.evals.block_errors import main
+from qinfer.evals.diagnostics.block_errors import main
 from qinfer.format import QuantScheme
 from qinfer.pipeline.quantize import CalibConfig, quantize_model
 from tests.evals.eval_fixtures import block_quantized

@@ -3,7 +3,7 @@ import re
 import pytest
 from click.testing import CliRunner
 
-from qinfer.evals.block_swap import main
+from qinfer.evals.diagnostics.block_swap import main
 from tests.evals.eval_fixtures import block_quantized
 from tests.tiny_models import make_model
 

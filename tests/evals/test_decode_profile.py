@@ -2,7 +2,7 @@ import re
 
 from click.testing import CliRunner
 
-from qinfer.evals.decode_profile import main
+from qinfer.evals.diagnostics.decode_profile import main
 from qinfer.kernels import gemv_cpu
 from tests.tiny_models import VOCAB
 

@@ -3,7 +3,7 @@ import re
 import pytest
 from click.testing import CliRunner
 
-from qinfer.evals.gemv_bench import main
+from qinfer.evals.diagnostics.gemv_bench import main
 from qinfer.kernels import gemv_cpu
 
 ROW = re.compile(r"^\s*(\S+)\s+(\d+) x (\d+)\s+(\d+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)$", re.M)

@@ -3,7 +3,7 @@ import re
 import pytest
 from click.testing import CliRunner
 
-from qinfer.evals.prefill_bench import main
+from qinfer.evals.diagnostics.prefill_bench import main
 from qinfer.format import QuantScheme
 from qinfer.kernels import gemv_cpu
 from qinfer.pipeline.quantize import CalibConfig, quantize_model

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from qinfer.evals.accuracy import load_text, text_tokens
 from qinfer.evals.divergence import text_metrics
 from qinfer.evals.forward import window_logits
-from qinfer.evals.text_spread import main
+from qinfer.evals.diagnostics.text_spread import main
 from qinfer.model.loader import load_model
 from qinfer.sources.tokenizer import Tokenizer
 from tests.evals.eval_fixtures import block_quantized

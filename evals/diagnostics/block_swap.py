@@ -4,7 +4,7 @@ Scores the quantized model on the evaluation text as ``qinfer eval`` does (same 
 reference's logits as the baseline), then again once per decoder block with that one block replaced by the reference's
 unquantized block, and prints one line each::
 
-    python -m qinfer.evals.block_swap gemma3-270m OUT [--max-tokens 2048]
+    python -m qinfer.evals.diagnostics.block_swap gemma3-270m OUT [--max-tokens 2048]
 
 A block is the unit because everything a quantization changes stays inside one: AWQ's scales fold into the
 block's own norms and linears, and the tuning stages fit the block's norms. A block whose restoring lowers

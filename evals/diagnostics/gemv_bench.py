@@ -1,7 +1,7 @@
 """The C kernels of a decode step (``qinfer.kernels.gemv_cpu``: GEMVs, RMSNorm, attention) against PyTorch's,
 side by side on one model.
 
-    python -m qinfer.evals.gemv_bench MODEL [--prompt-tokens 512] [--steps 8] [--rounds 5] [--calls 50]
+    python -m qinfer.evals.diagnostics.gemv_bench MODEL [--prompt-tokens 512] [--steps 8] [--rounds 5] [--calls 50]
 
 Two parts, each alternating the two paths so a machine that slows down for a while slows both:
 1. every distinct linear of the model (kind, shape), one bf16 row through ``qinfer.kernels.linear``: the
@@ -28,7 +28,7 @@ import click
 import torch
 
 from qinfer.errors import Command, QinferError
-from qinfer.evals.decode_profile import alternating_rounds, check_context, warmed_up
+from qinfer.evals.diagnostics.decode_profile import alternating_rounds, check_context, warmed_up
 from qinfer.evals.roofline import threads_text
 from qinfer.format import Fp8Weight, QuantizedWeight
 from qinfer.engine.generate import decode_step

@@ -1,6 +1,6 @@
 """Where a decode step's time goes: the ops of a few decode steps under ``torch.profiler``.
 
-    python -m qinfer.evals.decode_profile MODEL [--prompt-tokens 512] [--steps 8] [--top 12] [--min-share 0.01]
+    python -m qinfer.evals.diagnostics.decode_profile MODEL [--prompt-tokens 512] [--steps 8] [--top 12] [--min-share 0.01]
         [--compile [--rounds 3]]
 
 The setting is ``qinfer eval``'s speed run (:mod:`qinfer.evals.speed`): a fixed pseudo-random prompt prefilled

@@ -5,7 +5,7 @@ batch means (:mod:`qinfer.evals.divergence`: :data:`~qinfer.evals.divergence.SE_
 :data:`~qinfer.evals.divergence.SE_MIN_BLOCK` tokens). That is only right if blocks of that length are nearly
 independent. This scores the models once over a long text and prints, per model::
 
-    python -m qinfer.evals.text_spread gemma3-270m QUANTIZED [QUANTIZED ...] [--max-tokens 32768] [--segment 2048]
+    python -m qinfer.evals.diagnostics.text_spread gemma3-270m QUANTIZED [QUANTIZED ...] [--max-tokens 32768] [--segment 2048]
 
 - the whole text's change and KL with their standard errors for several block lengths, ``qinfer eval``'s
   marked: where the errors stop growing with the block, the blocks are long enough; and

@@ -1,7 +1,7 @@
 """A prefill of a packed model: its weights dequantized in C (``qinfer.kernels.gemv_cpu``) against the format's
 PyTorch ops, and where a prompt leaves the CPU int4 kernel (``qinfer.kernels.int4_cpu.max_rows``), side by side.
 
-    python -m qinfer.evals.prefill_bench MODEL [--prompt-tokens 512] [--rows 16,32,64,128,255] [--rounds 5]
+    python -m qinfer.evals.diagnostics.prefill_bench MODEL [--prompt-tokens 512] [--rows 16,32,64,128,255] [--rounds 5]
 
 Three parts, each alternating its paths round by round so a machine that slows down for a while slows all:
 1. every distinct packed weight (kind, shape): one dequantize to the model's dtype through each path, the
@@ -22,7 +22,7 @@ import click
 import torch
 
 from qinfer.errors import Command, QinferError
-from qinfer.evals.gemv_bench import _kind, _timed
+from qinfer.evals.diagnostics.gemv_bench import _kind, _timed
 from qinfer.evals.roofline import threads_text
 from qinfer.evals.speed import checked_prompt
 from qinfer.format import Fp8Weight, QuantizedWeight

@@ -6,7 +6,7 @@ are scored: the first ones and the last ``min(16, PICK // 2)``, of the 16 that `
 prints each block's mean squared output error, its largest per-sample errors and, after the last block, the ``--top``
 tokens with the largest errors and the share of the error the largest 0.1% of tokens (at least one) hold::
 
-    python -m qinfer.evals.block_errors gemma3-270m OUT --samples 512 --seed 1 --blocks 10
+    python -m qinfer.evals.diagnostics.block_errors gemma3-270m OUT --samples 512 --seed 1 --blocks 10
 
 Diagnostic only: nothing is written.
 """
