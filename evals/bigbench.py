@@ -9,7 +9,7 @@ without ``examples`` is a container whose subtasks are ``<task>/<subtask>/task.j
 loader reads them the same way). We read the JSON files we need straight out of the gzip stream: the package
 is never installed (its requirements pull in TensorFlow) nor extracted.
 
-Cache layout (``qinfer.store.cache.cache_dir() / "data" / "bigbench"``):
+Cache layout (``qinfer.store.paths.cache_dir() / "data" / "bigbench"``):
 
 - ``bigbench-1.0.0.tar.gz``: the sdist, if copied here; checked against :data:`SDIST_SHA256` before it is read,
   as a ``--bigbench-sdist`` file is.
@@ -28,7 +28,9 @@ import sys
 import tarfile
 from pathlib import Path
 
-from qinfer.store.cache import cache_dir, sha256_file, write_atomic
+from qinfer.store.atomic import write_atomic
+from qinfer.store.fingerprint import sha256_file
+from qinfer.store.paths import cache_dir
 from qinfer.errors import QinferError
 
 SDIST = "bigbench-1.0.0.tar.gz"

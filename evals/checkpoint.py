@@ -1,8 +1,8 @@
 """What a model folder holds, read without loading it: a content key, its size on disk, bits per weight; and the
 diagnostics' checks that a folder is a quantized copy of a reference (``check_same_model``, ``check_quantized``).
 
-``content_key`` identifies a folder's model for the eval cache. Hashing 500 MB of weights would cost
-about a second per model on every run, so it hashes what changes whenever the weights do: the bytes of
+``content_key`` identifies a folder's model for the eval cache. Hashing 500 MB of weights would read every
+byte of every model on every run, so it hashes what changes whenever the weights do: the bytes of
 ``config.json`` and ``quant_config.json``, each safetensors file's header (tensor names, dtypes, shapes,
 offsets), and every file's name, size, modification time and status-change time (ctime, which the kernel
 sets on every write and no tool can set back: a file rewritten and then given its old mtime, by ``touch -r``

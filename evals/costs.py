@@ -22,7 +22,8 @@ which takes fewer than ``qinfer.kernels.int4_cpu.max_rows`` rows, 32 where the G
 128 where they run in fp32, multiplies in fp32, a dense or dequantize-then-matmul linear in the
 activations' dtype, or in fp32 on a CPU without native bf16 GEMMs), attention's in the dtype a dense product
 of the prompt's rows takes (``qinfer.kernels.dense.product_dtype``: on such a CPU, SDPA in bf16 runs at its
-fp32 speed, not at the ~7x slower bf16 GEMM peak).
+fp32 speed, not at the far slower bf16 GEMM peak; docs/results.md, "Speed against the roofline" and "Figures
+formerly in code comments").
 """
 
 from collections import Counter

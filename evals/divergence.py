@@ -20,11 +20,11 @@ Neighbouring tokens' errors are correlated (a passage that is hard for a quantiz
 while), so a per-token standard error understates it; the blocks are made as long as the text allows while
 keeping :data:`SE_BLOCKS` of them, and never shorter than :data:`SE_MIN_BLOCK` tokens (:func:`se_block`):
 on 2048 tokens, 15 blocks of 128; on 32768, 16 of 2047. On a short text that is a floor, not an estimate:
-some passages are harder for a quantized model than others over spans longer than such a text. Measured on
-gemma3-270m's held-out book (``python -m qinfer.evals.diagnostics.text_spread``, results log 2026-11-27, six 4-bit
-models), the perplexity changes of 16 passages of 2048 tokens spread by 0.9-1.8x (median 1.4x) the standard
-error each passage reports for itself, and their KLs by 1.3-2.7x (median 2.0x). It covers only the choice
-of text: a model quantized again on other calibration samples moves as well.
+some passages are harder for a quantized model than others over spans longer than such a text: on
+gemma3-270m's held-out book (``python -m qinfer.evals.diagnostics.text_spread``), the perplexity changes and KLs
+of 16 passages of 2048 tokens spread by more than the standard error each passage reports for itself (the
+figures: docs/results.md, "How precise these numbers are"). It covers only the choice of text: a model
+quantized again on other calibration samples moves as well.
 
 Memory: the baseline's logits are computed once per window and shared by all models (no second
 baseline forward per model); the models then run one after another, each model's logits let go before the

@@ -17,6 +17,14 @@ import torch
 from qinfer.model.kv_cache import make_cache
 from qinfer.model.decoder import Transformer
 
+BASELINE_KV = "bf16"  # the reference model is measured without a quantized cache
+
+
+def eval_device() -> str:
+    """Where the eval runs its models: the GPU if there is one."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 # (ids [T], first) -> logits [T - first, V]: the logits at positions first..T-1 of one sequence
 LogitsFn = Callable[[torch.Tensor, int], torch.Tensor]
 
@@ -33,8 +41,9 @@ def window_logits(model: Transformer, kv_dtype: str, bos_id: int | None) -> Logi
 
     Pass the tokenizer's ``leading_bos``: the BOS it starts text with, as llama.cpp's perplexity does. A
     window cut from the middle of a text has none, and models trained to always see one at position 0
-    (Gemma) treat whatever token sits there as a sink: Gemma 3 270M's perplexity on Persuasion doubles
-    without it. The BOS is context only (position 0; the window's tokens follow at 1..T), never scored.
+    (Gemma) treat whatever token sits there as a sink: Gemma 3 270M's perplexity on Persuasion is far
+    higher without it (docs/results.md, "Figures formerly in code comments"). The BOS is context only
+    (position 0; the window's tokens follow at 1..T), never scored.
     Models whose tokenizer adds no BOS (SmolLM2, Qwen) never saw one before text, so none is put there.
     """
 

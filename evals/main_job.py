@@ -5,7 +5,8 @@ per channel), then evaluates all four against the bf16 reference with :func:`qin
 and writes the outputs to ``out``. Quantized folders live in ``cache_dir()/quantized/`` and are reused
 when their ``quant_config.json``, calibration settings, source model files and quantizing code all match, so
 a second run only evaluates (and the eval cache makes that instant too). Sample counts are cut down so the
-whole job fits in about 20 minutes on a 2-core CPU; they are printed with the results.
+whole job fits in minutes on a 2-core CPU (its timings: docs/results.md, "The main job"); they are printed
+with the results.
 
 Run it as ``python -m qinfer.evals.main_job`` or ``qinfer demo``.
 """
@@ -19,25 +20,23 @@ from pathlib import Path
 
 import click
 
-from qinfer.pipeline.block_tune import TuneConfig
 from qinfer.calib.austen import fetch_austen
-from qinfer.store.cache import cache_dir
-from qinfer.errors import Command, QinferError
+from qinfer.store.paths import cache_dir
+from qinfer.cli.command import Command
+from qinfer.errors import QinferError
 from qinfer.format import QuantScheme
 from qinfer.model.loader import safetensors_header
-from qinfer.pipeline.quantize import (CalibConfig, code_fingerprint, quantize_model, recorded_calibration,
-                                     source_identity)
+from qinfer.pipeline.config import CalibConfig, TuneConfig, quant_scheme, recorded_calibration
+from qinfer.pipeline.quantize import code_fingerprint, quantize_model, source_identity
 from qinfer.sources.resolve import resolve_model
 
 MODEL = "gemma3-270m"
 SCHEMES = {
-    # `qinfer quantize` defaults: asymmetric groups, GPTQ with act-order and the clip search, FP8 through GPTQ's
-    # error feedback
-    "rtn-w4g128": QuantScheme(method="rtn", bits=4, group_size=128, symmetric=False),
-    "gptq-w4g128": QuantScheme(method="gptq", bits=4, group_size=128, symmetric=False, act_order=True,
-                                mse_clip=True),
-    "awq-w4g128": QuantScheme(method="awq", bits=4, group_size=128, symmetric=False),
-    "fp8": QuantScheme(method="gptq", bits=8, group_size=-1, format="fp8", act_order=True),
+    # `qinfer quantize`'s defaults for each method; FP8 through GPTQ's error feedback
+    "rtn-w4g128": quant_scheme("rtn"),
+    "gptq-w4g128": quant_scheme("gptq"),
+    "awq-w4g128": quant_scheme("awq"),
+    "fp8": quant_scheme("gptq", format="fp8"),
 }
 
 

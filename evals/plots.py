@@ -11,8 +11,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.transforms import Bbox
 
-from qinfer.evals.roofline import Roofline, RooflinePoint, plot_roofline
-from qinfer.evals.roofline_plot import _OFFSETS, _place
+from qinfer.evals.roofline import Roofline, RooflinePoint
+from qinfer.evals.roofline_plot import _OFFSETS, _place, plot_roofline
 
 _MIB = 1 << 20
 

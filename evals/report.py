@@ -64,11 +64,14 @@ from pathlib import Path
 
 import torch
 
-from qinfer.store.cache import naming_full_disk, release, signals_held, temp_path
+from qinfer.store.atomic import naming_full_disk
+from qinfer.store.signals import signals_held
+from qinfer.store.temp import release, temp_path
 from qinfer.errors import QinferError
 from qinfer.evals.divergence import SE_BLOCKS, SE_MIN_BLOCK
+from qinfer.evals.forward import BASELINE_KV, eval_device
 from qinfer.evals.roofline import Roofline, threads_text
-from qinfer.kernels import gemv_cpu
+from qinfer.kernels import cpu_library
 from qinfer.model.loader import weight_pages
 
 SCHEMA_VERSION = 1
@@ -78,8 +81,6 @@ _MIB = 1 << 20
 
 
 def results_json(config, results, roofline: Roofline | None, text_description: str) -> dict:
-    from qinfer.evals.runner import BASELINE_KV, eval_device
-
     try:
         qinfer_version = version("qinfer-llm")
     except PackageNotFoundError:
@@ -92,7 +93,8 @@ def results_json(config, results, roofline: Roofline | None, text_description: s
         "speed": config.speed, "kv_cache": config.kv_cache, "prompt_tokens": config.prompt_tokens,
         "decode_steps": config.decode_steps, "repeats": config.repeats, "compiled": config.compiled,
         "device": eval_device(),
-        "threads": torch.get_num_threads(), "torch_version": torch.__version__, "decode_kernels": gemv_cpu.describe(),
+        "threads": torch.get_num_threads(), "torch_version": torch.__version__,
+        "decode_kernels": cpu_library.describe(),
         "weight_pages": weight_pages(),
     }
     return {

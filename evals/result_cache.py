@@ -1,6 +1,6 @@
 """The eval result cache: one small JSON file per measured part, keyed by everything that determines it.
 
-Layout: ``qinfer.store.cache.cache_dir() / "eval" / <part> / <key>.json`` where ``part`` is "text", "task" or
+Layout: ``qinfer.store.paths.cache_dir() / "eval" / <part> / <key>.json`` where ``part`` is "text", "task" or
 "speed" and ``key`` is the sha256 of the JSON of the key fields (the model's content key, the baseline's,
 every setting, :data:`CACHE_VERSION`, the torch version, and a fingerprint of the runtime code that produces
 the numbers: the decoder, KV cache, loader, format and every kernel, and whether the C kernels are in use, so a
@@ -20,9 +20,11 @@ from pathlib import Path
 
 import torch
 
-from qinfer.store.cache import cache_dir, cache_root, source_fingerprint, write_atomic
+from qinfer.store.atomic import write_atomic
+from qinfer.store.fingerprint import source_fingerprint
+from qinfer.store.paths import cache_dir, cache_root
 from qinfer.errors import QinferError
-from qinfer.kernels import gemv_cpu
+from qinfer.kernels import cpu_library
 from qinfer.model.loader import weight_pages
 
 T = typing.TypeVar("T")
@@ -46,7 +48,7 @@ def code_fingerprint() -> str:
     """sha256 over the source of :data:`RUNTIME_MODULES` and of every module in ``qinfer.kernels``, and which
     kernels a CPU row multiplies through (``QINFER_CPU_GEMV=0``, or no C compiler, gives PyTorch's, whose sums
     round differently)."""
-    return hashlib.sha256((_runtime_source() + gemv_cpu.describe()).encode()).hexdigest()
+    return hashlib.sha256((_runtime_source() + cpu_library.describe()).encode()).hexdigest()
 
 
 # Modules whose code decides how the text (perplexity, KL) and the tasks are measured: a text or task key's own part.
@@ -76,7 +78,7 @@ def speed_fingerprint() -> str:
     whether the C GEMV kernels are in use (``QINFER_CPU_GEMV=0`` times PyTorch's) and which pages the weights
     lie in (``QINFER_HUGE_PAGES=0``: the file map's)."""
     code = source_fingerprint(SPEED_MODULES, "qinfer.kernels")
-    return hashlib.sha256((code + gemv_cpu.describe() + weight_pages()).encode()).hexdigest()
+    return hashlib.sha256((code + cpu_library.describe() + weight_pages()).encode()).hexdigest()
 
 
 def cache_key(part: str, **fields) -> str:

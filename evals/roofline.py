@@ -8,21 +8,22 @@ traffic would make the figure neither a read nor a read+write bandwidth. The fp3
 multi-threaded in torch, so memory limits it, not arithmetic (an int32 sum is not: it widens to int64).
 On a CPU the buffer lies in 2 MiB pages where the OS has transparent huge pages, as the weights the qinfer
 commands run do (``qinfer.model.loader.into_huge_pages``): in 4 KiB pages every 4 KiB read pays an address
-translation, and the same sum read 25.7 against 27.9 GB/s on 2 Xeon cores (docs/RESULTS-LOG.md).
+translation, and the same sum reads less (docs/results.md, "Speed against the roofline").
 
 Compute peaks are large square matmuls per dtype (``2 N^3`` FLOP) with torch's default thread count, in
 the layout every linear layer runs: ``x @ w.T`` with ``w`` stored (out, in). On a CPU without AVX-512,
-torch's bf16 ``a @ b`` takes a far slower path than ``a @ b.T`` (1.3 against 20 GFLOP/s on 2 AMD EPYC
-cores), and a peak timed on it gave MFUs above 1000%. ``N`` is the first power of two from 256 whose matmul takes at least 50 ms, so the ceiling is
-measured on a size where blocking overheads are amortised, not on a size that runs for minutes. Each
-figure is the median of several repetitions after a warm-up run. GB/s are 1e9 bytes per second; TFLOP/s 1e12 FLOP/s.
+torch's bf16 ``a @ b`` takes a far slower path than ``a @ b.T``, and a peak timed on it gave MFUs far above
+100% (docs/results.md, "Figures formerly in code comments"). ``N`` is the first power of two from 256
+whose matmul takes at least 50 ms, so the ceiling is measured on a size where blocking overheads are
+amortised, not on a size that runs for minutes. Each figure is the median of several repetitions after a
+warm-up run. GB/s are 1e9 bytes per second; TFLOP/s 1e12 FLOP/s.
 Where other processes kept more than ``BUSY_CPUS`` CPUs busy meanwhile (``/proc/stat`` less this process's own
 CPU time), the figures are used once, with a note, and not cached.
 
 ``device="cuda"`` runs the same measurements with ``torch.cuda.synchronize`` around each; the tests
 exercise the CPU path only.
 
-Cache: ``qinfer.store.cache.cache_dir() / "roofline-<device>.json"``, reused while the machine, torch version and
+Cache: ``qinfer.store.paths.cache_dir() / "roofline-<device>.json"``, reused while the machine, torch version and
 thread count match the current process (any of them changes the roofline) and it timed ``MATMUL_OP``,
 re-measured with ``force=True``. The machine is more than the CPU's name, which virtual machines often
 shorten ("AMD EPYC" for an AVX-512 part and an AVX2 one alike): its family, model and stepping, CPU count
@@ -40,7 +41,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -48,7 +49,8 @@ from types import MappingProxyType
 
 import torch
 
-from qinfer.store.cache import cache_dir, write_atomic
+from qinfer.store.atomic import write_atomic
+from qinfer.store.paths import cache_dir
 from qinfer.errors import QinferError
 from qinfer.model.loader import huge_page_buffer, huge_pages_reason
 
@@ -60,7 +62,8 @@ _MATMUL_TARGET_S = 0.05  # one matmul at least this long: a size that reaches th
 _MATMUL_MAX_N = 16384
 _MIN_REPS, _MAX_REPS = 5, 200
 # Other processes' average use of the CPUs above which a measurement is not cached: it would read low, and every
-# later MBU would read high (a 2-core machine with a second job measured 9-13 GB/s against 20-28 idle)
+# later MBU would read high (a second job on a 2-core machine cut the bandwidth measured: docs/results.md,
+# "Speed against the roofline")
 BUSY_CPUS = 0.5
 PLAUSIBLE_MAX = 1e6  # GB/s and TFLOP/s: a cache past it is damaged, and measured again
 MATMUL_OP = "x @ w.T"  # what the peaks time (_matmul); a cache measured another way is re-measured
@@ -290,15 +293,6 @@ def format_roofline(roofline: Roofline) -> str:
             f"ridge at {roofline.ridge(dtype):.1f} FLOP/byte)"
         )
     return "\n".join([head, *rows])
-
-
-def plot_roofline(roofline: Roofline, points: Sequence[RooflinePoint], path: Path) -> Path:
-    """Draw the roof and ``points`` on log-log axes into the PNG ``path``; returns ``path``."""
-    try:
-        from qinfer.evals.roofline_plot import draw_roofline  # matplotlib is needed for plots only
-    except ImportError as exc:
-        raise QinferError(f"plotting the roofline needs matplotlib ({exc}); pip install matplotlib") from None
-    return draw_roofline(roofline, points, Path(path))
 
 
 def _measure(device: str, seconds: float) -> Roofline:

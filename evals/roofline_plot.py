@@ -28,7 +28,9 @@ _OFFSETS = [(7, 5), (7, -12), (8, -3), (-7, 5), (-7, -12), (-8, -3),
 _FAR = 14
 
 
-def draw_roofline(roofline: Roofline, points: Sequence[RooflinePoint], path: Path) -> Path:
+def plot_roofline(roofline: Roofline, points: Sequence[RooflinePoint], path: Path) -> Path:
+    """Draw the roof and ``points`` on log-log axes into the PNG ``path``; returns ``path``."""
+    path = Path(path)
     bw_tflops_per_ai = roofline.bandwidth_gbs * 1e9 / 1e12  # TFLOP/s per FLOP/byte on the slope
     ridges = [roofline.ridge(d) for d in roofline.peak_tflops]
     ais = [p.arithmetic_intensity for p in points]

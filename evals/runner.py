@@ -22,14 +22,16 @@ from pathlib import Path
 import torch
 
 from qinfer.model.arch import ModelConfig
-from qinfer.store.cache import available_memory, cache_dir, check_writable
+from qinfer.store.atomic import check_writable
+from qinfer.store.memory import available_memory
+from qinfer.store.paths import cache_dir
 from qinfer.errors import QinferError
 from qinfer.evals import benchmarks, result_cache
 from qinfer.evals.accuracy import HELDOUT, load_text, task_accuracy, text_tokens
 from qinfer.evals.benchmarks import SourceUnavailable
 from qinfer.evals.checkpoint import content_key, effective_bits, size_on_disk
 from qinfer.evals.divergence import SE_BLOCKS, SE_MIN_BLOCK, TextMetrics, text_metrics
-from qinfer.evals.forward import window_logits
+from qinfer.evals.forward import BASELINE_KV, eval_device, window_logits
 from qinfer.evals.roofline import Roofline, busy_cpu_seconds, busy_while, check_roofline_path, measure_roofline
 from qinfer.evals.speed import SpeedResult, measure_speeds
 from qinfer.evals.tasks import MCResult, load_task
@@ -40,7 +42,6 @@ from qinfer.sources.resolve import resolve_model
 from qinfer.sources.tokenizer import Tokenizer
 
 DEFAULT_TASKS = ("arc_easy", "piqa")  # published benchmarks a 270M model scores well above chance on
-BASELINE_KV = "bf16"
 
 
 @dataclass(frozen=True)
@@ -218,10 +219,6 @@ def comparison(config: EvalConfig) -> tuple[list[_Model], _Model, torch.Tensor, 
             raise QinferError(f"{m.label} tokenizes the text differently from the baseline {baseline.label}: "
                               "KL and agreement need one shared vocabulary")
     return models, baseline, tokens, f"{text_desc}, first {tokens.numel()} tokens"
-
-
-def eval_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _load(folder: Path):

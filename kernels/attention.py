@@ -8,19 +8,18 @@ only a band of the keys (a sliding window, or a decode step past the window) is 
 rows, each against only the keys its rows can see: SDPA with an explicit mask computes every [T, S] product,
 where a window of W needs about T * (W + CHUNK). A decode step (one query row, every key visible: the model
 passes no mask, having handed the step only the keys it sees) runs as two fp32 matmuls over the query heads
-grouped by KV head: SDPA's flash kernel is built for many query rows and took 3x (512 keys) to 6x (4096 keys) as
-long for one (on an AVX2 EPYC). On CPU, eagerly, that step goes to ``gemv_cpu``'s C loop instead: the same fp32
-sums, split over chunks of keys, each key and value row read once for the query heads that share it, no fp32
-copies. At gemma3-270m's shape on 2 AMX Xeon cores, called in a loop, it takes 27 / 164 / 1443 us at 512 / 4096
-/ 32768 keys against SDPA's 24 / 335 / 2608 (and the matmuls' 84 / 872 / 23829); inside decode steps, where the
-keys come from memory, 54 against SDPA's 78-88 us at 512 keys (ad hoc timings: docs/RESULTS-LOG.md).
+grouped by KV head: SDPA's flash kernel is built for many query rows and is slower for one. On CPU, eagerly,
+that step goes to ``attention_cpu``'s C loop instead: the same fp32 sums, split over chunks of keys, each key and
+value row read once for the query heads that share it, no fp32 copies. How the three compare at gemma3-270m's
+shape, in a loop and inside decode steps (where the keys come from memory), was timed ad hoc: docs/results.md,
+"Speed against the roofline" and "Figures formerly in code comments".
 """
 
 import torch
 import torch.nn.functional as F
 
 from qinfer.format import e4m3_times
-from qinfer.kernels import gemv_cpu
+from qinfer.kernels import attention_cpu
 
 CHUNK = 256  # query rows per chunk; 128-256 were fastest at gemma3's shapes (window 512, 1-4k tokens)
 # Largest K slice (elements) a decode step converts to fp32; past it (gemma3's 32k-token cache) the fp32
@@ -63,17 +62,17 @@ def attention(
     T, S = q.shape[2], k.shape[2]
     if kv_scales is not None:
         k_scale, v_scale, k_pos, v_pos = (*kv_scales, None, None)[:4]
-        if T == 1 and (mask is None or bool(mask.all())) and gemv_cpu.attention_supported(q, k, v, quantized=True):
-            return gemv_cpu.decode_attention(q, k, v, scale, k_scale, v_scale, k_pos, v_pos)  # scales folded in
+        if T == 1 and (mask is None or bool(mask.all())) and attention_cpu.attention_supported(q, k, v, quantized=True):
+            return attention_cpu.decode_attention(q, k, v, scale, k_scale, v_scale, k_pos, v_pos)  # scales folded in
         k, v = dequantize_kv(k, k_scale, q.dtype, k_pos), dequantize_kv(v, v_scale, q.dtype, v_pos)
     if mask is None and T > 1:
         return _sdpa(q, k, v, None, scale)
     if T == 1 and (mask is None or bool(mask.all())):  # a decode step that sees every cached key needs no mask
-        if gemv_cpu.attention_supported(q, k, v):
-            return gemv_cpu.decode_attention(q, k, v, scale)
+        if attention_cpu.attention_supported(q, k, v):
+            return attention_cpu.decode_attention(q, k, v, scale)
         return _decode(q, k, v, scale) if k.numel() <= DECODE_MATMUL_MAX else _sdpa(q, k, v, None, scale)
     if T == S and _is_causal(mask):
-        return _sdpa(q, k, v, None, scale, causal=True)  # SDPA skips the blocks above the diagonal (~15% in fp32)
+        return _sdpa(q, k, v, None, scale, causal=True)  # SDPA skips the blocks above the diagonal
     spans = _key_spans(mask)
     if spans is None:
         return _sdpa(q, k, v, mask, scale)

@@ -26,7 +26,8 @@ _WIDEN_CHUNK = 1 << 24  # weight elements widened to fp32 at a time (64 MB; gemm
 @functools.cache
 def native_half_gemm(dtype: torch.dtype) -> bool:
     """Whether oneDNN runs ``dtype`` GEMMs on this CPU (its own test: bf16 needs AVX-512, fp16 AVX512-FP16 or
-    AMX-FP16); without it, torch's fallback for a bf16 or fp16 GEMM is 5-8x slower than its fp32 one."""
+    AMX-FP16); without it, torch's fallback for a bf16 or fp16 GEMM is several times slower than its fp32 one
+    (docs/results.md, "Speed against the roofline" and "Figures formerly in code comments")."""
     if dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     if dtype == torch.float16:

@@ -1,10 +1,10 @@
 """CPU path for one row times an FP8 (E4M3) weight: a decode step at batch 1, where ``gemv_cpu``'s C kernel
 is not built (no C compiler, no AVX2, ``QINFER_CPU_GEMV=0``).
 
-PyTorch converts float8 to other dtypes one element at a time (~2 ns each here), so dequantizing an
-FP8 weight on every call cost 10x a bf16 GEMV. An E4M3 code is exactly an fp16 number scaled by 2^8 once its
-bits move (``qinfer.format.e4m3_as_fp16``, three integer passes); ATen's fp16 GEMV (fp32 accumulation)
-multiplies that fp16 weight.
+PyTorch converts float8 to other dtypes one element at a time, so dequantizing an FP8 weight on every call
+cost many times a bf16 GEMV (docs/results.md, "Figures formerly in code comments"). An E4M3 code is exactly an
+fp16 number scaled by 2^8 once its bits move (``qinfer.format.e4m3_as_fp16``, three integer passes); ATen's fp16
+GEMV (fp32 accumulation) multiplies that fp16 weight.
 
 The row is divided by its largest magnitude before it is rounded to fp16, so it cannot overflow fp16 and
 keeps fp16's 11-bit mantissa (bf16 has 8); each output is then at most ``K * 448 / 2^8`` in magnitude (fp16
@@ -12,12 +12,14 @@ holds 65504, hence ``K <= MAX_K``). The row's magnitude, 2^8 and the weight's sc
 result. Against a float64 product the error is the bf16 rounding of the output, below the reference
 dequantize-then-matmul's (which rounds every ``code * scale`` to bf16 first).
 
-fp32 rows and many rows (a prefill) take the reference: a fp16 GEMM was 6x slower than a bf16 one here.
+fp32 rows and many rows (a prefill) take the reference: a fp16 GEMM was far slower than a bf16 one where
+this was measured (same section of docs/results.md).
 
 Under ``torch.compile`` the move into fp16 is one opaque operator, ``torch.ops.qinfer.e4m3_as_fp16``:
 inductor would otherwise fuse its three integer passes into one scalar C++ loop (its float8 bit casts do not
-vectorise), and gemma3-270m's compiled FP8 decode step took 95.8 ms against 76.3 eager (``python -m
-qinfer.evals.diagnostics.decode_profile MODEL --compile``). The rest of the path (the row's scaling, the GEMV, the
+vectorise), and gemma3-270m's compiled FP8 decode step was then slower than the eager one (``python -m
+qinfer.evals.diagnostics.decode_profile MODEL --compile`` times both; docs/results.md, "Figures formerly in code
+comments"). The rest of the path (the row's scaling, the GEMV, the
 output's scales) stays in the graph for inductor. Eager calls skip the operator's dispatch.
 """
 
@@ -49,7 +51,8 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = N
 
 
 # torch.ops.qinfer.e4m3_as_fp16: a CPU kernel registered through torch.library.Library, whose dispatch costs
-# ~7 us a call here against ~25 us through torch.library.custom_op (126 calls a gemma3 decode step)
+# less a call than through torch.library.custom_op (126 calls a gemma3 decode step; docs/results.md, "Figures
+# formerly in code comments")
 _LIBRARY = torch.library.Library("qinfer", "DEF")
 _LIBRARY.define("e4m3_as_fp16(Tensor codes) -> Tensor")
 _LIBRARY.impl("e4m3_as_fp16", e4m3_as_fp16, "CPU")

@@ -1,6 +1,7 @@
 /* One activation row times a weight matrix, y[n] = sum_k W[n, k] x[k], for a decode step on an x86-64 CPU
- * with AVX2, FMA and F16C; and a decode step's RMSNorm rows and attention. Built and loaded by gemv_cpu.py
- * (which documents why); OpenMP splits the GEMVs' rows and the attention's chunks of keys.
+ * with AVX2, FMA and F16C; and a decode step's RMSNorm rows and attention. Built and loaded by cpu_library.py
+ * (gemv_cpu.py, norm_cpu.py and attention_cpu.py document why); OpenMP splits the GEMVs' rows and the
+ * attention's chunks of keys.
  *
  * Every product and sum is fp32 (the 4-bit VNNI loop's: exact integers, scaled once a group); each output is
  * rounded once to the activations' dtype.
@@ -56,9 +57,8 @@ static inline void store_out(void *y, const void *b, int dtype, int64_t n, float
 
 /* Each loop over a row's codes also asks for the bytes AHEAD past the ones it reads. A decode step reads a
  * weight from memory once, and the hardware prefetchers stop at each 4 KiB page, so without this a thread
- * waits at every page for its first lines and their address translation (gemma3-270m's decode step on 2 Xeon
- * cores: 48.3 -> 45.8 ms, RTN 4-bit 43.3 -> 36.6, FP8 51.3 -> 40.9; evals/RESULTS-LOG.md). A prefetch past a
- * weight's end is harmless: it never faults. */
+ * waits at every page for its first lines and their address translation (measured in docs/results.md, "Figures
+ * formerly in code comments"). A prefetch past a weight's end is harmless: it never faults. */
 #define AHEAD 4096
 #define PREFETCH(p) _mm_prefetch((const char *)(p) + AHEAD, _MM_HINT_T0)
 

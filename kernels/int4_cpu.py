@@ -17,14 +17,13 @@ and cached beside the weight; ``int4_linear_ref`` is the plain-torch definition 
 
 It takes fewer than ``max_rows(x.dtype)`` rows: a decode step or a short prompt. The kernel multiplies in
 fp32 and reads each weight once per call, which is what a few rows want; a longer prompt is compute-bound,
-and there dequantizing the weight (``gemv_cpu``'s C loop: 0.15 ms for a 2048 x 640 gemma3 linear) and
-handing it to oneDNN's GEMM is faster, so ``quant_linear`` sends those rows to the dequantize-then-matmul
-path. Where the GEMM runs in bf16 or fp16 (AMX or AVX-512 bf16) that is from ``MAX_ROWS`` = 32 rows on
-(``python -m qinfer.evals.diagnostics.prefill_bench MODEL`` times both: gemma3-270m's RTN 4-bit prefill on 2 AMX Xeon
-cores, kernel -> dequantize, 16 rows 45 -> 58 ms, 32 rows 66 -> 64, 64 rows 107 -> 73, 128 rows 189 -> 93,
-255 rows 358 -> 129); where it runs in fp32 (fp32 activations, or a CPU without native half GEMMs:
-``qinfer.kernels.dense``) from ``MAX_ROWS_FP32`` = 128 on (the same prefill with the bf16 GEMM turned off,
-ad hoc: 64 rows 120 -> 150 ms, 128 rows 207 -> 194 ms, 255 rows 366 -> 288 ms; docs/RESULTS-LOG.md).
+and there dequantizing the weight (``gemv_cpu``'s C loop) and handing it to oneDNN's GEMM is faster, so
+``quant_linear`` sends those rows to the dequantize-then-matmul path. Where the GEMM runs in bf16 or fp16 (AMX
+or AVX-512 bf16) that is from ``MAX_ROWS`` = 32 rows on; where it runs in fp32 (fp32 activations, or a CPU
+without native half GEMMs: ``qinfer.kernels.dense``) from ``MAX_ROWS_FP32`` = 128 on, the fp32 GEMM being the
+slower. ``python -m qinfer.evals.diagnostics.prefill_bench MODEL`` times both paths side by side; the timings
+these limits come from are in docs/results.md ("The main job" for the bf16 GEMM, "Figures formerly in code
+comments" for the fp32 one and the dequantize alone).
 """
 
 import contextlib

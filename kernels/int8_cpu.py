@@ -2,10 +2,11 @@
 bits per channel. A decode step at batch 1 (and every step's lm_head under ``--quantize-lm-head``), where
 ``gemv_cpu``'s C kernel is not built.
 
-The reference dequantizes the whole weight on every call: ~300x a bf16 GEMV's time for gemma3's 8-bit
-lm_head. PyTorch's int8 weight-only matmul ``torch.ops.aten._weight_int8pack_mm(x, q, s)`` computes
-``(x @ q^T) * s`` for int8 ``q [N, K]`` and one scale per row, reading a byte per weight. qinfer's groups
-(``w = (q - z) * s`` per group of G along K) map onto one call per group:
+The reference dequantizes the whole weight on every call, far slower than a bf16 GEMV for gemma3's 8-bit
+lm_head (docs/results.md, "Figures formerly in code comments"). PyTorch's int8 weight-only matmul
+``torch.ops.aten._weight_int8pack_mm(x, q, s)`` computes ``(x @ q^T) * s`` for int8 ``q [N, K]`` and one scale
+per row, reading a byte per weight. qinfer's groups (``w = (q - z) * s`` per group of G along K) map onto one
+call per group:
 ``y = sum_g s_g * (x_g @ (q_g - o)^T) - sum_g s_g * (z_g - o) * sum(x_g)``, with ``o = 2^(bits-1)``, the
 middle of the code range: ``q - o`` fits int8, a symmetric weight's zero term vanishes (its ``z`` is ``o``),
 and an asymmetric one's stays small, so the partial products carry little that the zero term cancels. The

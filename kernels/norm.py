@@ -1,7 +1,7 @@
 """RMSNorm, the norm of every supported family: ``x / rms(x) * (offset + w)``.
 
 ``rms_norm_ref`` is the plain-torch definition (the mean of squares always in fp32; bf16 would lose the small
-terms). ``rms_norm`` is the entry point the model calls: a decode step's few rows on CPU go to ``gemv_cpu``'s
+terms). ``rms_norm`` is the entry point the model calls: a decode step's few rows on CPU go to ``norm_cpu``'s
 C loop, which computes the same roundings in one call, where PyTorch's path is a dozen small ops (their
 dispatch, not their arithmetic, is what a decode step pays for; docs/RESULTS-LOG.md); everything else, and
 anything ``torch.compile`` traces, takes the reference.
@@ -9,7 +9,7 @@ anything ``torch.compile`` traces, takes the reference.
 
 import torch
 
-from qinfer.kernels import gemv_cpu
+from qinfer.kernels import norm_cpu
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, scale_in_fp32: bool) -> torch.Tensor:
@@ -22,6 +22,6 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: floa
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, scale_in_fp32: bool) -> torch.Tensor:
-    if gemv_cpu.rms_norm_supported(x, weight, scale_in_fp32):
-        return gemv_cpu.rms_norm(x, weight, eps, offset, scale_in_fp32)
+    if norm_cpu.rms_norm_supported(x, weight, scale_in_fp32):
+        return norm_cpu.rms_norm(x, weight, eps, offset, scale_in_fp32)
     return rms_norm_ref(x, weight, eps, offset, scale_in_fp32)

@@ -7,9 +7,9 @@ on CPU, for one row (a decode step) of integer weights, ``gemv_cpu``'s C kernel 
 the int4 kernel where it applies (fewer than ``int4_cpu.max_rows`` rows), else for one bf16 row the int8
 kernel (other bit widths), else the reference, which is also a long prefill's fast path: a GEMM in the
 activations' dtype (in fp32 on a CPU without native bf16 GEMMs: ``qinfer.kernels.dense``), after
-dequantizing the codes in ``gemv_cpu``'s C loops where they are built (the same weight, 4-19x as fast as the
-reference's PyTorch ops per gemma3 linear, 3-bit codes the most: ``python -m qinfer.evals.diagnostics.prefill_bench
-MODEL``; FP8 codes likewise);
+dequantizing the codes in ``gemv_cpu``'s C loops where they are built (the same weight, several times as fast
+as the reference's PyTorch ops per gemma3 linear, 3-bit codes the most: ``python -m
+qinfer.evals.diagnostics.prefill_bench MODEL``, figures in docs/results.md, "The main job"; FP8 codes likewise);
 ``quant_linear_dtype`` says which dtype the chosen kernel multiplies in. ``fp8_linear`` is FP8's: on a GPU
 the same Triton kernel; on CPU for one row ``gemv_cpu``'s, else ``fp8_cpu``'s one-row path where it applies,
 else the reference. A

@@ -354,7 +354,8 @@ def dequantize_codes(
     K = codes.shape[-1]
     G = K if group_size == -1 else group_size
     # In place on a [..., K/G, G] view, the group's scale and zero broadcast along G: the same values as
-    # expanding them to [..., K] first, ~5x faster (no [N, K] temporaries besides the result).
+    # expanding them to [..., K] first, and faster: no [N, K] temporaries besides the result (docs/results.md,
+    # "Figures formerly in code comments").
     w = codes.to(torch.float32, copy=True).unflatten(-1, (K // G, G))
     w.sub_(zero.float().unsqueeze(-1) if isinstance(zero, torch.Tensor) else float(zero))
     return w.mul_(scale.float().unsqueeze(-1)).flatten(-2)
@@ -531,7 +532,7 @@ class Fp8Weight:
 
 def e4m3_as_fp16(codes: torch.Tensor) -> torch.Tensor:
     """float8_e4m3fn ``codes`` as fp16 numbers ``value / FP8_SHIFT``, exactly, in three vectorised integer
-    passes (PyTorch's ``codes.float()`` converts one element at a time, ~2 ns each on CPU). The bits move:
+    passes (PyTorch's ``codes.float()`` converts one element at a time on CPU). The bits move:
     sign to bit 15, the 4-bit exponent and 3-bit mantissa to bits 13..7; fp16's exponent bias is 15 against
     E4M3's 7, so every value drops by 2^-8, and E4M3 subnormals land on fp16 subnormals. For codes that are
     not NaN (0x7F / 0xFF, which would read as 480 / FP8_SHIFT): qinfer saturates every E4M3 it writes and

@@ -86,7 +86,8 @@ def _best_shrink(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, maxq: int,
     """The clip search: per group of ``x [N, groups, G]``, the factor on ``[lo, hi]`` with the least error.
 
     Each error is summed in grid steps, ``scale^2.4 * sum |w / scale - (q - zero)|^2.4``, with ``|r|^2.4`` formed as
-    ``exp(2.4 log |r|)`` (3x cheaper than ``pow`` here) and ``|r|`` held at 1e-6 and up: at 0, ``log`` and ``exp``
+    ``exp(2.4 log |r|)`` (cheaper than ``pow``: docs/results.md, "Figures formerly in code comments") and ``|r|``
+    held at 1e-6 and up: at 0, ``log`` and ``exp``
     take a slow path, and Gemma's dequantized GGUF weights are 7% zeros. A small ``x`` (one group column of GPTQ's
     sweep without act-order) is scored for several factors per op. Ties go to the larger factor.
     """

@@ -10,11 +10,13 @@ from qinfer.quantizers.fp8 import int8_kv_scale
 from qinfer.quantizers.rtn import rtn_quantize
 from safetensors.torch import load_file
 
-from qinfer.pipeline.block_tune import E2E_EVAL_SAMPLES, TuneConfig, rounding_residual, tune_block, tune_end_to_end
+from qinfer.pipeline.block_tune import E2E_EVAL_SAMPLES, rounding_residual, tune_block, tune_end_to_end
+from qinfer.pipeline.config import TuneConfig
 from qinfer.errors import QinferError
 from qinfer.format import QuantScheme
 from qinfer.model.loader import load_model
-from qinfer.pipeline.quantize import CalibConfig, calibration_batch, quantize_model
+from qinfer.pipeline.config import CalibConfig
+from qinfer.pipeline.quantize import calibration_batch, quantize_model
 from qinfer.sources.tokenizer import Tokenizer
 from tests.test_quantize import logits_error, with_salient_channels
 from tests.tiny_models import TEXT

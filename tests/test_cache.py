@@ -14,10 +14,13 @@ import pytest
 from click.testing import CliRunner
 
 from qinfer.sources import registry
-from qinfer.store import cache
-from qinfer.store.cache import (atomic_dir, check_output, damage, source_fingerprint, temp_path, write_atomic,
-                          write_manifest)
-from qinfer.errors import Command, QinferError, _kept
+from qinfer.store import atomic, memory, paths, temp
+from qinfer.store.atomic import atomic_dir, check_output, write_atomic
+from qinfer.store.fingerprint import source_fingerprint
+from qinfer.store.manifest import damage, write_manifest
+from qinfer.store.temp import temp_path
+from qinfer.cli.command import Command
+from qinfer.errors import QinferError, kept
 from tests.test_cli_errors import assert_one_line_error, run_qinfer
 
 
@@ -59,9 +62,9 @@ def test_ctrl_c_between_the_renames_of_a_replace_waits_for_both(tmp_path, monkey
         return result
 
     monkeypatch.setattr(Path, "rename", rename_then_ctrl_c)
-    monkeypatch.setattr(cache, "_exchange", lambda a, b: False)  # the two renames, where there is no one-step swap
+    monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)  # the two renames, where there is no one-step swap
     _replace_under_ctrl_c(target)
-    assert "(out is complete)" in _kept().replace(str(tmp_path) + os.sep, "")  # what the Ctrl-C line will say
+    assert "(out is complete)" in kept().replace(str(tmp_path) + os.sep, "")  # what the Ctrl-C line will say
 
 
 def _replace_under_ctrl_c(target: Path) -> None:
@@ -84,14 +87,14 @@ def test_a_replace_swaps_in_one_step_and_a_ctrl_c_waits_for_the_old_one_to_go(tm
     target.mkdir()
     (target / "config.json").write_text("old")
     monkeypatch.setattr(Path, "rename", lambda self, dest: pytest.fail("renamed in two steps"))
-    exchange = cache._exchange
+    exchange = atomic._exchange
 
     def exchange_then_ctrl_c(a, b):
         assert exchange(a, b)
         os.kill(os.getpid(), signal.SIGINT)
         return True
 
-    monkeypatch.setattr(cache, "_exchange", exchange_then_ctrl_c)
+    monkeypatch.setattr(atomic, "_exchange", exchange_then_ctrl_c)
     _replace_under_ctrl_c(target)
 
 
@@ -197,7 +200,7 @@ def test_no_home_folder_for_the_cache_is_one_line(monkeypatch):
     monkeypatch.delenv("QINFER_CACHE", raising=False)
     monkeypatch.setattr(Path, "home", no_home)
     with pytest.raises(QinferError, match="no home folder to keep qinfer's cache in: set QINFER_CACHE"):
-        cache.cache_root()
+        paths.cache_root()
 
 
 @pytest.mark.parametrize("code, message", [
@@ -292,7 +295,7 @@ def test_a_temp_folder_another_container_is_writing_is_not_swept(tmp_path):
     finally:
         holder.kill()
         holder.wait()
-    cache.release(made)
+    temp.release(made)
     temp_path(tmp_path, ".out.tmp-", folder=True)  # its writer gone: swept (ours is alive: kept)
     assert not busy.exists() and made.is_dir()
 
@@ -317,7 +320,7 @@ def test_a_full_disk_is_one_line_naming_the_output(tmp_path, monkeypatch):
     assert result.exit_code == 1
     assert result.output == f"Error: disk full while writing {tmp_path / 'out'}: free space and retry\n"
     assert list(tmp_path.iterdir()) == []
-    monkeypatch.setattr(cache, "open", lambda *a, **k: _FullFile(), raising=False)  # write_atomic's own open()
+    monkeypatch.setattr(atomic, "open", lambda *a, **k: _FullFile(), raising=False)  # write_atomic's own open()
     with pytest.raises(OSError) as e:
         write_atomic(tmp_path / "data.json", "{}")
     assert e.value.filename == str(tmp_path / "data.json")
@@ -490,18 +493,18 @@ def test_free_memory_is_the_least_room_under_a_cgroup_limit_at_any_level(tmp_pat
     _cgroup(v2 / "jobs" / "run1", {"memory.max": "max\n", "memory.current": "100\n",
                                    "memory.stat": "inactive_file 0\n"})
     (tmp_path / "v2.cgroup").write_text("0::/jobs/run1\n")
-    assert cache._cgroup_room(v2, tmp_path / "v2.cgroup") == gib + gib // 2
-    assert cache.available_memory(v2, tmp_path / "v2.cgroup") <= gib + gib // 2
+    assert memory._cgroup_room(v2, tmp_path / "v2.cgroup") == gib + gib // 2
+    assert memory.available_memory(v2, tmp_path / "v2.cgroup") <= gib + gib // 2
     # cgroup v1 in a container: the host's path is not mounted, the group's own folder is the mount's root.
     v1 = tmp_path / "v1"
     _cgroup(v1 / "memory", {"memory.limit_in_bytes": f"{2 * gib}\n", "memory.usage_in_bytes": f"{gib}\n",
                             "memory.stat": "inactive_file 5\ntotal_inactive_file 7\n"})
     (tmp_path / "v1.cgroup").write_text("5:cpu:/\n4:memory:/docker/abc\n0::/\n")
-    assert cache._cgroup_room(v1, tmp_path / "v1.cgroup") == gib + 7
+    assert memory._cgroup_room(v1, tmp_path / "v1.cgroup") == gib + 7
     # No limit (v1's page-rounded 2^63, v2's "max"), or no cgroup files at all: the system's MemAvailable alone.
     (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
-    assert cache._cgroup_room(v1, tmp_path / "v1.cgroup") is None
-    assert cache._cgroup_room(tmp_path / "none", tmp_path / "absent") is None
+    assert memory._cgroup_room(v1, tmp_path / "v1.cgroup") is None
+    assert memory._cgroup_room(tmp_path / "none", tmp_path / "absent") is None
     meminfo = dict(line.split(":") for line in Path("/proc/meminfo").read_text().splitlines())
     system = int(meminfo["MemAvailable"].split()[0]) * 1024
-    assert abs(cache.available_memory(tmp_path / "none", tmp_path / "absent") - system) < gib
+    assert abs(memory.available_memory(tmp_path / "none", tmp_path / "absent") - system) < gib

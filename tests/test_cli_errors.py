@@ -196,7 +196,7 @@ def test_ctrl_c_message_starts_its_own_line_at_a_terminal(terminal):
     # a terminal echoes ^C where the cursor is; the Error line must not run on after it
     import io
 
-    from qinfer.errors import _Interrupted
+    from qinfer.cli.command import _Interrupted
 
     class Stream(io.StringIO):
         def isatty(self):
@@ -326,7 +326,7 @@ def test_a_signal_while_torch_is_imported_is_delivered_after_it(monkeypatch):
     import importlib
     import signal
 
-    from qinfer import errors
+    from qinfer.cli import command
 
     imported = []
 
@@ -338,7 +338,7 @@ def test_a_signal_while_torch_is_imported_is_delivered_after_it(monkeypatch):
     before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as a command starts (whatever ran before)
     try:
         with pytest.raises(KeyboardInterrupt):
-            errors._import_torch()
+            command._import_torch()
         assert imported == ["torch"]  # the import ran to its end first
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:

@@ -11,7 +11,8 @@ from qinfer.kernels.linear import linear
 from qinfer.model.kv_cache import make_cache
 from qinfer.model.loader import huge_pages_reason, load_model
 from qinfer.model.decoder import FusedLinear, QLinear, fuse_linears, separate_linears, stacked
-from qinfer.pipeline.quantize import CalibConfig, quantize_model
+from qinfer.pipeline.config import CalibConfig
+from qinfer.pipeline.quantize import quantize_model
 from tests.tiny_models import make_model
 
 

@@ -272,7 +272,8 @@ def test_generate_and_chat_run_over_the_kv_cache_asked_for_with_the_stored_scale
     from safetensors.torch import load_file, save_file
 
     from qinfer.format import QuantScheme
-    from qinfer.pipeline.quantize import CalibConfig, quantize_model
+    from qinfer.pipeline.config import CalibConfig
+    from qinfer.pipeline.quantize import quantize_model
     from tests.tiny_models import TEXT
 
     make_model("llama", tmp_path / "src")

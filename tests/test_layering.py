@@ -12,6 +12,7 @@ FOLDERS = {"qinfer": "qinfer", "kernels": "qinfer.kernels", "quantizers": "qinfe
            "calib": "qinfer.calib", "evals": "qinfer.evals"}
 
 PARTS = {  # part -> module prefixes (a prefix matches the module and its submodules): its folder, mostly
+    "errors": ["qinfer.errors", "qinfer.deps"],  # the error type and the tested versions: the standard library only
     "store": ["qinfer.store"],
     "sources": ["qinfer.sources"],
     "kernels": ["qinfer.kernels"],
@@ -22,21 +23,25 @@ PARTS = {  # part -> module prefixes (a prefix matches the module and its submod
     "converters": ["qinfer.format", "qinfer.interop.gptq", "qinfer.interop.compressed_tensors", "qinfer.interop.common"],
     "pipeline": ["qinfer.pipeline"],
     "engine": ["qinfer.engine"],
+    # the click classes with one-line errors that qinfer and the python -m qinfer.evals.* tools are built on
+    "console": ["qinfer.cli.command"],
     "cli": ["qinfer.cli"],
 }
 ABOVE_GROUND = ["sources", "kernels", "model", "calib", "quantizers", "pipeline", "engine", "evals", "cli"]
-NEVER = {  # part -> parts it must never import
-    "store": ABOVE_GROUND,
+NEVER = {  # part -> parts it must never import (only entry points may import "console", the click classes)
+    "errors": ["store", "converters"] + ABOVE_GROUND + ["console"],
+    "store": ABOVE_GROUND + ["console"],
     # (sources reach the model through qinfer.interop.folders, which converts an imported checkpoint)
-    "sources": ["kernels", "calib", "quantizers", "pipeline", "engine", "evals", "cli"],
-    "kernels": ["model", "calib", "quantizers", "pipeline", "engine", "evals", "cli"],
-    "quantizers": ["model", "kernels", "calib", "pipeline", "engine", "evals", "cli"],
-    "converters": ["model", "calib", "quantizers", "pipeline", "engine", "evals", "cli"],
-    "model": ["calib", "quantizers", "pipeline", "engine", "evals", "cli"],
-    "calib": ["quantizers", "pipeline", "engine", "evals", "cli"],
-    "engine": ["calib", "quantizers", "pipeline", "evals", "cli"],
-    "pipeline": ["engine", "evals", "cli"],
+    "sources": ["kernels", "calib", "quantizers", "pipeline", "engine", "evals", "console", "cli"],
+    "kernels": ["model", "calib", "quantizers", "pipeline", "engine", "evals", "console", "cli"],
+    "quantizers": ["model", "kernels", "calib", "pipeline", "engine", "evals", "console", "cli"],
+    "converters": ["model", "calib", "quantizers", "pipeline", "engine", "evals", "console", "cli"],
+    "model": ["calib", "quantizers", "pipeline", "engine", "evals", "console", "cli"],
+    "calib": ["quantizers", "pipeline", "engine", "evals", "console", "cli"],
+    "engine": ["calib", "quantizers", "pipeline", "evals", "console", "cli"],
+    "pipeline": ["engine", "evals", "console", "cli"],
     "evals": ["cli"],
+    "console": ABOVE_GROUND,
 }
 
 
@@ -92,3 +97,64 @@ def test_imports_follow_the_design(path):
     if module != "qinfer.__main__":
         bad += sorted(t for t in imports(path) if part_of(t) == "cli" and part != "cli")
     assert not bad, f"{module} ({part}) imports {sorted(set(bad))} against the design's direction"
+
+
+def test_no_module_imports_itself_around_a_circle():
+    # A circle (a imports b imports a), even through a function-local import, means neither can be read or
+    # changed alone: each strongly connected group of the import graph must be one module.
+    edges = {module_name(p): imports(p) for p in sources()}
+    graph = {m: sorted(t for t in targets if t in edges and t != m) for m, targets in edges.items()}
+    circles = [group for group in strongly_connected(graph) if len(group) > 1]
+    assert not circles, f"import circles: {circles}"
+
+
+def strongly_connected(graph: dict[str, list[str]]) -> list[list[str]]:
+    """Tarjan's algorithm, iterative: the graph's strongly connected groups of nodes."""
+    index, low, stack, on_stack, groups = {}, {}, [], set(), []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, 0)]
+        while work:
+            node, i = work.pop()
+            if i == 0:
+                index[node] = low[node] = len(index)
+                stack.append(node)
+                on_stack.add(node)
+            for j in range(i, len(graph[node])):
+                nxt = graph[node][j]
+                if nxt not in index:
+                    work += [(node, j + 1), (nxt, 0)]
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                if low[node] == index[node]:
+                    group = []
+                    while True:
+                        top = stack.pop()
+                        on_stack.discard(top)
+                        group.append(top)
+                        if top == node:
+                            break
+                    groups.append(sorted(group))
+                if work:
+                    parent = work[-1][0]
+                    low[parent] = min(low[parent], low[node])
+    return groups
+
+
+def test_the_circle_check_finds_a_circle():
+    assert strongly_connected({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c"], ["d"]]
+
+
+def test_the_library_runs_without_click():
+    # Only the command-line entry points need click: the quantizers, kernels, model and pipeline raise QinferError
+    # without importing it.
+    import subprocess
+    import sys
+
+    code = ("import sys; import qinfer.pipeline.quantize, qinfer.engine.generate, qinfer.interop.folders; "
+            "print('click' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "False"

@@ -14,7 +14,8 @@ from safetensors.torch import save_file
 import qinfer.model.loader
 from qinfer.format import QuantScheme
 from qinfer.model.loader import HUGE_PAGE, drop_pages, huge_pages_reason, into_huge_pages, load_model, read_safetensors
-from qinfer.pipeline.quantize import CalibConfig, quantize_model
+from qinfer.pipeline.config import CalibConfig
+from qinfer.pipeline.quantize import quantize_model
 from tests.tiny_models import COMMON, CONFIGS, make_model
 
 

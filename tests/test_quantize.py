@@ -10,14 +10,15 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from qinfer.pipeline.block_tune import TuneConfig
+from qinfer.pipeline.config import TuneConfig
 from qinfer.errors import QinferError
 from qinfer.format import QuantScheme
 from qinfer.model.kv_cache import make_cache
 from qinfer.model.loader import load_model
 from qinfer.calib.capture import calibrate_in_stages, capture_block, embed_samples, run_block
 import qinfer.pipeline.quantize
-from qinfer.pipeline.quantize import CalibConfig, calibration_batch, quantize_model
+from qinfer.pipeline.config import CalibConfig
+from qinfer.pipeline.quantize import calibration_batch, quantize_model
 from qinfer.quantizers.gptq import fp_target
 from qinfer.sources.tokenizer import Tokenizer
 from tests.tiny_models import COMMON, CONFIGS, TEXT, VOCAB, make_model

@@ -7,10 +7,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qinfer.pipeline.block_tune import TuneConfig
+from qinfer.pipeline.config import TuneConfig
 from qinfer.errors import QinferError
 from qinfer.format import QuantScheme
-from qinfer.pipeline.quantize import CalibConfig, quantize_model
+from qinfer.pipeline.config import CalibConfig
+from qinfer.pipeline.quantize import quantize_model
 from tests.tiny_models import make_model
 
 CALIB = CalibConfig(samples=16, seq_len=64)  # (the rtn cases read no text)

@@ -16,11 +16,13 @@ import torch
 
 from qinfer.model.arch import ModelConfig
 from qinfer.calib.capture import embed_samples, run_block
-from qinfer.errors import Command, QinferError
+from qinfer.cli.command import Command
+from qinfer.errors import QinferError
 from qinfer.evals.checkpoint import check_quantized, check_same_model
 from qinfer.model.loader import load_model
 from qinfer.pipeline.preflight import check_seq_len
-from qinfer.pipeline.quantize import CalibConfig, calibration_batch
+from qinfer.pipeline.config import CalibConfig
+from qinfer.pipeline.quantize import calibration_batch
 from qinfer.sources.resolve import resolve_model
 from qinfer.sources.tokenizer import Tokenizer
 

@@ -18,7 +18,7 @@ import click
 import torch
 from tqdm import tqdm
 
-from qinfer.errors import Command
+from qinfer.cli.command import Command
 from qinfer.evals.accuracy import HELDOUT
 from qinfer.evals.checkpoint import check_quantized, check_same_model
 from qinfer.evals.divergence import text_metrics

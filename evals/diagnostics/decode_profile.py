@@ -30,7 +30,8 @@ import torch
 from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile
 
-from qinfer.errors import Command, QinferError
+from qinfer.cli.command import Command
+from qinfer.errors import QinferError
 from qinfer.evals.roofline import threads_text
 from qinfer.evals.speed import checked_prompt
 from qinfer.engine.generate import compiled_decode_step, decode_step, greedy, prefill

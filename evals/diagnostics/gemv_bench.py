@@ -1,5 +1,5 @@
-"""The C kernels of a decode step (``qinfer.kernels.gemv_cpu``: GEMVs, RMSNorm, attention) against PyTorch's,
-side by side on one model.
+"""The C kernels of a decode step (``qinfer.kernels``' ``gemv_cpu``, ``norm_cpu`` and ``attention_cpu``: GEMVs,
+RMSNorm, attention) against PyTorch's, side by side on one model.
 
     python -m qinfer.evals.diagnostics.gemv_bench MODEL [--prompt-tokens 512] [--steps 8] [--rounds 5] [--calls 50]
 
@@ -12,10 +12,10 @@ Two parts, each alternating the two paths so a machine that slows down for a whi
    their greedy tokens agree; and, in the same rounds, the C GEMVs' steps on a second copy of the model whose
    weights stay in the checkpoint's file map (4 KiB pages) against the copy in 2 MiB pages that the qinfer
    commands run (``qinfer.model.loader.into_huge_pages``), where the OS has transparent huge pages; the C GEMVs
-   with PyTorch's ops for RMSNorm and the attention (``gemv_cpu.only_gemvs``); the C kernels with q/k/v and
+   with PyTorch's ops for RMSNorm and the attention (``cpu_library.only_gemvs``); the C kernels with q/k/v and
    gate/up multiplied one linear at a time (``qinfer.model.decoder.separate_linears``) instead of fused; and, on a CPU
    with AVX-VNNI or AVX512-VNNI, the C kernels with 4-bit rows through the AVX2 float loop
-   (``gemv_cpu.without_vnni``) instead of the VNNI one.
+   (``cpu_library.without_vnni``) instead of the VNNI one.
 
 Diagnostic only, CPU only: nothing is written, nothing cached.
 """
@@ -27,12 +27,13 @@ import time
 import click
 import torch
 
-from qinfer.errors import Command, QinferError
+from qinfer.cli.command import Command
+from qinfer.errors import QinferError
 from qinfer.evals.diagnostics.decode_profile import alternating_rounds, check_context, warmed_up
 from qinfer.evals.roofline import threads_text
 from qinfer.format import Fp8Weight, QuantizedWeight
 from qinfer.engine.generate import decode_step
-from qinfer.kernels import gemv_cpu
+from qinfer.kernels import cpu_library
 from qinfer.kernels.linear import linear
 from qinfer.model.loader import huge_pages_reason, load_model
 from qinfer.model.decoder import QLinear, fuse_linears, separate_linears
@@ -48,8 +49,8 @@ from qinfer.sources.resolve import resolve_model
 def main(model, prompt_tokens, steps, rounds, calls):
     if min(prompt_tokens, steps, rounds, calls) < 1:
         raise QinferError("--prompt-tokens, --steps, --rounds and --calls must be at least 1")
-    if not gemv_cpu.available():
-        raise QinferError(f"the C GEMV kernels are not in use here ({gemv_cpu.unavailable_reason()})")
+    if not cpu_library.available():
+        raise QinferError(f"the C GEMV kernels are not in use here ({cpu_library.unavailable_reason()})")
     _report(model, prompt_tokens, steps, rounds, calls)
 
 
@@ -92,7 +93,7 @@ def _report(model_name: str, prompt_tokens: int, steps: int, rounds: int, calls:
         times: dict[str, list[float]] = {"torch": [], "C": []}
         for r in range(rounds):
             for name in (("torch", "C") if r % 2 == 0 else ("C", "torch")):
-                with gemv_cpu.disabled() if name == "torch" else contextlib.nullcontext():
+                with cpu_library.disabled() if name == "torch" else contextlib.nullcontext():
                     linear(x, w)  # warm
                     times[name].append(_timed(lambda: linear(x, w), calls))
         t, c = statistics.median(times["torch"]), statistics.median(times["C"])
@@ -107,11 +108,11 @@ def _report(model_name: str, prompt_tokens: int, steps: int, rounds: int, calls:
 
 def _decode_steps(model, small_pages, prompt_tokens: int, steps: int, rounds: int) -> None:
     token, pos, cache = warmed_up(model, prompt_tokens, rounds * steps)
-    paths = {"torch": (decode_step, gemv_cpu.disabled), "C": (decode_step, contextlib.nullcontext)}
-    paths["C GEMVs only"] = (decode_step, gemv_cpu.only_gemvs)
+    paths = {"torch": (decode_step, cpu_library.disabled), "C": (decode_step, contextlib.nullcontext)}
+    paths["C GEMVs only"] = (decode_step, cpu_library.only_gemvs)
     paths["C, linears apart"] = (decode_step, separate_linears)
-    if gemv_cpu.int4_vnni():
-        paths["C, int4 without VNNI"] = (decode_step, gemv_cpu.without_vnni)
+    if cpu_library.int4_vnni():
+        paths["C, int4 without VNNI"] = (decode_step, cpu_library.without_vnni)
     if small_pages is not None:  # the same steps through the other copy of the weights
         paths["C, 4 KiB pages"] = (lambda _, *args: decode_step(small_pages, *args), contextlib.nullcontext)
     times, agree = alternating_rounds(model, token, pos, cache, steps, rounds, paths)
@@ -128,7 +129,7 @@ def _decode_steps(model, small_pages, prompt_tokens: int, steps: int, rounds: in
     if "C, int4 without VNNI" in times:
         v = statistics.median(times["C, int4 without VNNI"]) * 1000
         print(f"decode step with the C kernels: {v:.1f} ms with 4-bit rows through the AVX2 float loop, {c:.1f} ms "
-              f"through {gemv_cpu.int4_vnni()} ({v / c:.2f}x)")
+              f"through {cpu_library.int4_vnni()} ({v / c:.2f}x)")
     else:
         print("4-bit rows through VNNI: not measured (no AVX-VNNI or AVX512-VNNI here)")
     if small_pages is None:

@@ -21,13 +21,14 @@ import time
 import click
 import torch
 
-from qinfer.errors import Command, QinferError
+from qinfer.cli.command import Command
+from qinfer.errors import QinferError
 from qinfer.evals.diagnostics.gemv_bench import _kind, _timed
 from qinfer.evals.roofline import threads_text
 from qinfer.evals.speed import checked_prompt
 from qinfer.format import Fp8Weight, QuantizedWeight
 from qinfer.engine.generate import prefill
-from qinfer.kernels import gemv_cpu, int4_cpu
+from qinfer.kernels import cpu_library, gemv_cpu, int4_cpu
 from qinfer.model.kv_cache import make_cache
 from qinfer.model.loader import load_model
 from qinfer.model.decoder import QLinear
@@ -50,8 +51,8 @@ def main(model, prompt_tokens, rows, rounds, calls):
         raise QinferError(f"--rows takes prompt lengths separated by commas, got {rows!r}") from None
     if min(prompt_tokens, rounds, calls, *lengths) < 1:
         raise QinferError("--prompt-tokens, --rows, --rounds and --calls must be at least 1")
-    if not gemv_cpu.available():
-        raise QinferError(f"the C kernels are not in use here ({gemv_cpu.unavailable_reason()})")
+    if not cpu_library.available():
+        raise QinferError(f"the C kernels are not in use here ({cpu_library.unavailable_reason()})")
     _report(model, prompt_tokens, lengths, rounds, calls)
 
 
@@ -115,7 +116,7 @@ def _report(model_name: str, prompt_tokens: int, lengths: list[int], rounds: int
     logits = {}
 
     def run(name):
-        context = gemv_cpu.pytorch_dequantize if name == "torch" else contextlib.nullcontext
+        context = cpu_library.pytorch_dequantize if name == "torch" else contextlib.nullcontext
         seconds, logits[name] = _prefill_seconds(model, prompt, context)
         return seconds
 

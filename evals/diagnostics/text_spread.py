@@ -23,7 +23,8 @@ import statistics
 import click
 import torch
 
-from qinfer.errors import Command, QinferError
+from qinfer.cli.command import Command
+from qinfer.errors import QinferError
 from qinfer.evals.accuracy import HELDOUT
 from qinfer.evals.checkpoint import check_quantized
 from qinfer.evals.divergence import TokenSeries, se_block, token_series

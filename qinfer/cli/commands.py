@@ -6,7 +6,8 @@ from pathlib import Path
 
 import click
 
-from qinfer.errors import Group, QinferError, Terminated
+from qinfer.cli.command import Group
+from qinfer.errors import QinferError, Terminated
 
 DTYPES = ("bf16", "fp32")
 
@@ -33,8 +34,8 @@ def _open(model: str, dtype: str):
 def _kv_scales_note(lm, model: str, kv_cache: str) -> None:
     """Say on stderr when an int8 KV cache has no calibrated scales to use (its accuracy then suffers)."""
     if kv_cache == "int8" and not getattr(lm, "kv_scales", None):
-        # int8's even steps suffer from a few wide channels setting a position's range (gemma3-270m: KL 0.008 to
-        # the bf16 cache against 0.002 calibrated, docs/format.md); FP8's relative precision barely does: no note there
+        # int8's even steps suffer from a few wide channels setting a position's range (measured in docs/format.md);
+        # FP8's relative precision barely does: no note there
         click.echo(f"note: {model} stores no KV-cache scales, so the int8 cache scales each position's keys and "
                    "values alike over their channels (less accurate: quantizing the original model with --kv-cache "
                    "int8 calibrates scales per channel)", err=True)
@@ -61,9 +62,8 @@ def _kv_cache_option(f):
 def _compile_option(f):
     return click.option(
         "--compile", "compiled", is_flag=True,
-        help="Decode through torch.compile (inductor): up to a minute to compile at the second token, then "
-             "1.05-1.12x the eager decode tokens/s on gemma3-270m with 2 CPU cores (see docs/results.md); needs a C++ "
-             "compiler.",
+        help="Decode through torch.compile (inductor): the decode step compiles at the second token, then runs "
+             "somewhat faster than eager (measured in docs/results.md); needs a C++ compiler.",
     )(f)
 
 
@@ -80,7 +80,8 @@ def pull(name, force):
 @cli.command(name="list")
 def list_models():
     """Show the built-in models and which are cached."""
-    from qinfer.store.cache import cache_root, damage
+    from qinfer.store.manifest import damage
+    from qinfer.store.paths import cache_root
     from qinfer.sources.registry import BUILTINS, is_pulled, model_dir
 
     for spec in BUILTINS.values():
@@ -160,7 +161,7 @@ def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed, kv_c
     _kv_scales_note(lm, model, kv_cache)
     if compiled:
         click.echo("note: --compile: the first reply pauses after its first token while the decode step compiles "
-                   "(about a minute on 2 CPU cores)", err=True)
+                   "(once per session)", err=True)
     repl(ChatSession(lm, tok, params, system=system, compiled=compiled, kv_dtype=kv_cache))
 
 
@@ -190,15 +191,15 @@ def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed, kv_c
 @click.option("--lm-head-bits", type=int, default=8, show_default=True)
 @click.option("--tune-steps", type=int, default=0, show_default=True,
               help="After each block is quantized, tune its group scales and norms for N steps towards the "
-                   "unquantized model's block output (integer formats; for gemma3-270m on 2 CPU cores, ~0.4 s per step "
-                   "with AVX-512, ~1 s with AVX2 only).")
+                   "unquantized model's block output (integer formats; each step is a forward and backward pass of one "
+                   "block over --tune-batch samples; docs/results.md has measured times).")
 @click.option("--tune-rounding", is_flag=True,
               help="With --tune-steps: also learn which way each weight rounds (one level up or down from the "
                    "quantizer's), by signed gradient descent as in AutoRound.")
 @click.option("--e2e-steps", type=int, default=0, show_default=True,
               help="After all blocks, tune every group scale and norm for N steps (one calibration sample each) on the "
-                   "KL divergence to the unquantized model's next-token distribution (integer formats; ~9 s per step "
-                   "for gemma3-270m on 2 CPU cores).")
+                   "KL divergence to the unquantized model's next-token distribution (integer formats; each step is a "
+                   "forward and backward pass of the whole model).")
 @click.option("--tune-batch", type=int, default=4, show_default=True,
               help="Calibration samples per --tune-steps step (the step's time grows in proportion).")
 @click.option("--tune-lr", type=float, default=2e-3, show_default=True,
@@ -232,10 +233,9 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
              quantize_lm_head, lm_head_bits, tune_steps, tune_rounding, e2e_steps, tune_batch, tune_lr, tune_holdout,
              mse_clip, true_sequential, fp_target, fp_target_damp, keep_bos, force):
     """Quantize MODEL into the qinfer format (safetensors + quant_config.json) at OUT."""
-    from qinfer.pipeline.block_tune import TuneConfig
-    from qinfer.store.cache import check_output
-    from qinfer.format import QuantScheme
-    from qinfer.pipeline.quantize import CalibConfig, check_settings, quantize_model, uses_calibration
+    from qinfer.store.atomic import check_output
+    from qinfer.pipeline.config import CalibConfig, TuneConfig, check_settings, quant_scheme, uses_calibration
+    from qinfer.pipeline.quantize import quantize_model
     from qinfer.sources.resolve import resolve_model
 
     if out is not None:
@@ -245,25 +245,14 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
     if "lm_head_bits" in given and not quantize_lm_head:
         raise QinferError("--lm-head-bits sets the bits of a quantized lm_head: add --quantize-lm-head, or drop it")
     if fmt == "fp8":  # GPTQ's error feedback onto the FP8 grid, or (--method rtn) plain round to nearest
-        if method == "awq":
-            raise QinferError("AWQ produces integer weights: use --format int, or --method gptq|rtn with --format fp8")
         if "group_size" in given and group_size != -1:
             raise QinferError("--format fp8 scales each output channel, not groups: drop --group-size")
         if "lm_head_bits" in given and lm_head_bits != 8:
             raise QinferError("--format fp8 quantizes the lm_head to FP8 (8 bits): drop --lm-head-bits")
-        if act_order and method != "gptq":  # named as given, before rtn becomes the scheme's method "fp8"
-            raise QinferError(f"--act-order applies only to --method gptq, not {method}: drop --act-order")
-        method, group_size, lm_head_bits = ("gptq" if method == "gptq" else "fp8"), -1, 8
-        bits = bits if "bits" in given else 8  # E4M3 is 8 bits: --bits 4 is refused, no --bits is not
-    if act_order is None:
-        act_order = method == "gptq"
-    if sym is None:
-        sym = fmt == "fp8"
-    if mse_clip is None:
-        mse_clip = method == "gptq" and fmt == "int"
-    scheme = QuantScheme(method=method, bits=bits, group_size=group_size, symmetric=sym, act_order=act_order,
-                         format=fmt, kv_cache=kv_cache, quantize_lm_head=quantize_lm_head, lm_head_bits=lm_head_bits,
-                         mse_clip=mse_clip)
+    # options not given take the library's defaults for the method and format (qinfer.pipeline.config)
+    scheme = quant_scheme(method, format=fmt, symmetric=sym, act_order=act_order, mse_clip=mse_clip, kv_cache=kv_cache,
+                          quantize_lm_head=quantize_lm_head, **{name: value for name, value in
+                          (("bits", bits), ("group_size", group_size), ("lm_head_bits", lm_head_bits)) if name in given})
     if "tune_lr" in given and not (tune_steps or e2e_steps):
         raise QinferError("--tune-lr is the rate of the tuning stages: add --tune-steps N or --e2e-steps N, or drop it")
     if "tune_batch" in given and not tune_steps:
@@ -312,7 +301,7 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
 @click.option("--force", is_flag=True, help="Replace OUT if it is a model folder (one with config.json) or empty.")
 def export(model, out, fmt, force):
     """Write the qinfer-quantized MODEL as a GPTQ or compressed-tensors checkpoint at OUT."""
-    from qinfer.store.cache import check_output
+    from qinfer.store.atomic import check_output
     from qinfer.interop.folders import export_folder
     from qinfer.sources.resolve import resolve_model
 
@@ -345,7 +334,7 @@ def export(model, out, fmt, force):
 @click.option("--repeats", type=int, default=3, show_default=True, help="Speed runs (medians are reported).")
 @click.option("--compile", "compiled", is_flag=True, default=False,
               help="Also time the decode step through torch.compile, as generate --compile runs it (compiled "
-                   "tok/s and MBU columns; about a minute to compile each model).")
+                   "tok/s and MBU columns; each model is compiled first).")
 @click.option("--out", default="qinfer-results", show_default=True, help="Folder for the results and plots.")
 @click.option("--no-cache", is_flag=True, help="Measure again instead of reusing cached results.")
 def eval_models(models, baseline, text, max_tokens, window, stride, tasks, limit, bigbench_sdist, speed, kv_cache,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qinfer.errors import QinferError, check_seed
+from qinfer.errors import check_seed, QinferError
 from qinfer.model.kv_cache import KVCache, make_cache
 from qinfer.model.decoder import Transformer
 
@@ -70,8 +70,8 @@ class GenerationStats:
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """[B, V] logits -> [B] ids of each row's largest logit (the first of a tie, a NaN's if any), as ``argmax``
-    gives them. Through ``torch.max``, whose CPU kernel reads a vocabulary row 2-5x faster than argmax's: 0.2
-    against 0.9 ms a step for gemma3's 262144 bf16 logits on 2 cores."""
+    gives them. Through ``torch.max``, whose CPU kernel reads a vocabulary row faster than argmax's
+    (gemma3's 262144 bf16 logits: docs/results.md, "Figures formerly in code comments")."""
     return torch.max(logits, dim=-1).indices
 
 
@@ -118,18 +118,19 @@ def compiled_decode_step() -> Callable:
     cache length and prompt, with two exceptions: a step whose keys fill the whole cache is another graph, so
     callers keep a spare position; and a graph inductor read from its on-disk cache guards which side of a
     sliding window the position lies on, so a sequence passing the window compiles once more. Another model
-    compiles again). On 2 CPU cores it takes up to a minute to compile, then runs 1.05-1.12x as many decode
-    steps a second as the eager step on gemma3-270m and its 4-bit and FP8 models (``qinfer eval MODEL
-    --compile``, docs/results.md; more before the eager step's products, norms and attention ran in C, and 1.57x on
-    SmolLM2 then; ``python -m qinfer.evals.diagnostics.decode_profile MODEL --compile`` times one model). Inductor's fused
+    compiles again). The first step pays for the compile; then it runs more decode steps a second than the eager
+    step on gemma3-270m and its 4-bit and FP8 models, as it removes the step's small ops (``qinfer eval MODEL
+    --compile`` times both; the ratios, and how they shrank once the eager step's products, norms and attention
+    ran in C, are in docs/results.md, "Speed against the roofline" and "Figures formerly in code comments";
+    ``python -m qinfer.evals.diagnostics.decode_profile MODEL --compile`` times one model). Inductor's fused
     code sums in another order than the eager kernels: the logits differ in their last bits, and a greedy
     continuation can part from the eager one at a near-tie. Inductor compiles C++ with the machine's compiler."""
     return torch.compile(decode_step, dynamic=True)
 
 
 def compiled_graphs() -> int:
-    """The graphs torch.compile has built in this process. Imports torch._dynamo (150 MiB, a second): only for
-    callers that compile."""
+    """The graphs torch.compile has built in this process. Imports torch._dynamo, whose import costs memory
+    and time (docs/results.md, "Figures formerly in code comments"): only for callers that compile."""
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"]

@@ -35,8 +35,10 @@ from pathlib import Path
 import torch
 
 from qinfer.model.arch import ModelConfig, read_config
-from qinfer.store.cache import atomic_dir, check_output, damage, save_tensors, write_manifest
-from qinfer.errors import QinferError, read_json_object
+from qinfer.store.atomic import atomic_dir, check_output, save_tensors
+from qinfer.store.manifest import damage, write_manifest
+from qinfer.errors import QinferError
+from qinfer.store.reading import read_json_object
 from qinfer.format import QUANT_CONFIG_FILE, QuantScheme, packed_weight
 from qinfer.interop import compressed_tensors as ct
 from qinfer.interop import gptq

@@ -9,7 +9,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from qinfer.errors import QinferError, read_json_object
+from qinfer.errors import QinferError
+from qinfer.store.reading import read_json_object
 
 
 @dataclass(frozen=True)

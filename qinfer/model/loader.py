@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from qinfer.model.arch import ModelConfig
-from qinfer.store.cache import cache_root
+from qinfer.store.paths import cache_root
 from qinfer.errors import QinferError
 from qinfer.format import QUANT_CONFIG_FILE, QuantScheme, packed_weight
 from qinfer.model.kv_cache import check_scale
@@ -341,8 +341,8 @@ def into_huge_pages(model: Transformer) -> int:
 
     A decode step reads every weight once from memory, small linears included. With 4 KiB pages a 2.6 MB
     weight spans 640 pages, and every page costs its own address translation (a page walk, nested under a
-    virtual machine) that no prefetcher covers; 2 MiB pages need 2. gemma3-270m's decode step on 2 Xeon cores
-    (``python -m qinfer.evals.diagnostics.gemv_bench MODEL``, which times both): see docs/RESULTS-LOG.md.
+    virtual machine) that no prefetcher covers; 2 MiB pages need 2. ``python -m qinfer.evals.diagnostics.gemv_bench
+    MODEL`` times a decode step in both; the figures are in docs/results.md, "Speed against the roofline".
     """
     if huge_pages_reason():
         return 0

@@ -53,37 +53,10 @@ from torch.func import functional_call
 from tqdm import tqdm
 
 from qinfer.calib.capture import bos_rows, first_kept
-from qinfer.errors import QinferError
 from qinfer.format import QuantizedWeight, dequantize_codes, pack
 from qinfer.model.decoder import Transformer
+from qinfer.pipeline.config import TuneConfig
 from qinfer.quantizers.rtn import FP16_MAX
-
-
-@dataclass(frozen=True)
-class TuneConfig:
-    steps: int = 0  # Adam steps per block; 0 = no block tuning
-    lr: float = 2e-3  # for the log-scales and the norm weights (both stages)
-    batch: int = 4  # calibration samples per block step
-    e2e_steps: int = 0  # end-to-end Adam steps of one calibration sample each; 0 = none
-    seed: int = 0
-    rounding: bool = False  # the block stage also learns each weight's rounding (AutoRound's signed descent)
-    holdout: int = 0  # block stage: calibration samples kept out of the steps to pick the best check; 0 = none
-
-    def __post_init__(self):
-        if self.steps < 0 or self.e2e_steps < 0 or self.batch < 1 or not 0 < self.lr < math.inf or self.holdout < 0:
-            raise QinferError(
-                "tuning needs --tune-steps >= 0, --e2e-steps >= 0, --tune-batch >= 1, --tune-holdout >= 0 and a "
-                f"finite positive --tune-lr (got {self.steps}, {self.e2e_steps}, {self.batch}, {self.holdout}, "
-                f"{self.lr})"
-            )
-        if self.rounding and not self.steps:
-            raise QinferError("--tune-rounding learns the rounding in the block tuning stage: add --tune-steps N (e.g. 200)")
-        if self.holdout and not self.steps:
-            raise QinferError("--tune-holdout picks the best step of the block tuning stage: add --tune-steps N (e.g. 200)")
-
-    @property
-    def active(self) -> bool:
-        return self.steps > 0 or self.e2e_steps > 0
 
 
 @dataclass(frozen=True)
@@ -224,7 +197,8 @@ def tune_end_to_end(
     masks = model.masks(pos, 0)
     ropes = [model.rope(i, pos, torch.float32) for i in range(len(layers))]
     # the lm_head (its 2 * C * vocab FLOPs per token are most of a step's) multiplies in fp32: its bf16
-    # matmul runs ~9x slower on CPUs without AVX-512, and fp32 is what the logits are taken in anyway
+    # matmul runs several times slower on CPUs without AVX-512 (docs/results.md, "Speed against the roofline"),
+    # and fp32 is what the logits are taken in anyway
     head = model.lm_head.weight.float()
     levels = {n: _levels(w) for n, w in weights.items()}
     logs = {n: torch.zeros(w.scale.shape, requires_grad=True) for n, w in weights.items()}

@@ -3,24 +3,18 @@ finish (a linear the integer layout cannot hold, a NaN or Inf in any weight, win
 activations that do not fit in memory) stops in seconds with one line instead of failing, or being killed,
 minutes in."""
 
-from __future__ import annotations
-
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from qinfer.model.arch import ModelConfig
-from qinfer.store.cache import available_memory
+from qinfer.store.memory import available_memory
 from qinfer.calib.capture import KEEP_DTYPE, compute_dtype
 from qinfer.errors import QinferError
 from qinfer.format import GROUP_SIZES, QuantScheme, check_int_shape
 from qinfer.model.decoder import Transformer
-
-if TYPE_CHECKING:
-    from qinfer.pipeline.block_tune import TuneConfig
-    from qinfer.pipeline.quantize import CalibConfig
+from qinfer.pipeline.config import CalibConfig, TuneConfig
 
 
 def check_shapes(model: Transformer, scheme: QuantScheme) -> None:

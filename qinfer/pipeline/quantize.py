@@ -4,8 +4,9 @@ Sequential: block i is calibrated on the outputs of the already-quantized blocks
 block's quantizer sees (and can compensate) the error that reaches it. With ``CalibConfig.true_sequential``
 (GPTQ's default; AWQ's on request) the same holds inside a block: each group of linears that share an input
 (q/k/v, o, gate/up, down) is calibrated on inputs computed with the groups before it already quantized.
-That runs the block in stages (:func:`qinfer.calib.capture.calibrate_in_stages`), one pass with the final weights; without it,
-the block runs twice: once with its unquantized weights to capture every group, once quantized for its output.
+That runs the block in stages (:func:`qinfer.calib.capture.calibrate_in_stages`), one pass with the final
+weights; without it, the block runs twice: once with its unquantized weights to capture every group, once
+quantized for its output.
 
 Memory stays bounded by the bf16 model (memory-mapped) plus one block's activations [S, L, C].
 Blocks run in bf16 (the model's own compute dtype, and AMX-fast on CPU) where the device has fast bf16
@@ -43,8 +44,9 @@ import torch
 from tqdm import tqdm
 
 from qinfer.pipeline.awq import apply_awq, scale_group
-from qinfer.pipeline.block_tune import E2E_EVAL_SAMPLES, TuneConfig, rounding_residual, tune_block, tune_end_to_end
-from qinfer.store.cache import atomic_dir, check_output, save_tensors, source_fingerprint
+from qinfer.pipeline.block_tune import E2E_EVAL_SAMPLES, rounding_residual, tune_block, tune_end_to_end
+from qinfer.store.atomic import atomic_dir, check_output, save_tensors
+from qinfer.store.fingerprint import source_fingerprint
 from qinfer.calib.capture import (
     block_in,
     calibrate_in_stages,
@@ -58,11 +60,12 @@ from qinfer.calib.capture import (
 )
 from qinfer.calib.sampling import repeat_note, sample_windows_from_stream
 from qinfer.calib.sources import load_calibration_documents
-from qinfer.errors import QinferError, check_seed
+from qinfer.errors import QinferError
 from qinfer.format import Fp8Weight, QuantScheme
 from qinfer.interop.folders import SIDE_FILES
 from qinfer.model.loader import bos_tensors, drop_pages, load_model, weight_files
 from qinfer.model.decoder import BosState, Transformer
+from qinfer.pipeline.config import CalibConfig, TuneConfig, check_settings, recorded_calibration, uses_calibration
 from qinfer.pipeline.preflight import check_calibration_size, check_finite, check_shapes, fitting_group_size
 from qinfer.quantizers.fp8 import fp8_kv_scale, fp8_quantize, int8_kv_scale
 from qinfer.quantizers.gptq import fp_target, gptq_quantize_ex
@@ -74,12 +77,12 @@ LM_HEAD_ROWS = 32768
 
 # The code that decides what a quantization writes; its fingerprint goes into quantize_report.json so a
 # cached quantized folder (the main job's) is redone after a change to any of it: this module and every qinfer
-# module it and they import (which windows are drawn, how they tokenize, how the blocks compute), bar the
-# errors, the cache's paths and qinfer.interop.folders (of which quantize reads only the side files' names).
+# module it and they import (which windows are drawn, how they tokenize, how the blocks compute), bar the error
+# type, the store (paths, atomic writes) and qinfer.interop.folders (quantize reads only its side files' names).
 QUANTIZE_MODULES = (
-    "qinfer.pipeline.quantize", "qinfer.pipeline.awq", "qinfer.pipeline.block_tune", "qinfer.pipeline.preflight",
-    "qinfer.calib.capture", "qinfer.calib.sampling", "qinfer.calib.sources", "qinfer.calib.austen", "qinfer.calib.debian",
-    "qinfer.calib.rlazyload", "qinfer.sources.tokenizer", "qinfer.model.arch", "qinfer.model.decoder",
+    "qinfer.pipeline.quantize", "qinfer.pipeline.config", "qinfer.pipeline.awq", "qinfer.pipeline.block_tune",
+    "qinfer.pipeline.preflight", "qinfer.calib.capture", "qinfer.calib.sampling", "qinfer.calib.sources",
+    "qinfer.calib.austen", "qinfer.calib.debian", "qinfer.calib.rlazyload", "qinfer.sources.tokenizer", "qinfer.model.arch", "qinfer.model.decoder",
     "qinfer.model.kv_cache", "qinfer.model.loader", "qinfer.format",
 )
 QUANTIZE_PACKAGES = ("qinfer.quantizers", "qinfer.kernels")  # read whole
@@ -89,38 +92,6 @@ QUANTIZE_PACKAGES = ("qinfer.quantizers", "qinfer.kernels")  # read whole
 def code_fingerprint() -> str:
     """sha256 over the source of :data:`QUANTIZE_MODULES` and of every module in :data:`QUANTIZE_PACKAGES`."""
     return source_fingerprint(QUANTIZE_MODULES, *QUANTIZE_PACKAGES)
-
-
-@dataclass(frozen=True)
-class CalibConfig:
-    source: str = "austen"
-    samples: int = 128
-    seq_len: int = 512
-    seed: int = 0
-    # GPTQ/AWQ: capture each linear group's input after the groups before it are quantized; None: on for GPTQ
-    true_sequential: bool | None = None
-    fp_target: bool = False  # GPTQ/AWQ: fit each linear to the unquantized model's output (quantizers.gptq.fp_target);
-    # implies true_sequential, so that each group's target accounts for the groups before it being quantized
-    fp_target_damp: float = 0.3  # ridge of that fit, x mean(diag H): the aim is a regression on the quantized
-    # stream's inputs, and weakly excited directions of them otherwise take large, held-out-noisy weights
-    # keep what the unquantized model computes at the BOS position (Transformer.set_bos), and calibrate with it
-    keep_bos: bool = True
-
-    def resolved(self, method: str) -> "CalibConfig":
-        """These settings with the method's defaults filled in (what quantize_report.json records)."""
-        if self.true_sequential is not None:
-            return self
-        return replace(self, true_sequential=method == "gptq" or (method == "awq" and self.fp_target))
-
-    def __post_init__(self):
-        if self.samples < 1 or self.seq_len < 2:
-            raise QinferError(f"--samples must be >= 1 and --seq-len >= 2 (got {self.samples}, {self.seq_len})")
-        if not 0 < self.fp_target_damp < float("inf"):
-            raise QinferError(f"--fp-target-damp must be a finite number > 0 (got {self.fp_target_damp}); the "
-                              "default is 0.3")
-        check_seed(self.seed)
-        if not self.source.strip():
-            raise QinferError("--calib is empty: name austen (the default), a .txt or .jsonl file, or a dataset")
 
 
 @dataclass
@@ -203,37 +174,30 @@ def _calibration_windows(folder: Path, calib: CalibConfig) -> tuple[torch.Tensor
     return torch.cat([bos_column, body], dim=1), stream_tokens, repeat_note(*body.shape, stream_tokens)
 
 
-def uses_calibration(scheme: QuantScheme, tune: TuneConfig) -> bool:
-    """Whether quantizing to ``scheme`` reads calibration text: round to nearest alone (RTN, FP8 RTN) does not."""
-    return scheme.method in ("gptq", "awq") or scheme.kv_cache != "none" or tune.active
+@dataclass
+class _Walk:
+    """One quantize run as it walks the blocks: the model, the calibration activations, and what is to be saved.
 
+    ``X`` [S, L, C] is the next block's input computed through the blocks quantized so far; ``X_ref`` the same
+    through the unquantized blocks, carried where tuning or ``--fp-target`` aims at the unquantized model.
+    """
 
-def recorded_calibration(scheme: QuantScheme, calib: CalibConfig, tune: TuneConfig) -> dict | None:
-    """What quantize_report.json records of the calibration: the settings it ran with, None when it read no text."""
-    return calib.resolved(scheme.method).__dict__ if uses_calibration(scheme, tune) else None
+    model: Transformer
+    scheme: QuantScheme  # as given, or with the group size that fits (``fit_group_size``)
+    calib: CalibConfig  # resolved for the method
+    tune: TuneConfig
+    dtype: torch.dtype  # the blocks run in this while they are calibrated
+    ids: torch.Tensor | None  # [S, L] calibration token ids; None where nothing reads calibration text
+    X: torch.Tensor | None
+    X_ref: torch.Tensor | None
+    bos: BosState | None  # what the unquantized model computes at the BOS position, stored (--keep-bos)
+    report: QuantizeReport
+    quantized: dict = field(default_factory=dict)  # "model.layers.{i}.{linear}" -> packed weight
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # the other tensors saved
 
-
-def check_settings(scheme: QuantScheme, calib: CalibConfig, tune: TuneConfig) -> CalibConfig:
-    """Refuse settings that do not go together, before any note or work; returns ``calib`` resolved for the method."""
-    if tune.active and scheme.format != "int":
-        raise QinferError("--tune-steps/--e2e-steps tune integer group scales; FP8 weights have none (drop them)")
-    if tune.holdout and tune.holdout >= calib.samples:
-        raise QinferError(f"--tune-holdout {tune.holdout} leaves none of the {calib.samples} calibration samples to tune "
-                          "on: hold out fewer, or raise --samples")
-    if scheme.mse_clip and scheme.method == "awq":
-        raise QinferError("AWQ searches each group's clipping on the block's output itself (on the min/max grid), "
-                          "which --mse-clip's shrink would then move off: drop --mse-clip for --method awq")
-    if calib.fp_target and calib.true_sequential is False:
-        raise QinferError("--fp-target calibrates each linear group after the ones before it: drop --no-true-sequential")
-    calib = calib.resolved(scheme.method)
-    flags = "--method rtn --format fp8" if scheme.method == "fp8" else f"--method {scheme.method}"  # (FP8 RTN's)
-    if calib.true_sequential and scheme.method not in ("gptq", "awq"):
-        raise QinferError(
-            f"--true-sequential calibrates GPTQ or AWQ group by group inside each block: drop it for {flags}"
-        )
-    if calib.fp_target and scheme.method not in ("gptq", "awq"):
-        raise QinferError(f"--fp-target aims GPTQ or AWQ at the unquantized model: drop it for {flags}")
-    return calib
+    @property
+    def groups(self) -> tuple[tuple[str, ...], ...]:
+        return tuple(g.linears for g in self.model.config.arch.linear_groups)
 
 
 def quantize_model(
@@ -242,7 +206,10 @@ def quantize_model(
 ) -> QuantizeReport:
     """Quantize the model in ``folder`` into ``out``. ``fit_group_size`` (the group size was not chosen by the
     user): where ``scheme.group_size`` does not divide a linear's in_features, take the largest that does, with a
-    note, instead of refusing."""
+    note, instead of refusing.
+
+    Three steps: capture (load the model, check it, embed the calibration windows), quantize each block in turn
+    on the activations the blocks before it produce, then save the folder in one rename."""
     folder, out = Path(folder), Path(out)
     tune = tune or TuneConfig()
     calib = check_settings(scheme, calib, tune)
@@ -250,6 +217,20 @@ def quantize_model(
     if (folder / "quant_config.json").exists():
         raise QinferError(f"{folder} is already quantized: quantize the original model instead")
     start = time.perf_counter()
+    walk = _capture(folder, out, scheme, calib, tune, fit_group_size)
+    label = walk.scheme.method + (" + tuning" if tune.active else "")
+    for i in tqdm(range(walk.model.config.num_layers), desc=f"quantizing ({label})", unit="block"):
+        _quantize_block(walk, i)
+    if tune.e2e_steps:
+        _tune_end_to_end(walk)
+    _collect(walk)
+    return _save(walk, folder, out, force, start)
+
+
+def _capture(folder: Path, out: Path, scheme: QuantScheme, calib: CalibConfig, tune: TuneConfig,
+             fit_group_size: bool) -> _Walk:
+    """Load the model and check it (shapes, finite weights, the tokenizer, room for the activations) before any
+    calibration work; draw the calibration windows and embed them."""
     reuse_freed_memory()
     model = load_model(folder, dtype=torch.bfloat16)
     fit = fitting_group_size(model, scheme) if fit_group_size else None
@@ -266,7 +247,7 @@ def quantize_model(
     ids, stream_tokens, note = _calibration_windows(folder, calib) if needs_calib else (None, None, None)
     if note:
         print(f"note: {note}", file=sys.stderr)
-    dtype = compute_dtype(model.device)  # the blocks run in this while they are calibrated
+    dtype = compute_dtype(model.device)
     bos = _own_bos(model, ids) if calib.keep_bos else None
     model.set_bos(bos)  # calibration sees what inference will: the stored BOS position
     X = embed_samples(model, ids, dtype) if needs_calib else None
@@ -275,126 +256,147 @@ def quantize_model(
     # check_finite and the BOS position read every weight into memory: let them go (each block's is faulted back
     # in from the file when the loop reaches it; the embedding, a third of gemma3-270m, at the end)
     drop_pages(model.parameters())
-    quantized = {}  # "model.layers.{i}.{linear}" -> packed weight
-    tensors: dict[str, torch.Tensor] = {}
     report = QuantizeReport(out, _folder_bytes(folder), 0, 0, 0, 0.0, 0, compute_dtype=str(dtype).removeprefix("torch."),
                             calibration_text_tokens=stream_tokens)
-    arch = model.config.arch
-    groups = tuple(g.linears for g in arch.linear_groups)
-    label = scheme.method + (" + tuning" if tune.active else "")
-    sequential = calib.true_sequential  # (resolved: --fp-target implies it)
-    for i in tqdm(range(model.config.num_layers), desc=f"quantizing ({label})", unit="block"):
-        block = model.model.layers[i]
-        loaded = list(block.state_dict().values())  # views into the memory-mapped checkpoint (for a bf16 one)
-        stats = None
-        with block_in(block, dtype, back=model.dtype):
-            if X_ref is not None and not calib.fp_target:  # tuning's target, before anything in block i changes
-                X_ref = run_block(model, i, X_ref, out=X_ref)
-            packed, residuals = {}, {}  # residuals: where each weight sat between its levels (--tune-rounding)
-            ref_weights = _linear_weights(block, groups) if calib.fp_target else None  # unquantized
+    return _Walk(model, scheme, calib, tune, dtype, ids, X, X_ref, bos, report)
 
-            def quantize_group(g: int, linears: dict, i=i, block=block) -> None:
-                names = groups[g]
-                s = linears.get(names[0])  # the group's linears read one input: one set of statistics
-                weights = {name: block.get_submodule(name).weight.data.float() for name in names}
-                if s is not None and s.D is not None:  # --fp-target: aim at the unquantized model's output
-                    weights = {name: fp_target(W, s.H, s.D, calib.fp_target_damp, name=f"model.layers.{i}.{name}")
-                               for name, W in weights.items()}
-                H, pending = None if s is None else s.H, None
-                if scheme.method == "awq" and sequential:  # scales searched on these inputs and weights
-                    scaled = scale_group(block, arch.linear_groups[g], weights, s, scheme, arch.norm_offset, packed,
-                                         ref_weights, prefix=f"model.layers.{i}.")
-                    weights, H, pending = scaled.weights, scaled.gram, scaled.pending
-                for name, W in weights.items():
-                    prefix = f"model.layers.{i}.{name}"
-                    packed[name], report.layer_errors[prefix] = _quantize_linear(W, H, scheme, prefix,
-                                                                                 report.raised_damping)
-                    if tune.rounding:
-                        residuals[name] = rounding_residual(W, packed[name])
-                    weight = packed[name].dequantize(torch.float32)  # later groups and blocks see it quantized
-                    block.get_submodule(name).weight.data = (weight if pending is None else weight / pending).to(dtype)
 
-            X_in = X.clone() if sequential and tune.steps else X  # tuning needs the block's input
-            if sequential:  # one staged pass per stream: each group calibrated after the groups before it
-                stats = calibrate_in_stages(model, i, X, quantize_group, X_ref if calib.fp_target else None,
-                                            ref_weights)
-                for name, qw in packed.items() if scheme.method == "awq" else ():  # a rescaled packed producer
-                    block.get_submodule(name).weight.data = qw.dequantize(dtype)  # holds what is saved
-            else:
-                # All groups at once: stop at the last one's input (down_proj's), past the attention and its K/V ranges.
-                # (RTN reads no statistics: its X is there for the K/V ranges or tuning, each measured below)
-                needs_stats = X is not None and scheme.method in ("gptq", "awq")
-                stats = capture_block(model, i, X, groups, partial=True) if needs_stats else None
-                if scheme.method == "awq":
-                    apply_awq(model, i, stats, scheme)
-                for g in range(len(groups)):
-                    quantize_group(g, stats.linears if stats is not None else {})
-                if scheme.kv_cache != "none" and not tune.steps:  # (tuning measures them below)
-                    stats = capture_block(model, i, X, ())  # the K/V ranges of the quantized q/k/v, as stored
-            if tune.steps:
-                packed, result = tune_block(model, i, packed, X_in, X_ref, tune, residuals)
-                report.tune_losses[f"model.layers.{i}"] = (result.loss_before, result.loss_after)
-                if result.discarded:
-                    report.tune_discarded.append(f"model.layers.{i}")
-                if result.best_step is not None:
-                    report.tune_best_steps[f"model.layers.{i}"] = result.best_step
-                    report.tune_held_out[f"model.layers.{i}"] = [list(c) for c in result.held_out]
-                if scheme.kv_cache != "none":  # the tuned q/k norms move the keys: measure the ranges again
-                    stats = capture_block(model, i, X_in, groups)
-            quantized.update({f"model.layers.{i}.{name}": qw for name, qw in packed.items()})
-            if stats is not None:
-                _kv_scales(tensors, i, stats, scheme)
-            if X is not None and (not sequential or tune.steps):  # (a staged pass leaves X at the block's output)
-                X = run_block(model, i, X_in, out=X)
-            for stream in (X, X_ref):  # a model that overflows stops here, not at NaN scales or a NaN tuning KL
-                if stream is not None and not bool(torch.isfinite(stream).all()):
-                    raise QinferError(f"model.layers.{i}: its output contains NaN or Inf: "
-                                      f"{ACTIVATIONS_OVERFLOW}")
-        _block_tensors(tensors, model, i)  # norms (maybe AWQ-rescaled) go back in the model dtype
-        if not tune.e2e_steps:  # done with this block: release its weights (end-to-end tuning needs them all)
-            model.model.layers[i] = torch.nn.Identity()
-            drop_pages(loaded)  # nothing reads them again but the saved norms (faulted back in from the file)
-        return_freed_memory()
-        del block, loaded
-    if tune.e2e_steps:
-        quantized, result = tune_end_to_end(model, quantized, ids, model.model.norm(X_ref), tune)
-        report.e2e_kl, report.e2e_samples = (result.loss_before, result.loss_after), min(len(ids), E2E_EVAL_SAMPLES)
-        report.e2e_discarded = result.discarded
+def _quantize_block(walk: _Walk, i: int) -> None:
+    """Quantize block ``i``'s linears on the activations that reach it, measure its K/V ranges, tune it if asked,
+    and move ``walk.X`` (and ``walk.X_ref``) on to its output."""
+    model, scheme, calib, tune, dtype, report = walk.model, walk.scheme, walk.calib, walk.tune, walk.dtype, walk.report
+    groups, sequential = walk.groups, calib.true_sequential  # (resolved: --fp-target implies it)
+    block = model.model.layers[i]
+    loaded = list(block.state_dict().values())  # views into the memory-mapped checkpoint (for a bf16 one)
+    stats = None
+    with block_in(block, dtype, back=model.dtype):
+        if walk.X_ref is not None and not calib.fp_target:  # tuning's target, before anything in block i changes
+            walk.X_ref = run_block(model, i, walk.X_ref, out=walk.X_ref)
+        X, X_ref = walk.X, walk.X_ref
+        packed, residuals = {}, {}  # residuals: where each weight sat between its levels (--tune-rounding)
+        ref_weights = _linear_weights(block, groups) if calib.fp_target else None  # unquantized
+        quantize_group = functools.partial(_quantize_group, walk, i, packed, residuals, ref_weights)
+        X_in = X.clone() if sequential and tune.steps else X  # tuning needs the block's input
+        if sequential:  # one staged pass per stream: each group calibrated after the groups before it
+            stats = calibrate_in_stages(model, i, X, quantize_group, X_ref if calib.fp_target else None, ref_weights)
+            for name, qw in packed.items() if scheme.method == "awq" else ():  # a rescaled packed producer
+                block.get_submodule(name).weight.data = qw.dequantize(dtype)  # holds what is saved
+        else:
+            # All groups at once: stop at the last one's input (down_proj's), past the attention and its K/V ranges.
+            # (RTN reads no statistics: its X is there for the K/V ranges or tuning, each measured below)
+            needs_stats = X is not None and scheme.method in ("gptq", "awq")
+            stats = capture_block(model, i, X, groups, partial=True) if needs_stats else None
+            if scheme.method == "awq":
+                apply_awq(model, i, stats, scheme)
+            for g in range(len(groups)):
+                quantize_group(g, stats.linears if stats is not None else {})
+            if scheme.kv_cache != "none" and not tune.steps:  # (tuning measures them below)
+                stats = capture_block(model, i, X, ())  # the K/V ranges of the quantized q/k/v, as stored
+        if tune.steps:
+            packed, result = tune_block(model, i, packed, X_in, X_ref, tune, residuals)
+            report.tune_losses[f"model.layers.{i}"] = (result.loss_before, result.loss_after)
+            if result.discarded:
+                report.tune_discarded.append(f"model.layers.{i}")
+            if result.best_step is not None:
+                report.tune_best_steps[f"model.layers.{i}"] = result.best_step
+                report.tune_held_out[f"model.layers.{i}"] = [list(c) for c in result.held_out]
+            if scheme.kv_cache != "none":  # the tuned q/k norms move the keys: measure the ranges again
+                stats = capture_block(model, i, X_in, groups)
+        walk.quantized.update({f"model.layers.{i}.{name}": qw for name, qw in packed.items()})
+        if stats is not None:
+            _kv_scales(walk.tensors, i, stats, scheme)
+        if X is not None and (not sequential or tune.steps):  # (a staged pass leaves X at the block's output)
+            walk.X = run_block(model, i, X_in, out=X)
+        for stream in (walk.X, X_ref):  # a model that overflows stops here, not at NaN scales or a NaN tuning KL
+            if stream is not None and not bool(torch.isfinite(stream).all()):
+                raise QinferError(f"model.layers.{i}: its output contains NaN or Inf: {ACTIVATIONS_OVERFLOW}")
+    _block_tensors(walk.tensors, model, i)  # norms (maybe AWQ-rescaled) go back in the model dtype
+    if not tune.e2e_steps:  # done with this block: release its weights (end-to-end tuning needs them all)
+        model.model.layers[i] = torch.nn.Identity()
+        drop_pages(loaded)  # nothing reads them again but the saved norms (faulted back in from the file)
+    del block, loaded
+    return_freed_memory()
+
+
+def _quantize_group(walk: _Walk, i: int, packed: dict, residuals: dict, ref_weights: dict | None, g: int,
+                    linears: dict) -> None:
+    """Quantize linear group ``g`` of block ``i`` (linears that read one input: q/k/v, o, gate/up, down) on its
+    input statistics ``linears``, into ``packed``; the block then computes with the quantized weights, so later
+    groups and blocks see them."""
+    scheme, calib, arch, report = walk.scheme, walk.calib, walk.model.config.arch, walk.report
+    block = walk.model.model.layers[i]
+    names = walk.groups[g]
+    s = linears.get(names[0])  # the group's linears read one input: one set of statistics
+    weights = {name: block.get_submodule(name).weight.data.float() for name in names}
+    if s is not None and s.D is not None:  # --fp-target: aim at the unquantized model's output
+        weights = {name: fp_target(W, s.H, s.D, calib.fp_target_damp, name=f"model.layers.{i}.{name}")
+                   for name, W in weights.items()}
+    H, pending = None if s is None else s.H, None
+    if scheme.method == "awq" and calib.true_sequential:  # scales searched on these inputs and weights
+        scaled = scale_group(block, arch.linear_groups[g], weights, s, scheme, arch.norm_offset, packed,
+                             ref_weights, prefix=f"model.layers.{i}.")
+        weights, H, pending = scaled.weights, scaled.gram, scaled.pending
+    for name, W in weights.items():
+        prefix = f"model.layers.{i}.{name}"
+        packed[name], report.layer_errors[prefix] = _quantize_linear(W, H, scheme, prefix, report.raised_damping)
+        if walk.tune.rounding:
+            residuals[name] = rounding_residual(W, packed[name])
+        weight = packed[name].dequantize(torch.float32)  # later groups and blocks see it quantized
+        block.get_submodule(name).weight.data = (weight if pending is None else weight / pending).to(walk.dtype)
+
+
+def _tune_end_to_end(walk: _Walk) -> None:
+    """Tune every group scale and norm on the KL to the unquantized model's next-token distribution; then measure
+    the K/V ranges (and the lm_head's input) again, which the tuned norms moved."""
+    model, scheme, report, dtype = walk.model, walk.scheme, walk.report, walk.dtype
+    walk.quantized, result = tune_end_to_end(model, walk.quantized, walk.ids, model.model.norm(walk.X_ref), walk.tune)
+    report.e2e_kl, report.e2e_samples = (result.loss_before, result.loss_after), min(len(walk.ids), E2E_EVAL_SAMPLES)
+    report.e2e_discarded = result.discarded
+    for i in range(model.config.num_layers):
+        _block_tensors(walk.tensors, model, i)
+    if scheme.kv_cache != "none" or scheme.quantize_lm_head:
+        X = walk.X = embed_samples(model, walk.ids, dtype)
         for i in range(model.config.num_layers):
-            _block_tensors(tensors, model, i)
-        if scheme.kv_cache != "none" or scheme.quantize_lm_head:
-            # The tuned norms move the keys, values and the lm_head's input: measure them again.
-            X = embed_samples(model, ids, dtype)
-            for i in range(model.config.num_layers):
-                with block_in(model.model.layers[i], dtype, back=model.dtype):
-                    if scheme.kv_cache != "none":
-                        _kv_scales(tensors, i, capture_block(model, i, X, ()), scheme)
-                    X = run_block(model, i, X, out=X)
-    for name, qw in quantized.items():
+            with block_in(model.model.layers[i], dtype, back=model.dtype):
+                if scheme.kv_cache != "none":
+                    _kv_scales(walk.tensors, i, capture_block(model, i, X, ()), scheme)
+                X = walk.X = run_block(model, i, X, out=X)
+
+
+def _collect(walk: _Walk) -> None:
+    """Everything else the folder holds: the packed linears, the embedding (unless read from a quantized tied
+    lm_head), the final norm, a stored BOS position, the lm_head (quantized on the final activations if asked)."""
+    model, scheme, report, tensors = walk.model, walk.scheme, walk.report, walk.tensors
+    for name, qw in walk.quantized.items():
         _account(report, tensors, qw, name, qw.shape[0] * qw.shape[1])
-    del X_ref
+    walk.X_ref = None
     if scheme.quantize_lm_head and model.tied:
         report.embedding_bits = scheme.lm_head_bits  # read from the quantized lm_head (qinfer.format)
     else:
         tensors["model.embed_tokens.weight"] = model.model.embed_tokens.weight.contiguous()
     tensors["model.norm.weight"] = model.model.norm.weight.contiguous()
-    if bos is not None:
-        tensors.update(bos_tensors(bos))
-    report.kept_bos = bos is not None
-    _lm_head(model, X, scheme, tensors, report)
-    del X
+    if walk.bos is not None:
+        tensors.update(bos_tensors(walk.bos))
+    report.kept_bos = walk.bos is not None
+    _lm_head(model, walk.X, scheme, tensors, report)
+    walk.X = None
+
+
+def _save(walk: _Walk, folder: Path, out: Path, force: bool, start: float) -> QuantizeReport:
+    """Write OUT in one rename: weights, config, the source's tokenizer files, quant_config.json and the report."""
+    report = walk.report
     with atomic_dir(out, force=force) as tmp:
-        save_tensors(tensors, tmp / "model.safetensors")
-        _write_config(folder, tmp, model.dtype, model.tied)
+        save_tensors(walk.tensors, tmp / "model.safetensors")
+        _write_config(folder, tmp, walk.model.dtype, walk.model.tied)
         for name in SIDE_FILES:  # unchanged, so OUT is a complete model folder
             if (folder / name).exists():
                 shutil.copy2(folder / name, tmp / name)
-        scheme.save(tmp)
+        walk.scheme.save(tmp)
         report.bytes_after = _folder_bytes(tmp)
         report.seconds = time.perf_counter() - start
         report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         # inside the temp folder: OUT appears with its report, never without
-        record = _report_json(report, scheme, calib, tune, source_identity(folder))
+        record = _report_json(report, walk.scheme, walk.calib, walk.tune, source_identity(folder))
         (tmp / "quantize_report.json").write_text(json.dumps(record, indent=2))
     return report
 
@@ -490,7 +492,7 @@ def _quantize_rows(W: torch.Tensor, H: torch.Tensor | None, scheme: QuantScheme,
                    raised_damping: dict[str, float] | None = None):
     """``_quantize_linear`` over ``rows`` output rows at a time: every quantizer here treats rows independently
     given ``H`` (GPTQ's error feedback runs along a row), so only a slice is ever in fp32, not the whole
-    [vocab, hidden] lm_head (several fp32 copies of gemma3's were 4-5 GiB). A per-tensor FP8 scale spans
+    [vocab, hidden] lm_head (several fp32 copies of gemma3's run to gigabytes). A per-tensor FP8 scale spans
     all rows, so that weight is quantized whole."""
     if W.shape[0] <= rows or (scheme.format == "fp8" and scheme.fp8_granularity == "tensor"):
         return _quantize_linear(W.float(), H, scheme, name, raised_damping)

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from qinfer.store.cache import save_tensors
+from qinfer.store.atomic import save_tensors
 from qinfer.errors import QinferError
 from qinfer.sources.gguf_vocab import GGUFVocab, SpecialTokens, resolve_special_tokens, write_tokenizer_files
 
@@ -312,7 +312,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.bflo
     """Write the HF folder for ``gguf_path`` into the existing, empty ``out_dir``.
 
     Raises ``QinferError`` for a file that is not a GGUF, is truncated, or has an unsupported architecture.
-    Callers that need an all-or-nothing folder wrap this in ``qinfer.store.cache.atomic_dir``.
+    Callers that need an all-or-nothing folder wrap this in ``qinfer.store.atomic.atomic_dir``.
     """
     out_dir = Path(out_dir)
     if not out_dir.is_dir() or any(out_dir.iterdir()):

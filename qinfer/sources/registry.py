@@ -15,8 +15,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from qinfer.store.cache import (atomic_dir, cache_dir, cache_root, damage, naming_full_disk, sha256_file, sweep_temp,
-                          temp_path, write_manifest)
+from qinfer.store.atomic import atomic_dir, naming_full_disk
+from qinfer.store.fingerprint import sha256_file
+from qinfer.store.manifest import damage, write_manifest
+from qinfer.store.paths import cache_dir, cache_root
+from qinfer.store.temp import sweep_temp, temp_path
 from qinfer.errors import QinferError
 
 

@@ -10,7 +10,9 @@ import hashlib
 import sys
 from pathlib import Path
 
-from qinfer.store.cache import atomic_dir, cache_dir, damage, write_manifest
+from qinfer.store.atomic import atomic_dir
+from qinfer.store.manifest import damage, write_manifest
+from qinfer.store.paths import cache_dir
 from qinfer.errors import QinferError
 from qinfer.format import QUANT_CONFIG_FILE
 from qinfer.interop.folders import foreign_quant_method, imported_copy

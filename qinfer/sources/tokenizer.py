@@ -29,7 +29,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from sentencepiece import SentencePieceProcessor
 from tokenizers import Tokenizer as HFTokenizer
 
-from qinfer.errors import QinferError, read_json_object, read_text
+from qinfer.errors import QinferError
+from qinfer.store.reading import read_json_object, read_text
 
 
 class _Backend(Protocol):

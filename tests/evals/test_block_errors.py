@@ -4,7 +4,8 @@ from click.testing import CliRunner
 
 from qinfer.evals.diagnostics.block_errors import main
 from qinfer.format import QuantScheme
-from qinfer.pipeline.quantize import CalibConfig, quantize_model
+from qinfer.pipeline.config import CalibConfig
+from qinfer.pipeline.quantize import quantize_model
 from tests.evals.eval_fixtures import block_quantized
 from tests.tiny_models import make_model
 

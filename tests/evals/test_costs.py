@@ -14,7 +14,8 @@ from qinfer.kernels import dense, int4_cpu
 from qinfer.model.kv_cache import make_cache
 from qinfer.model.loader import is_bos_tensor, load_model
 from qinfer.model.decoder import QLinear
-from qinfer.pipeline.quantize import CalibConfig, quantize_model
+from qinfer.pipeline.config import CalibConfig
+from qinfer.pipeline.quantize import quantize_model
 from tests.evals.eval_fixtures import tiny_model
 
 

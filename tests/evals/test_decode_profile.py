@@ -3,7 +3,7 @@ import re
 from click.testing import CliRunner
 
 from qinfer.evals.diagnostics.decode_profile import main
-from qinfer.kernels import gemv_cpu
+from qinfer.kernels import cpu_library
 from tests.tiny_models import VOCAB
 
 HEADER = re.compile(r"^\S+: (\S+) ms a decode step \(median of 2; (\S+) under the profiler\)", re.M)
@@ -21,7 +21,7 @@ def test_decode_profile_lists_the_ops_and_the_lm_head(tiny):
     times = [float(ms) for ms, _, _ in rows]
     assert times[:4] == sorted(times[:4], reverse=True)
     assert sum(times) <= profiled + 0.01 * len(times)  # self times on one thread: within the step (rounding)
-    product = " qinfer::bf16_gemv on " if gemv_cpu.available() else " aten::mm on "  # the C kernel's operator
+    product = " qinfer::bf16_gemv on " if cpu_library.available() else " aten::mm on "  # the C kernel's operator
     lm_head = [line for line in result.stdout.splitlines() if line.startswith("vocabulary-wide:") and product in line]
     assert len(lm_head) == 1 and str(VOCAB) in lm_head[0]  # one product as wide as the vocabulary a step
 

@@ -4,7 +4,7 @@ import pytest
 from click.testing import CliRunner
 
 from qinfer.evals.diagnostics.gemv_bench import main
-from qinfer.kernels import gemv_cpu
+from qinfer.kernels import cpu_library
 
 ROW = re.compile(r"^\s*(\S+)\s+(\d+) x (\d+)\s+(\d+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)$", re.M)
 STEP = re.compile(r"^decode step \(16-token prompt\): (\S+) ms with PyTorch's kernels, (\S+) ms with the C kernels "
@@ -20,7 +20,7 @@ PAGES = re.compile(r"^(decode step with the C kernels: (\S+) ms with the weights
                    r"(\S+) ms in 2 MiB pages \((\S+)x\)|weights in 2 MiB pages: not measured \(.+\))$", re.M)
 
 
-@pytest.mark.skipif(not gemv_cpu.available(), reason=f"no C GEMV here: {gemv_cpu.unavailable_reason()}")
+@pytest.mark.skipif(not cpu_library.available(), reason=f"no C GEMV here: {cpu_library.unavailable_reason()}")
 def test_gemv_bench_times_every_linear_and_the_decode_step(tiny):
     result = CliRunner().invoke(main, [str(tiny), "--prompt-tokens", "16", "--steps", "2", "--rounds", "2",
                                        "--calls", "3"])
@@ -35,8 +35,8 @@ def test_gemv_bench_times_every_linear_and_the_decode_step(tiny):
     fused = FUSED.search(result.stdout)
     assert fused and float(fused.group(1)) > 0 and fused.group(2) == step.group(2)
     vnni = VNNI.search(result.stdout)
-    if gemv_cpu.int4_vnni():
-        assert vnni and vnni.group(3) == step.group(2) and vnni.group(4) == gemv_cpu.int4_vnni()
+    if cpu_library.int4_vnni():
+        assert vnni and vnni.group(3) == step.group(2) and vnni.group(4) == cpu_library.int4_vnni()
     else:
         assert vnni and vnni.group(2) is None
     assert PAGES.search(result.stdout)
@@ -48,7 +48,7 @@ def test_gemv_bench_names_a_bad_model_in_one_line(tmp_path):
     assert len(result.output.strip().splitlines()) == 1 and result.output.startswith("Error: ")
 
 
-@pytest.mark.skipif(not gemv_cpu.available(), reason=f"no C GEMV here: {gemv_cpu.unavailable_reason()}")
+@pytest.mark.skipif(not cpu_library.available(), reason=f"no C GEMV here: {cpu_library.unavailable_reason()}")
 def test_gemv_bench_refuses_a_long_prompt_before_timing_the_linears(tiny):
     # the tiny model reads 256 positions: 250 + 4 warm-up steps + 1 round of 8 steps do not fit
     result = CliRunner().invoke(main, [str(tiny), "--prompt-tokens", "250", "--rounds", "1", "--calls", "1"])

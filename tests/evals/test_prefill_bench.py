@@ -5,11 +5,13 @@ from click.testing import CliRunner
 
 from qinfer.evals.diagnostics.prefill_bench import main
 from qinfer.format import QuantScheme
-from qinfer.kernels import gemv_cpu
-from qinfer.pipeline.quantize import CalibConfig, quantize_model
+from qinfer.kernels import cpu_library
+from qinfer.pipeline.config import CalibConfig
+from qinfer.pipeline.quantize import quantize_model
 from tests.evals.eval_fixtures import tiny_model
 
-needs_kernels = pytest.mark.skipif(not gemv_cpu.available(), reason=f"no C kernels here: {gemv_cpu.unavailable_reason()}")
+needs_kernels = pytest.mark.skipif(not cpu_library.available(),
+                                   reason=f"no C kernels here: {cpu_library.unavailable_reason()}")
 WEIGHT = re.compile(r"^\s*(int4 g32|fp8 e4m3)\s+(\d+) x (\d+)\s+(\d+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(yes|NO)$", re.M)
 PREFILL = re.compile(r"^prefill \(12 tokens\): (\S+) ms dequantizing with PyTorch's ops, (\S+) ms in C \((\S+)x\); "
                      r"last logits (the same|differ)$", re.M)

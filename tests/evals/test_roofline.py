@@ -14,10 +14,10 @@ from qinfer.evals.roofline import (
     mbu,
     measure_roofline,
     mfu,
-    plot_roofline,
     roofline_path,
     save_roofline,
 )
+from qinfer.evals.roofline_plot import plot_roofline
 from tests.evals.eval_fixtures import fake_roofline
 
 

@@ -10,13 +10,14 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from qinfer.store.cache import cache_dir
+from qinfer.store.paths import cache_dir
 from qinfer.errors import QinferError
 from qinfer.format import QUANT_CONFIG_FILE, QuantizedWeight, QuantScheme
 from qinfer.interop import compressed_tensors as ct
 from qinfer.interop.folders import export_folder, foreign_quant_config, import_folder
 from qinfer.model.loader import load_model, read_folder_tensors
-from qinfer.pipeline.quantize import CalibConfig, quantize_model
+from qinfer.pipeline.config import CalibConfig
+from qinfer.pipeline.quantize import quantize_model
 from qinfer.sources.resolve import resolve_model
 from tests.test_cli_errors import assert_one_line_error, run_qinfer
 from tests.tiny_models import make_model

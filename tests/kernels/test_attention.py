@@ -6,7 +6,7 @@ import importlib
 import pytest
 import torch
 
-from qinfer.kernels import gemv_cpu
+from qinfer.kernels import attention_cpu, cpu_library
 from qinfer.kernels.attention import _key_spans, attention, attention_ref
 
 # the module itself (qinfer.kernels re-exports its function under the same name)
@@ -114,8 +114,8 @@ def test_decode_step_over_a_long_cache(kv_heads, dtype, tol, c_loop):
     # its own KV head
     q, k, v = _qkv(1, 300, kv_heads=kv_heads, dtype=dtype)
     mask = _mask(1, 300)
-    with gemv_cpu.only_gemvs() if not c_loop else contextlib.nullcontext():
-        assert gemv_cpu.attention_supported(q, k, v) == (c_loop and gemv_cpu.available())
+    with cpu_library.only_gemvs() if not c_loop else contextlib.nullcontext():
+        assert attention_cpu.attention_supported(q, k, v) == (c_loop and cpu_library.available())
         out = attention(q, k, v, mask, 0.25)
     assert out.dtype == dtype
     torch.testing.assert_close(out, attention_ref(q, k, v, mask, 0.25), rtol=tol, atol=tol)
@@ -125,12 +125,12 @@ def test_decode_past_the_size_limit_uses_sdpa_and_matches(monkeypatch):
     monkeypatch.setattr(attention_module, "DECODE_MATMUL_MAX", 8)
     q, k, v = _qkv(1, 12, kv_heads=2)
     mask = _mask(1, 12)
-    with gemv_cpu.only_gemvs():
+    with cpu_library.only_gemvs():
         out = attention(q, k, v, mask, 0.25)
     torch.testing.assert_close(out, attention_ref(q, k, v, mask, 0.25), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not gemv_cpu.available(), reason=f"no C kernels here: {gemv_cpu.unavailable_reason()}")
+@pytest.mark.skipif(not cpu_library.available(), reason=f"no C kernels here: {cpu_library.unavailable_reason()}")
 # query heads per KV head 4, 4, 1, 2, 3 (SmolLM2's), 6 (four and two): the C loop takes up to four at a time;
 # D = 24 and 40 leave 8 columns past its blocks of 16
 @pytest.mark.parametrize(
@@ -144,7 +144,7 @@ def test_c_decode_step_over_a_cache_slice_matches_the_exact_attention(heads, kv_
     q = torch.randn(2, 1, heads * D, generator=g).to(dtype).view(2, 1, heads, D).transpose(1, 2)
     cache_k, cache_v = (torch.randn(2, kv_heads, S + 9, D, generator=g).to(dtype) for _ in range(2))
     k, v = cache_k[:, :, 5 : 5 + S], cache_v[:, :, 5 : 5 + S]
-    assert gemv_cpu.attention_supported(q, k, v)
+    assert attention_cpu.attention_supported(q, k, v)
     got = attention(q, k, v, None, D**-0.5)
     group = heads // kv_heads
     scores = (q.double() @ k.double().repeat_interleave(group, 1).transpose(-1, -2)) * D**-0.5
@@ -176,7 +176,7 @@ def _dequantized(codes: torch.Tensor, scales: tuple) -> torch.Tensor:
     return x * scales[1].double()[..., None] if len(scales) > 1 else x
 
 
-@pytest.mark.skipif(not gemv_cpu.available(), reason=f"no C kernels here: {gemv_cpu.unavailable_reason()}")
+@pytest.mark.skipif(not cpu_library.available(), reason=f"no C kernels here: {cpu_library.unavailable_reason()}")
 @pytest.mark.parametrize("heads,kv_heads,D", [(4, 1, 256), (9, 3, 64), (4, 4, 16), (6, 1, 40)])
 @pytest.mark.parametrize("S", [1, 513, 3000])
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
@@ -196,7 +196,8 @@ def test_c_decode_step_over_quantized_codes_matches_the_exact_attention(heads, k
         for i in range(2))
     k, v = cache_k[:, :, 5 : 5 + S], cache_v[:, :, 5 : 5 + S]
     k_scales, v_scales = ((x[0], *(p[:, :, 5 : 5 + S] for p in x[1:])) for x in (k_scales, v_scales))
-    assert gemv_cpu.attention_supported(q, k, v, quantized=True) and not gemv_cpu.attention_supported(q, k, v)
+    assert attention_cpu.attention_supported(q, k, v, quantized=True)
+    assert not attention_cpu.attention_supported(q, k, v)
     got = attention(q, k, v, None, D**-0.5, (k_scales[0], v_scales[0], *k_scales[1:], *v_scales[1:]))
     group = heads // kv_heads
     keys, values = _dequantized(k, k_scales), _dequantized(v, v_scales)
@@ -225,12 +226,12 @@ def test_quantized_codes_attend_as_their_dequantized_values(T, S, window, kv_dty
     if T == 1 and window is None:  # as generate --compile's decode step: no mask
         f = torch.compile(lambda *a: attention(*a, None, 0.25, scales), fullgraph=True, backend="aot_eager")
         torch.testing.assert_close(f(q, k, v), ref, rtol=1e-5, atol=1e-5)
-    if T == 1 and window is None and gemv_cpu.available() and kv_dtype == torch.int8:  # (opcheck compares
+    if T == 1 and window is None and cpu_library.available() and kv_dtype == torch.int8:  # (opcheck compares
         # its inputs before and after, which float8 tensors cannot do)
         torch.library.opcheck(torch.ops.qinfer.decode_attention.default, (q, k, v, 0.25, *scales))
 
 
-@pytest.mark.skipif(not gemv_cpu.available(), reason=f"no C kernels here: {gemv_cpu.unavailable_reason()}")
+@pytest.mark.skipif(not cpu_library.available(), reason=f"no C kernels here: {cpu_library.unavailable_reason()}")
 @pytest.mark.parametrize("spread", [1.0, 30.0, 300.0])
 def test_c_decode_step_softmax_over_scores_far_apart(spread):
     # scores from -spread^2 to +spread^2: the exponentials of most underflow (past e^-87) and the weights
@@ -244,15 +245,15 @@ def test_c_decode_step_softmax_over_scores_far_apart(spread):
     torch.testing.assert_close(got.double(), exact, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.skipif(not gemv_cpu.available(), reason=f"no C kernels here: {gemv_cpu.unavailable_reason()}")
+@pytest.mark.skipif(not cpu_library.available(), reason=f"no C kernels here: {cpu_library.unavailable_reason()}")
 def test_c_decode_step_takes_only_what_it_can():
     q, k, v = _qkv(1, 12, kv_heads=2, D=16)
-    assert gemv_cpu.attention_supported(q, k, v)
-    assert not gemv_cpu.attention_supported(*_qkv(2, 12, kv_heads=2, D=16))  # two query rows: SDPA
-    assert not gemv_cpu.attention_supported(q, k, v.bfloat16())  # dtypes differ
-    assert not gemv_cpu.attention_supported(*_qkv(1, 12, kv_heads=2, D=12))  # D not a multiple of 8
-    assert not gemv_cpu.attention_supported(q, k.transpose(2, 3).contiguous().transpose(2, 3), v)  # D apart
-    assert not gemv_cpu.attention_supported(q.clone().requires_grad_(), k, v)
+    assert attention_cpu.attention_supported(q, k, v)
+    assert not attention_cpu.attention_supported(*_qkv(2, 12, kv_heads=2, D=16))  # two query rows: SDPA
+    assert not attention_cpu.attention_supported(q, k, v.bfloat16())  # dtypes differ
+    assert not attention_cpu.attention_supported(*_qkv(1, 12, kv_heads=2, D=12))  # D not a multiple of 8
+    assert not attention_cpu.attention_supported(q, k.transpose(2, 3).contiguous().transpose(2, 3), v)  # D apart
+    assert not attention_cpu.attention_supported(q.clone().requires_grad_(), k, v)
     f = torch.compile(lambda q, k, v: attention(q, k, v, None, 0.25), fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(f(q, k, v), attention_ref(q, k, v, None, 0.25), rtol=1e-5, atol=1e-5)  # traced: torch
     with torch.profiler.profile() as prof:
@@ -275,11 +276,11 @@ def test_causal_check_in_blocks_of_rows(rows):
     assert not attention_module._is_causal(_mask(T, T, window=4), rows)
 
 
-@pytest.mark.skipif(not gemv_cpu.available(), reason=f"no C kernels here: {gemv_cpu.unavailable_reason()}")
+@pytest.mark.skipif(not cpu_library.available(), reason=f"no C kernels here: {cpu_library.unavailable_reason()}")
 def test_c_decode_step_refuses_position_scales_of_another_shape():
     # the loop reads S scales per (batch, KV head) for keys and for values: a wrong shape would read past them
     q, k, v = _qkv(1, 12, kv_heads=2, D=16)
     (k, (k_scale, k_pos)), (v, (v_scale, v_pos)) = _codes(k, torch.int8, "position"), _codes(v, torch.int8, "position")
     for bad in ((k_pos, None), (k_pos[:, :, :5], v_pos[:, :, :5]), (k_pos, v_pos[:, :1])):
         with pytest.raises(ValueError, match=r"k_pos and v_pos must both be \[B, Hkv, S\]"):
-            gemv_cpu.decode_attention(q, k, v, 0.25, k_scale, v_scale, *bad)
+            attention_cpu.decode_attention(q, k, v, 0.25, k_scale, v_scale, *bad)

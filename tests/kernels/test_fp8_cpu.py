@@ -5,7 +5,7 @@ import torch
 
 from qinfer.errors import QinferError
 from qinfer.format import FP8_SHIFT, Fp8Weight, QuantScheme, e4m3_as_fp16
-from qinfer.kernels import fp8_cpu, gemv_cpu
+from qinfer.kernels import cpu_library, fp8_cpu
 from qinfer.kernels.linear import linear
 from qinfer.kernels.quant_linear import dequant_linear_ref
 from qinfer.quantizers.fp8 import fp8_quantize
@@ -84,7 +84,7 @@ def test_dispatch_one_row_fast_many_rows_reference():
     row, rows = torch.randn(1, 256, dtype=torch.bfloat16), torch.randn(5, 256, dtype=torch.bfloat16)
     assert fp8_cpu.supported(row, weight) and not fp8_cpu.supported(rows, weight)
     assert not fp8_cpu.supported(row.float(), weight)  # fp32 rows keep the reference's fp32 product
-    with gemv_cpu.disabled():
+    with cpu_library.disabled():
         assert torch.equal(linear(row, weight), fp8_cpu.fp8_linear(row, weight))
         assert torch.equal(linear(rows, weight), dequant_linear_ref(rows, weight))
         assert torch.equal(linear(row.float(), weight), dequant_linear_ref(row.float(), weight))

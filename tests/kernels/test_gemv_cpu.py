@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from qinfer.format import Fp8Weight, QuantizedWeight, QuantScheme, pack, unpack
-from qinfer.kernels import gemv_cpu
+from qinfer.kernels import cpu_library, gemv_cpu
 from qinfer.kernels.linear import linear
 from qinfer.kernels.quant_linear import dequant_linear_ref
 from qinfer.quantizers.fp8 import fp8_quantize
 from qinfer.quantizers.rtn import rtn_quantize
 
-needs_kernels = pytest.mark.skipif(not gemv_cpu.available(), reason=f"no C GEMV here: {gemv_cpu.unavailable_reason()}")
+needs_kernels = pytest.mark.skipif(not cpu_library.available(),
+                                   reason=f"no C GEMV here: {cpu_library.unavailable_reason()}")
 ROUNDING = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}  # one output rounding, relative
 
 
@@ -38,8 +39,8 @@ def _fixed_point_error(x: torch.Tensor, w: torch.Tensor, group: int) -> torch.Te
 
 def _int4_loops():
     """Each loop a 4-bit row can take on this CPU, as (context that selects it, whether it is a VNNI one)."""
-    loops = [(functools.partial(gemv_cpu.with_vnni, name), True) for name in gemv_cpu.vnni_loops()]
-    return loops + [(gemv_cpu.without_vnni, False)]
+    loops = [(functools.partial(cpu_library.with_vnni, name), True) for name in cpu_library.vnni_loops()]
+    return loops + [(cpu_library.without_vnni, False)]
 
 
 def _int(N, K, group_size, symmetric, seed=0, bits=4) -> QuantizedWeight:
@@ -127,19 +128,19 @@ def test_int4_rows_carry_nan_and_infinity_and_take_a_zero_row():
     w = weight.dequantize(torch.float32).double()
     error = (gemv_cpu.int_gemv(tiny, weight).double() - tiny.double() @ w.T).abs()
     assert float((error / (tiny.double().abs() @ w.abs().T)).max()) < 1e-5
-    before = gemv_cpu.int4_vnni()
-    assert before == (gemv_cpu.vnni_loops() or [""])[0]  # AVX-VNNI where the CPU has both
-    with gemv_cpu.without_vnni():
-        assert not gemv_cpu.int4_vnni() and gemv_cpu.describe() == "qinfer's C GEMVs"
-    assert gemv_cpu.int4_vnni() == before and (f"through {before})" in gemv_cpu.describe()) == bool(before)
-    for name in gemv_cpu.vnni_loops():
-        with gemv_cpu.with_vnni(name):
-            assert gemv_cpu.int4_vnni() == name
-    assert gemv_cpu.int4_vnni() == before
-    missing = [name for name in gemv_cpu.VNNI_LOOPS.values() if name not in gemv_cpu.vnni_loops()]
+    before = cpu_library.int4_vnni()
+    assert before == (cpu_library.vnni_loops() or [""])[0]  # AVX-VNNI where the CPU has both
+    with cpu_library.without_vnni():
+        assert not cpu_library.int4_vnni() and cpu_library.describe() == "qinfer's C GEMVs"
+    assert cpu_library.int4_vnni() == before and (f"through {before})" in cpu_library.describe()) == bool(before)
+    for name in cpu_library.vnni_loops():
+        with cpu_library.with_vnni(name):
+            assert cpu_library.int4_vnni() == name
+    assert cpu_library.int4_vnni() == before
+    missing = [name for name in cpu_library.VNNI_LOOPS.values() if name not in cpu_library.vnni_loops()]
     for name in missing + ["AVX10"]:
         with pytest.raises(ValueError, match="has no"):
-            gemv_cpu.with_vnni(name)
+            cpu_library.with_vnni(name)
 
 
 
@@ -233,7 +234,7 @@ def test_int4_entry_point_dispatch_bias_and_permuted_columns():
     for w in (weight, permuted):
         exact = x.double() @ w.dequantize(torch.float32).double().T + bias.double()
         torch.testing.assert_close(linear(x, w, bias).double(), exact, rtol=2e-2, atol=2e-2)
-        with gemv_cpu.disabled():  # PyTorch's int4 kernel, for the same row
+        with cpu_library.disabled():  # PyTorch's int4 kernel, for the same row
             torch.testing.assert_close(linear(x, w, bias).double(), exact, rtol=2e-2, atol=2e-2)
     rows = torch.randn(3, 256).bfloat16()
     assert not gemv_cpu.int_supported(rows, weight)
@@ -270,7 +271,7 @@ def test_prefill_rows_of_4_bit_weights_are_dequantized_in_c(monkeypatch):
     assert torch.equal(linear(x, weight, bias), dequant_linear_ref(x, weight, bias))
     torch.testing.assert_close(linear(x, permuted, bias), dequant_linear_ref(x, permuted, bias), rtol=2e-2, atol=2e-2)
     assert len(calls) == 2
-    with gemv_cpu.pytorch_dequantize():  # the side-by-side timing's other path
+    with cpu_library.pytorch_dequantize():  # the side-by-side timing's other path
         assert not gemv_cpu.dequantize_supported(weight, torch.bfloat16)
         assert torch.equal(linear(x, weight, bias), dequant_linear_ref(x, weight, bias)) and len(calls) == 2
     assert gemv_cpu.dequantize_supported(weight, torch.bfloat16)
@@ -312,11 +313,11 @@ def test_one_row_goes_to_the_c_kernels_unless_disabled(monkeypatch):
     for w in weights:
         linear(x, w)
     assert calls == kernels
-    with gemv_cpu.disabled():
-        assert not gemv_cpu.available()
+    with cpu_library.disabled():
+        assert not cpu_library.available()
         for w in weights:
             linear(x, w)
-    assert calls == kernels and gemv_cpu.available()
+    assert calls == kernels and cpu_library.available()
 
 
 @needs_kernels
@@ -364,7 +365,7 @@ def test_available_carries_the_mark_torch_compiler_sets_for_a_constant():
         return True
 
     assert torch.compiler.assume_constant_result(f) is f and vars(f) == {"_dynamo_marked_constant": True}
-    assert gemv_cpu.available._dynamo_marked_constant is True
+    assert cpu_library.available._dynamo_marked_constant is True
 
 
 def test_the_commands_leave_torch_dynamo_unimported():
@@ -383,18 +384,18 @@ def test_without_the_kernels_one_row_takes_pytorchs(monkeypatch, tmp_path):
     try:
         for env, value, reason in (("QINFER_CPU_GEMV", "0", "QINFER_CPU_GEMV=0"), ("CC", "/bin/false", "failed")):
             monkeypatch.setenv(env, value)
-            gemv_cpu._library.cache_clear()
-            assert not gemv_cpu.available() and reason in gemv_cpu.unavailable_reason()
+            cpu_library.library.cache_clear()
+            assert not cpu_library.available() and reason in cpu_library.unavailable_reason()
             x, weight, packed = torch.randn(1, 64).bfloat16(), torch.randn(16, 64).bfloat16(), _int(16, 64, 32, True)
             torch.testing.assert_close(linear(x, weight), torch.nn.functional.linear(x, weight))
             torch.testing.assert_close(linear(x, packed), dequant_linear_ref(x, packed), rtol=2e-2, atol=2e-2)
             monkeypatch.delenv(env)
         assert not list((tmp_path / "kernels").iterdir())  # the failed build left nothing behind
-        monkeypatch.setattr(gemv_cpu, "_SOURCE_BYTES", None)  # an install without gemv_cpu.c
-        gemv_cpu._library.cache_clear()
-        assert not gemv_cpu.available() and "gemv_cpu.c is missing" in gemv_cpu.unavailable_reason()
+        monkeypatch.setattr(cpu_library, "_SOURCE_BYTES", None)  # an install without gemv_cpu.c
+        cpu_library.library.cache_clear()
+        assert not cpu_library.available() and "gemv_cpu.c is missing" in cpu_library.unavailable_reason()
     finally:
-        gemv_cpu._library.cache_clear()
+        cpu_library.library.cache_clear()
 
 
 @needs_kernels
@@ -402,21 +403,21 @@ def test_the_library_is_built_from_the_source_this_module_was_loaded_with(tmp_pa
     # the C file edited (here: replaced) while a process runs: its library still matches the calls it makes
     changed = tmp_path / "gemv_cpu.c"
     changed.write_text("int qinfer_bf16_gemv(void) { return 1; }\n")
-    monkeypatch.setattr(gemv_cpu, "SOURCE", changed)
+    monkeypatch.setattr(cpu_library, "SOURCE", changed)
     monkeypatch.setenv("QINFER_CACHE", str(tmp_path))
-    gemv_cpu._library.cache_clear()
+    cpu_library.library.cache_clear()
     try:
-        assert gemv_cpu.available(), gemv_cpu.unavailable_reason()
+        assert cpu_library.available(), cpu_library.unavailable_reason()
         x, weight = torch.randn(1, 64).bfloat16(), torch.randn(8, 64).bfloat16()
         _check(gemv_cpu.bf16_gemv(x, weight), x.double() @ weight.double().T,
                x.double().abs() @ weight.double().abs().T, torch.bfloat16)
     finally:
-        gemv_cpu._library.cache_clear()
+        cpu_library.library.cache_clear()
 
 
 def test_a_damaged_cached_library_is_built_again(tmp_path):
     """Loading a cut-short .so can crash the process (SIGBUS): its recorded sha256 is checked first."""
-    probe = [sys.executable, "-c", "from qinfer.kernels import gemv_cpu; print(gemv_cpu.available())"]
+    probe = [sys.executable, "-c", "from qinfer.kernels import cpu_library; print(cpu_library.available())"]
     env = {**os.environ, "QINFER_CACHE": str(tmp_path)}
     assert subprocess.run(probe, env=env, capture_output=True, text=True).stdout.strip() == "True"
     (built,) = (tmp_path / "kernels").glob("*.so")

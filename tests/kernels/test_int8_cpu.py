@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from qinfer.format import QuantScheme, pack
-from qinfer.kernels import gemv_cpu, int4_cpu, int8_cpu
+from qinfer.kernels import cpu_library, gemv_cpu, int4_cpu, int8_cpu
 from qinfer.kernels.linear import linear
 from qinfer.kernels.quant_linear import dequant_linear_ref
 from qinfer.quantizers.rtn import rtn_quantize
@@ -45,12 +45,12 @@ def test_one_row_matches_the_exact_product(bits, group_size, symmetric):
 @pytest.mark.parametrize("c_kernels", [True, False])
 def test_a_per_channel_k_off_the_16_grid_is_multiplied_right(bits, c_kernels):
     # PyTorch's int8 weight-only kernel (AVX-512) returns garbage for such a K: no path may hand it one
-    if c_kernels and not gemv_cpu.available():
-        pytest.skip(f"no C GEMV here: {gemv_cpu.unavailable_reason()}")
+    if c_kernels and not cpu_library.available():
+        pytest.skip(f"no C GEMV here: {cpu_library.unavailable_reason()}")
     weight = _weight(40, 1000, bits, -1, True)
     x = torch.randn(1, 1000, generator=torch.Generator().manual_seed(1)).bfloat16()
     assert not int8_cpu.supported(x, weight)
-    with contextlib.nullcontext() if c_kernels else gemv_cpu.disabled():
+    with contextlib.nullcontext() if c_kernels else cpu_library.disabled():
         got = linear(x, weight)
     exact = _exact(x, weight)
     assert float((got.double() - exact).norm() / exact.norm()) < 4e-3
@@ -60,12 +60,12 @@ def test_a_per_channel_k_off_the_16_grid_is_multiplied_right(bits, c_kernels):
 def test_dispatch(c_kernels):
     # one bf16 row: the C kernels for 4 and 8 bits where built (gemv_cpu); else the int4 kernel for grouped
     # 4-bit, the int8 path for other widths; everything else the reference
-    if c_kernels and not gemv_cpu.available():
-        pytest.skip(f"no C GEMV here: {gemv_cpu.unavailable_reason()}")
+    if c_kernels and not cpu_library.available():
+        pytest.skip(f"no C GEMV here: {cpu_library.unavailable_reason()}")
     w8, w4 = _weight(64, 256, 8, 128, False), _weight(64, 256, 4, 128, False)
     w4_channel = _weight(64, 256, 4, -1, False)
     row = torch.randn(1, 1, 256).bfloat16()
-    with contextlib.nullcontext() if c_kernels else gemv_cpu.disabled():
+    with contextlib.nullcontext() if c_kernels else cpu_library.disabled():
         one_row = gemv_cpu.int_gemv if c_kernels else int8_cpu.int8_linear
         assert torch.equal(linear(row, w8), one_row(row, w8))
         assert torch.equal(linear(row, w4), (gemv_cpu.int_gemv if c_kernels else int4_cpu.int4_linear)(row, w4))
@@ -76,7 +76,7 @@ def test_dispatch(c_kernels):
         assert torch.equal(linear(many, w8), dequant_linear_ref(many, w8))
     fp32_row = torch.randn(1, 256)
     assert not int8_cpu.supported(fp32_row, w8)
-    with gemv_cpu.disabled():
+    with cpu_library.disabled():
         assert torch.equal(linear(fp32_row, w8), dequant_linear_ref(fp32_row, w8))
 
 
@@ -137,7 +137,7 @@ def test_all_zero_groups_contribute_nothing(bits, symmetric, old_style):
     exact = _exact(x, weight)[0]
     assert got[0] == 0.0
     assert float((got[1] - exact[1]).abs()) <= 1e-2 * float(exact.abs().max())
-    if gemv_cpu.available() and not old_style:  # the C GEMV reads the stored bytes: the quantizer's choice matters
+    if cpu_library.available() and not old_style:  # the C GEMV reads the stored bytes: the quantizer's choice matters
         c = gemv_cpu.int_gemv(x, weight).float()[0]
         assert float(c[0].abs()) <= 1e-4 * float(exact.abs().max())
 

@@ -3,10 +3,11 @@
 import pytest
 import torch
 
-from qinfer.kernels import gemv_cpu
+from qinfer.kernels import cpu_library, gemv_cpu, norm_cpu
 from qinfer.kernels.norm import rms_norm, rms_norm_ref
 
-needs_kernels = pytest.mark.skipif(not gemv_cpu.available(), reason=f"no C kernels here: {gemv_cpu.unavailable_reason()}")
+needs_kernels = pytest.mark.skipif(not cpu_library.available(),
+                                   reason=f"no C kernels here: {cpu_library.unavailable_reason()}")
 # the reference up to one rounding of its output (the C loop sums the squares in another order)
 RTOL = {torch.float32: 2e-6, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 
@@ -25,7 +26,7 @@ def test_c_rows_match_the_reference(rows, D, dtype, gemma, weight_fp32):
         x[2] = 0.0  # a row of zeros: zeros, not 0/0
     weight = (torch.randn(D, generator=g) * 0.3).to(torch.float32 if weight_fp32 else dtype)
     offset = 1.0 if gemma else 0.0
-    assert gemv_cpu.rms_norm_supported(x, weight, gemma)
+    assert norm_cpu.rms_norm_supported(x, weight, gemma)
     got, ref = rms_norm(x, weight, 1e-6, offset, gemma), rms_norm_ref(x, weight, 1e-6, offset, gemma)
     assert got.dtype == ref.dtype == dtype and got.shape == ref.shape
     torch.testing.assert_close(got, ref, rtol=RTOL[dtype], atol=0)
@@ -39,7 +40,7 @@ def test_c_rows_match_the_reference(rows, D, dtype, gemma, weight_fp32):
 def test_a_model_shaped_row_and_what_stays_with_the_reference():
     w = torch.randn(256) * 0.1
     q = torch.randn(1, 1, 4 * 256).bfloat16().view(1, 1, 4, 256).transpose(1, 2)  # [B, H, T=1, D]: contiguous
-    assert gemv_cpu.rms_norm_supported(q, w, True)
+    assert norm_cpu.rms_norm_supported(q, w, True)
     torch.testing.assert_close(rms_norm(q, w, 1e-6, 1.0, True), rms_norm_ref(q, w, 1e-6, 1.0, True), rtol=2**-7, atol=0)
     cases = [
         (torch.randn(17, 256), w, True),  # a prefill's rows: PyTorch's vectorised ops
@@ -48,16 +49,16 @@ def test_a_model_shaped_row_and_what_stays_with_the_reference():
         (torch.randn(2, 256), w.clone().requires_grad_(), True),  # tuning: gradients through the norm
     ]
     for x, weight, gemma in cases:
-        assert not gemv_cpu.rms_norm_supported(x, weight, gemma)
+        assert not norm_cpu.rms_norm_supported(x, weight, gemma)
         assert torch.equal(rms_norm(x, weight, 1e-6, 1.0, gemma), rms_norm_ref(x, weight, 1e-6, 1.0, gemma))
     with torch.no_grad():  # no gradient wanted: the C rows again
-        assert gemv_cpu.rms_norm_supported(torch.randn(2, 256), w.clone().requires_grad_(), True)
-    with gemv_cpu.disabled():
-        assert not gemv_cpu.rms_norm_supported(q, w, True)
-    with gemv_cpu.only_gemvs():
-        assert not gemv_cpu.rms_norm_supported(q, w, True)
+        assert norm_cpu.rms_norm_supported(torch.randn(2, 256), w.clone().requires_grad_(), True)
+    with cpu_library.disabled():
+        assert not norm_cpu.rms_norm_supported(q, w, True)
+    with cpu_library.only_gemvs():
+        assert not norm_cpu.rms_norm_supported(q, w, True)
         assert gemv_cpu.bf16_supported(q.reshape(1, -1), torch.randn(8, 1024).bfloat16())  # the GEMVs stay
-    assert gemv_cpu.rms_norm_supported(q, w, True)
+    assert norm_cpu.rms_norm_supported(q, w, True)
 
 
 @needs_kernels

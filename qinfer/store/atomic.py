@@ -1,13 +1,11 @@
-"""Where pulled models and data live: ``$QINFER_CACHE`` or ``~/.cache/qinfer``; and the writing around it:
-atomic files and folders, output checks, the free memory, fingerprints of the code a cached result came from."""
+"""Writing outputs all or nothing: a folder or file is written beside its place and renamed into it, so a reader
+(or the next run, after a crash) sees the old one or the new one, never half of either; and the checks that refuse
+an output before any work is done."""
 
 import ctypes
 import errno
 import functools
 import glob
-import hashlib
-import importlib
-import json
 import os
 import re
 import shutil
@@ -15,101 +13,10 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from qinfer.errors import QinferError, finished, signals_held
-
-try:
-    import fcntl
-except ImportError:  # Windows: the pid alone tells whether a temp folder is in use
-    fcntl = None
-
-
-# The cache folders qinfer alone writes (pulled built-ins, GGUF and foreign-format conversions): never an -o.
-CACHE_OWNED = ("models", "converted", "gguf")
-
-
-def cache_root() -> Path:
-    """The cache folder's path (not made)."""
-    if os.environ.get("QINFER_CACHE"):
-        return Path(os.environ["QINFER_CACHE"]).expanduser()
-    try:
-        return Path.home() / ".cache" / "qinfer"
-    except RuntimeError:  # no HOME and no passwd entry (cron, a container's arbitrary user id)
-        raise QinferError("there is no home folder to keep qinfer's cache in: set QINFER_CACHE to a folder you can "
-                          "write to") from None
-
-
-def cache_dir(*parts: str) -> Path:
-    """The cache folder, or its subfolder ``parts`` (``cache_dir("models")``), made if absent: one line where a
-    file stands in the way, before any work whose result would go there."""
-    root = cache_root()
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:  # the path itself is a file (a file on the way to it: errors.py's unwritable path)
-        where = "QINFER_CACHE" if os.environ.get("QINFER_CACHE") else "the cache folder"
-        raise QinferError(f"cannot write {where} {root}: it is a file, not a folder; set QINFER_CACHE to a folder "
-                          "you can write to") from None
-    path = root.joinpath(*parts)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise QinferError(f"cannot write the cache folder {path}: a file stands in its way; move the file, or set "
-                          "QINFER_CACHE to another folder") from None
-    return path
-
-
-def available_memory(cgroups: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")
-                     ) -> int | None:
-    """Bytes the kernel could hand out now without swapping, or None where unknown: the system's
-    ``MemAvailable``, or less where a memory cgroup (a container's or a job's limit) leaves less room."""
-    free = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                free = int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    room = _cgroup_room(cgroups, membership)
-    return room if free is None else free if room is None else min(free, room)
-
-
-def _cgroup_room(cgroups: Path, membership: Path) -> int | None:
-    """The least room under a memory limit of this process's cgroup or any cgroup above it (cgroup v2
-    ``memory.max``, v1 ``memory.limit_in_bytes``): limit - usage + the inactive page cache it can reclaim."""
-    try:
-        lines = membership.read_text().splitlines()
-    except OSError:
-        return None
-    rooms = []
-    for line in lines:
-        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
-        if controllers == "":
-            base, files = cgroups, ("memory.max", "memory.current", "inactive_file")
-        elif "memory" in controllers.split(","):
-            base, files = cgroups / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
-        else:
-            continue
-        # Inside a container the cgroup's own folder is usually mounted as the root, so its path is not there.
-        here = base / path.strip("/") if (base / path.strip("/")).is_dir() else base
-        while True:
-            room = _room(here, *files)
-            if room is not None:
-                rooms.append(room)
-            if here == base or base not in here.parents:
-                break
-            here = here.parent
-    return min(rooms) if rooms else None
-
-
-def _room(folder: Path, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
-    try:
-        limit = (folder / limit_file).read_text().strip()
-        if limit == "max" or int(limit) >= 1 << 60:  # v1 writes "no limit" as a page-rounded 2^63
-            return None
-        usage = int((folder / usage_file).read_text())
-        stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines() if " " in line)
-        return max(0, int(limit) - usage + int(stat.get(inactive_key, 0)))
-    except (OSError, ValueError):
-        return None
+from qinfer.errors import finished, QinferError
+from qinfer.store.paths import CACHE_OWNED, cache_root
+from qinfer.store.signals import signals_held
+from qinfer.store.temp import abandoned, release, temp_path
 
 
 def check_output(out: Path, force: bool, source: Path | None = None) -> None:
@@ -208,7 +115,7 @@ def atomic_dir(target: Path, force: bool = False):
     finished(None)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:  # (a file further up: errors.py's unwritable path)
+    except FileExistsError:  # (a file further up: qinfer.cli.command's unwritable path)
         raise QinferError(f"cannot write {target}: {target.parent} is a file, not a folder; move it, or write "
                           "elsewhere") from None
     _restore_replaced(target)
@@ -298,7 +205,7 @@ def _restore_replaced(target: Path) -> None:
         return
     prefix = f".{target.name}.old-"
     for old in sorted(target.parent.glob(f"{glob.escape(prefix)}*")):
-        if _abandoned(old, prefix):
+        if abandoned(old, prefix):
             old.rename(target)
             return
 
@@ -319,132 +226,6 @@ def naming_full_disk(path: Path):
 def _appeared(target: Path) -> QinferError:
     return QinferError(f"{target} appeared while this run was writing it (another run with the same output?); "
                        "this run's result was discarded: choose another -o, or pass --force to replace it")
-
-
-def temp_path(parent: Path, prefix: str, folder: bool) -> Path:
-    """A new temp folder (or empty file) in ``parent`` named ``<prefix><pid>-<random>``, after
-    :func:`sweep_temp` of the same prefix. This process holds a lock on it (:func:`release` lets go) that tells
-    a sweep elsewhere it is in use, where the pid cannot: another container or machine sharing the folder."""
-    sweep_temp(parent, prefix)
-    name = f"{prefix}{os.getpid()}-"
-    if folder:
-        path = Path(tempfile.mkdtemp(prefix=name, dir=parent))
-    else:
-        fd, made = tempfile.mkstemp(prefix=name, dir=parent)
-        os.close(fd)
-        path = Path(made)
-    _hold(path)
-    return path
-
-
-_held: dict[str, int] = {}  # temp path -> the descriptor holding its lock
-
-
-def _lock(path: Path) -> int | None:
-    """A descriptor holding ``path``'s lock, or None where it cannot be opened or the file system has no locks;
-    BlockingIOError where another descriptor holds it."""
-    if fcntl is None:
-        return None
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise
-    except OSError:  # a file system without locks: the pid alone tells
-        os.close(fd)
-        return None
-    return fd
-
-
-def _hold(path: Path) -> None:
-    fd = _lock(path)  # (just made: no one else holds it)
-    if fd is not None:
-        _held[str(path)] = fd
-
-
-def release(path: Path) -> None:
-    """Let go of the lock :func:`temp_path` took on ``path`` (renamed into place, or removed)."""
-    fd = _held.pop(str(path), None)
-    if fd is not None:
-        os.close(fd)
-
-
-def _locked(path: Path) -> bool:
-    """Whether a process, here or in another container or machine sharing the folder, holds ``path``'s lock."""
-    if str(path) in _held:
-        return True
-    try:
-        fd = _lock(path)
-    except BlockingIOError:
-        return True
-    if fd is not None:
-        os.close(fd)
-    return False
-
-
-def sweep_temp(parent: Path, prefix: str) -> None:
-    """Remove the :func:`temp_path` leftovers in ``parent`` with ``prefix`` whose process is gone (killed with
-    SIGKILL, a power cut) and which no process holds, so they never pile up."""
-    for stale in Path(parent).glob(f"{glob.escape(prefix)}*"):
-        if _abandoned(stale, prefix):
-            if stale.is_dir() and not stale.is_symlink():
-                shutil.rmtree(stale, ignore_errors=True)
-            else:
-                stale.unlink(missing_ok=True)
-
-
-def _abandoned(path: Path, prefix: str) -> bool:
-    """Whether the temp path ``<prefix><pid>-...`` was left by a process that is gone and that no one holds."""
-    pid = path.name[len(prefix):].split("-", 1)[0]
-    return pid.isdigit() and not _alive(int(pid)) and not _locked(path)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
-MANIFEST = ".manifest.json"  # in a folder qinfer made in the cache: {file name: bytes} of everything it wrote
-
-
-def write_manifest(folder: Path) -> None:
-    """Record the name and size of every file in ``folder`` (a conversion qinfer made in the cache)."""
-    folder = Path(folder)
-    sizes = {f.name: f.stat().st_size for f in sorted(folder.iterdir()) if f.is_file() and f.name != MANIFEST}
-    write_atomic(folder / MANIFEST, json.dumps(sizes, indent=1))
-
-
-def damage(folder: Path) -> str:
-    """What no longer matches ``folder``'s manifest (a file missing or of another size), or '' if all does. A
-    folder without a manifest (made by an older qinfer) is taken as it is if it has the weights every
-    conversion writes."""
-    folder = Path(folder)
-    try:
-        sizes = json.loads((folder / MANIFEST).read_text())
-    except FileNotFoundError:
-        if not folder.is_dir():
-            return f"{folder} is missing"
-        return "" if (folder / "model.safetensors").is_file() else "model.safetensors is missing"
-    except (OSError, ValueError):
-        return f"its {MANIFEST} is unreadable"
-    if not isinstance(sizes, dict):
-        return f"its {MANIFEST} is unreadable"
-    for name, size in sizes.items():
-        path = folder / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if path.stat().st_size != size:
-            return f"{name} has {path.stat().st_size} bytes, not the {size} written"
-    return ""
 
 
 def write_atomic(path: Path, data: bytes | str) -> None:
@@ -490,22 +271,3 @@ def _readable(path: Path) -> None:
     os.chmod(path, 0o666 & ~umask)
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def source_fingerprint(modules: tuple[str, ...], *packages: str) -> str:
-    """sha256 over the source files of ``modules`` and of every module in each of ``packages`` (by file name and
-    bytes): a cached result keyed on it is redone after any change to the code that produced it."""
-    files = [Path(importlib.import_module(m).__file__) for m in modules]
-    for package in packages:
-        folder = Path(next(iter(importlib.import_module(package).__path__)))  # a namespace package has no __file__
-        files += sorted(folder.glob("*.py")) + sorted(folder.glob("*.c"))  # C kernels built at first use
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f.name.encode() + b"\0" + f.read_bytes())
-    return h.hexdigest()

@@ -1,0 +1,55 @@
+"""A decode step's few rows of RMSNorm in one C call (``qinfer_rms_norm`` in ``gemv_cpu.c``, built and loaded by
+``cpu_library``), on an x86-64 CPU.
+
+PyTorch's path for a row is a dozen small ops, and at a decode step's size their dispatch, not their arithmetic,
+is what the step pays for. The C loop computes ``qinfer.kernels.norm.rms_norm_ref``'s roundings in one call: the
+mean of squares in fp32, then either Gemma's ``x / rms(x) * (offset + w)`` in fp32, rounded once, or Llama's
+``x / rms(x)`` rounded to x's dtype, then times ``w``. It takes up to ``NORM_MAX_ROWS`` contiguous rows, eagerly
+and outside ``cpu_library.only_gemvs``: a prefill's rows go to PyTorch's vectorised, multi-threaded ops, and a
+compiled graph fuses the norm with its neighbours itself. Under the profiler the call is the operator
+``torch.ops.qinfer.rms_norm``, so ``decode_profile`` names it; other calls skip its dispatch.
+"""
+
+import torch
+from torch.autograd import profiler
+
+from qinfer.kernels import cpu_library
+from qinfer.kernels.cpu_library import DTYPE_CODES, OPS
+
+NORM_MAX_ROWS = 16  # more rows (a prefill's) go to PyTorch's vectorised, multi-threaded ops
+
+
+def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor, scale_in_fp32: bool) -> bool:
+    """A decode step's few contiguous rows of RMSNorm (``qinfer.kernels.norm``), eagerly: a compiled graph
+    fuses the norm with its neighbours itself."""
+    return (
+        x.is_cpu and weight.is_cpu and x.dtype in DTYPE_CODES and weight.dtype in DTYPE_CODES
+        and weight.dim() == 1 and x.shape[-1] == weight.numel() and 0 < x.numel() <= NORM_MAX_ROWS * x.shape[-1]
+        and x.is_contiguous() and weight.is_contiguous() and (scale_in_fp32 or weight.dtype == x.dtype)
+        and cpu_library.row_loop_allowed(x, weight)
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, scale_in_fp32: bool) -> torch.Tensor:
+    """``qinfer.kernels.norm.rms_norm_ref`` in C, for inputs :func:`rms_norm_supported` accepts."""
+    if profiler._is_profiler_enabled:
+        return torch.ops.qinfer.rms_norm(x, weight, eps, offset, scale_in_fp32)
+    return _rms_norm_op(x, weight, eps, offset, scale_in_fp32)
+
+
+def _rms_norm_op(x, weight, eps: float, offset: float, scale_in_fp32: bool) -> torch.Tensor:
+    y = torch.empty_like(x)
+    D = x.shape[-1]
+    cpu_library.library()[0].qinfer_rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // D, D, eps,
+                                             offset, DTYPE_CODES[x.dtype], DTYPE_CODES[weight.dtype],
+                                             int(scale_in_fp32))
+    return y
+
+
+OPS.define("rms_norm(Tensor x, Tensor weight, float eps, float offset, bool scale_in_fp32) -> Tensor")
+OPS.impl("rms_norm", _rms_norm_op, "CPU")
+
+
+@torch.library.register_fake("qinfer::rms_norm")
+def _(x, weight, eps, offset, scale_in_fp32):
+    return torch.empty_like(x)
