@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qinfer.kernels.attention import attention
 from qinfer.kernels.dense import native_half_gemm
 from qinfer.model.decoder import Block, QLinear, RMSNorm, Transformer
 
@@ -91,12 +92,12 @@ class _StatsCache:
         self.k_absmax = torch.zeros(n_kv_heads, head_dim)
         self.v_absmax = torch.zeros(n_kv_heads, head_dim)
 
-    def store(self, layer, input_pos, k, v, start=0, end=None):
-        # k, v: [B, Hkv, T, D], a whole sample's (input_pos 0..T-1), of which positions start.. are returned, as
-        # a bf16 KV cache returns them (no scales)
+    def attend(self, layer, q, k, v, input_pos, start, end, mask, scale):
+        # k, v: [B, Hkv, T, D], a whole sample's (input_pos 0..T-1): q attends over positions start.., as over a
+        # bf16 KV cache
         self.k_absmax = torch.maximum(self.k_absmax, k.detach().abs().amax(dim=(0, 2)).float().cpu())
         self.v_absmax = torch.maximum(self.v_absmax, v.detach().abs().amax(dim=(0, 2)).float().cpu())
-        return k[:, :, start:], v[:, :, start:], None
+        return attention(q, k[:, :, start:], v[:, :, start:], None if q.shape[2] == 1 else mask[:, start:], scale)
 
 
 def embed_samples(model: Transformer, samples: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from qinfer.format import e4m3_times
 from qinfer.kernels import attention_cpu
+from qinfer.kernels.paged_attention import gather_pages
 
 CHUNK = 256  # query rows per chunk; 128-256 were fastest at gemma3's shapes (window 512, 1-4k tokens)
 # Largest K slice (elements) a decode step converts to fp32; past it (gemma3's 32k-token cache) the fp32
@@ -81,6 +82,25 @@ def attention(
         [_sdpa(q[:, :, i0:i1], k[:, :, k0:k1], v[:, :, k0:k1], mask[i0:i1, k0:k1], scale) for i0, i1, k0, k1 in spans],
         dim=2,
     )
+
+
+def paged_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_tables: torch.Tensor,
+                 start: int, end: int, scale: float, kv_scales: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+    """A decode step over a paged KV cache: q [B, H, 1, D], one query row per sequence, against positions
+    start..end-1 of each sequence's pages [N, Hkv, P, D] through ``block_tables`` [B, M]; ``kv_scales``: the pages
+    hold codes, and these are (k_scale, v_scale [Hkv, D], k_pos, v_pos [N, Hkv, P]). On CPU, eagerly, the C loop
+    reads the pages in place; elsewhere the positions are gathered into a slice for :func:`attention`."""
+    k_scale, v_scale, k_pos, v_pos = kv_scales or (None,) * 4
+    if attention_cpu.paged_supported(q, k_pages, v_pages, quantized=kv_scales is not None):
+        ends = torch.full((q.shape[0],), end, dtype=torch.int64)
+        return attention_cpu.paged_decode_attention(q, k_pages, v_pages, block_tables, torch.full_like(ends, start),
+                                                    ends, scale, k_scale, v_scale, k_pos, v_pos)
+    positions = torch.arange(start, end, device=q.device)
+    k, v = gather_pages(k_pages, block_tables, positions), gather_pages(v_pages, block_tables, positions)
+    if kv_scales is not None:
+        kv_scales = (k_scale, v_scale, gather_pages(k_pos, block_tables, positions),
+                     gather_pages(v_pos, block_tables, positions))
+    return attention(q, k, v, None, scale, kv_scales)
 
 
 def _key_spans(mask: torch.Tensor) -> list[tuple[int, int, int, int]] | None:

@@ -1,5 +1,6 @@
-"""A decode step's attention in C on an x86-64 CPU (``qinfer_decode_attention`` in ``gemv_cpu.c``, built and loaded
-by ``cpu_library``): one query row per head over a KV cache's slice.
+"""A decode step's attention in C on an x86-64 CPU (``qinfer_decode_attention`` and
+``qinfer_paged_decode_attention`` in ``gemv_cpu.c``, built and loaded by ``cpu_library``): one query row per head
+over a KV cache's slice, or over each sequence's pages through its block table.
 
 At one query row, PyTorch's paths (SDPA's flash kernel, built for many rows, or two fp32 matmuls per KV head over
 fp32 copies of the keys and values; ``qinfer.kernels.attention``) spend more on dispatch and copies than on the
@@ -9,7 +10,9 @@ as stored, for the query heads that share it, and rounds each output once to q's
 or E4M3 codes are read as stored: the per-channel scales are folded into the queries and the weighted sums, the
 per-position scales into the scores and the weights, never into a copy of the keys or values. Eager calls only,
 outside ``cpu_library.only_gemvs`` (a compiled graph fuses these ops itself); under the profiler the call is the
-operator ``torch.ops.qinfer.decode_attention``, so ``decode_profile`` names it; other calls skip its dispatch.
+operator ``torch.ops.qinfer.decode_attention`` (``paged_decode_attention``), so ``decode_profile`` names it;
+other calls skip its dispatch. Over pages the loop is the same, each row's address read from the block table: where
+every sequence attends the same range of positions, its sums are those over a slice holding the same keys.
 """
 
 import torch
@@ -72,6 +75,54 @@ def _attention_op(q, k, v, scale: float, k_scale=None, v_scale=None, k_pos=None,
     return out
 
 
+def paged_supported(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, quantized: bool) -> bool:
+    """A decode step over a paged cache: q [B, H, 1, D] against pages [N, Hkv, P, D] (contiguous, P a power of
+    two), one dtype (``quantized``: int8 or E4M3 codes), D a multiple of 8; eagerly."""
+    return (
+        q.dim() == 4 and k_pages.dim() == 4 and q.shape[2] == 1 and k_pages.shape == v_pages.shape
+        and k_pages.shape[3] == q.shape[3] and q.shape[3] % 8 == 0 and q.shape[1] % k_pages.shape[1] == 0
+        and k_pages.shape[2] & (k_pages.shape[2] - 1) == 0 and q.dtype in DTYPE_CODES
+        and k_pages.dtype == v_pages.dtype and (k_pages.dtype in KV_CODES if quantized else k_pages.dtype == q.dtype)
+        and q.is_cpu and k_pages.is_cpu and v_pages.is_cpu and q.stride(3) == 1
+        and k_pages.is_contiguous() and v_pages.is_contiguous() and cpu_library.row_loop_allowed(q, k_pages, v_pages)
+    )
+
+
+def paged_decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_tables: torch.Tensor,
+                           starts: torch.Tensor, ends: torch.Tensor, scale: float,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                           k_pos: torch.Tensor | None = None, v_pos: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`decode_attention` of each sequence b over its positions ``starts[b]..ends[b] - 1`` (each range
+    non-empty), read through ``block_tables`` [B, M] (int64) from the pages [N, Hkv, P, D] (``qinfer.format``,
+    "The paged KV cache"); for codes, ``k_scale``, ``v_scale`` fp32 [Hkv, D] and ``k_pos``, ``v_pos`` fp32
+    [N, Hkv, P]. -> [B, H, 1, D] in q's dtype."""
+    if profiler._is_profiler_enabled:
+        return torch.ops.qinfer.paged_decode_attention(q, k_pages, v_pages, block_tables, starts, ends, scale,
+                                                       k_scale, v_scale, k_pos, v_pos)
+    return _paged_op(q, k_pages, v_pages, block_tables, starts, ends, scale, k_scale, v_scale, k_pos, v_pos)
+
+
+def _paged_op(q, k_pages, v_pages, block_tables, starts, ends, scale: float, k_scale=None, v_scale=None, k_pos=None,
+              v_pos=None) -> torch.Tensor:
+    B, H, _, D = q.shape
+    out = torch.empty(B, H, 1, D, dtype=q.dtype)
+    tables, starts, ends = (x.to(torch.int64).contiguous() for x in (block_tables, starts, ends))
+    if not bool((ends > starts).all()):
+        raise ValueError("every sequence attends at least one position (starts < ends)")
+    codes = k_pages.dtype in KV_CODES
+    scales = [x.float().reshape(k_pages.shape[1], -1).expand(-1, D).contiguous() if codes else None
+              for x in (k_scale, v_scale)]
+    pos = [x.float().contiguous() if codes and x is not None else None for x in (k_pos, v_pos)]
+    if cpu_library.library()[0].qinfer_paged_decode_attention(
+        q.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), out.data_ptr(), B, H, k_pages.shape[1], D,
+        q.stride(0), q.stride(1), scale, DTYPE_CODES[q.dtype], KV_CODES.get(k_pages.dtype, DTYPE_CODES[q.dtype]),
+        *(x.data_ptr() if x is not None else None for x in (*scales, *pos)),
+        tables.data_ptr(), tables.stride(0), k_pages.shape[2], starts.data_ptr(), ends.data_ptr(),
+    ):
+        raise MemoryError("out of memory for a decode step's attention scores")
+    return out
+
+
 OPS.define("decode_attention(Tensor q, Tensor k, Tensor v, float scale, Tensor? k_scale=None, "
            "Tensor? v_scale=None, Tensor? k_pos=None, Tensor? v_pos=None) -> Tensor")
 OPS.impl("decode_attention", _attention_op, "CPU")
@@ -79,4 +130,15 @@ OPS.impl("decode_attention", _attention_op, "CPU")
 
 @torch.library.register_fake("qinfer::decode_attention")
 def _(q, k, v, scale, k_scale=None, v_scale=None, k_pos=None, v_pos=None):
+    return q.new_empty(q.shape)
+
+
+OPS.define("paged_decode_attention(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_tables, Tensor starts, "
+           "Tensor ends, float scale, Tensor? k_scale=None, Tensor? v_scale=None, Tensor? k_pos=None, "
+           "Tensor? v_pos=None) -> Tensor")
+OPS.impl("paged_decode_attention", _paged_op, "CPU")
+
+
+@torch.library.register_fake("qinfer::paged_decode_attention")
+def _(q, k_pages, v_pages, block_tables, starts, ends, scale, k_scale=None, v_scale=None, k_pos=None, v_pos=None):
     return q.new_empty(q.shape)

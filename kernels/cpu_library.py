@@ -93,6 +93,9 @@ def library() -> tuple[ctypes.CDLL | None, str]:
     lib.qinfer_decode_attention.argtypes = ([_P] * 4 + [_I64] * 13 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
                                             + [_P] * 4 + [_I64] * 2)
     lib.qinfer_decode_attention.restype = ctypes.c_int
+    lib.qinfer_paged_decode_attention.argtypes = ([_P] * 4 + [_I64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+                                                  + [_P] * 5 + [_I64] * 2 + [_P] * 2)
+    lib.qinfer_paged_decode_attention.restype = ctypes.c_int
     for kernel in (lib.qinfer_int4_dequantize, lib.qinfer_int_dequantize, lib.qinfer_fp8_dequantize):
         kernel.argtypes, kernel.restype = [_P, _P, ctypes.c_int], ctypes.c_int
     lib.qinfer_int4_vnni.argtypes, lib.qinfer_int4_vnni.restype = [ctypes.c_int], ctypes.c_int

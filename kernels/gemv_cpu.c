@@ -164,27 +164,46 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
+/* Where row j of one KV head lives: a cache slice's rows ``stride`` elements apart from ``base``, or a paged
+ * cache's (``table`` not NULL): row j is row j % P of block table[j / P], blocks ``block_stride`` elements apart
+ * from ``base`` (the head's rows in block 0), rows ``stride`` apart inside a block; P = 1 << shift. */
+typedef struct {
+    const char *base;
+    int64_t stride, block_stride;
+    const int64_t *table;
+    int shift;
+} rows_t;
+
+static inline __attribute__((always_inline)) const char *row_at(const rows_t *r, int64_t j, size_t esz) {
+    if (!r->table) return r->base + j * r->stride * esz;
+    return r->base + (r->table[j >> r->shift] * r->block_stride + (j & ((1 << r->shift) - 1)) * r->stride) * esz;
+}
+
 /* Scores of M (1-4: a constant where inlined) query heads qf [M, D] against keys j0..j1 of one KV head: sc[i *
- * n + j - j0] = (qf_i . k_j) * scale (* kp[j], key j's scale, where kp is not NULL), top[i] their max. Each key
- * row is loaded and widened once for the M heads, whose sums stay in registers. */
+ * n + j - j0] = (qf_i . k_j) * scale (* key j's position scale, where kp is not NULL), top[i] their max. Each
+ * key row is loaded and widened once for the M heads, whose sums stay in registers. */
 static inline __attribute__((always_inline)) void scores_of(
-        const char *kh0, int64_t ks, const char *vh0, int64_t vs, int dtype, const float *qf, int64_t D, int64_t j0,
-        int64_t j1, float *sc, int64_t n, float scale, const float *kp, const int M, float *top) {
+        const rows_t *kr_, const rows_t *vr_, int dtype, const float *qf, int64_t D, int64_t j0, int64_t j1,
+        float *sc, int64_t n, float scale, const rows_t *kp, const int M, float *top) {
     const size_t esz = esize(dtype);
     for (int i = 0; i < M; i++) top[i] = -INFINITY;
     const int64_t ahead = AHEAD / (D * esz) > 1 ? AHEAD / (D * esz) : 1;  /* rows, AHEAD bytes of a cache's rows */
     for (int64_t j = j0; j < j1; j++) {
-        const char *kr = kh0 + j * ks * esz;
-        if (j + ahead < j1)
-            for (int64_t o = 0; o < D * (int64_t)esz; o += 64) _mm_prefetch(kr + ahead * ks * esz + o, _MM_HINT_T0);
-        if (vh0)  /* value row j on its way to L2 while the keys stream: weighted_sum reads it in columns */
-            for (int64_t o = 0; o < D * (int64_t)esz; o += 64) _mm_prefetch(vh0 + j * vs * esz + o, _MM_HINT_T1);
+        const char *kr = row_at(kr_, j, esz);
+        if (j + ahead < j1) {
+            const char *next = row_at(kr_, j + ahead, esz);
+            for (int64_t o = 0; o < D * (int64_t)esz; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
+        }
+        if (vr_) {  /* value row j on its way to L2 while the keys stream: weighted_sum reads it in columns */
+            const char *vr = row_at(vr_, j, esz);
+            for (int64_t o = 0; o < D * (int64_t)esz; o += 64) _mm_prefetch(vr + o, _MM_HINT_T1);
+        }
         __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
         for (int64_t d = 0; d < D; d += 8) {
             __m256 kv = load8(kr, dtype, d);
             for (int i = 0; i < M; i++) a[i] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(qf + i * D + d), a[i]);
         }
-        const float sj = kp ? scale * kp[j] : scale;
+        const float sj = kp ? scale * *(const float *)row_at(kp, j, sizeof(float)) : scale;
         for (int i = 0; i < M; i++) {
             float x = hsum(a[i]) * sj;
             sc[i * n + j - j0] = x;
@@ -196,15 +215,14 @@ static inline __attribute__((always_inline)) void scores_of(
 /* acc[i] = sum_j p[i * n + j] v_(j0 + j) for M (1-4) heads over values j0..j0+n of one KV head, 16 columns at a
  * time: the M x 16 sums stay in registers across the keys, each value row's 16 columns widened once. */
 static inline __attribute__((always_inline)) void weighted_sum(
-        const char *vh0, int64_t vs, int dtype, const float *p, int64_t n, int64_t j0, int64_t D, float *acc,
-        const int M) {
+        const rows_t *vr_, int dtype, const float *p, int64_t n, int64_t j0, int64_t D, float *acc, const int M) {
     const size_t esz = esize(dtype);
     int64_t d = 0;
     for (; d + 16 <= D; d += 16) {
         __m256 lo[4], hi[4];
         for (int i = 0; i < M; i++) lo[i] = _mm256_setzero_ps(), hi[i] = _mm256_setzero_ps();
         for (int64_t j = 0; j < n; j++) {
-            const char *vr = vh0 + (j0 + j) * vs * esz;
+            const char *vr = row_at(vr_, j0 + j, esz);
             __m256 v0 = load8(vr, dtype, d), v1 = load8(vr, dtype, d + 8);
             for (int i = 0; i < M; i++) {
                 __m256 pj = _mm256_broadcast_ss(p + i * n + j);
@@ -217,7 +235,7 @@ static inline __attribute__((always_inline)) void weighted_sum(
         __m256 lo[4];
         for (int i = 0; i < M; i++) lo[i] = _mm256_setzero_ps();
         for (int64_t j = 0; j < n; j++) {
-            __m256 v0 = load8(vh0 + (j0 + j) * vs * esz, dtype, d);
+            __m256 v0 = load8(row_at(vr_, j0 + j, esz), dtype, d);
             for (int i = 0; i < M; i++) lo[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + i * n + j), v0, lo[i]);
         }
         for (int i = 0; i < M; i++) _mm256_storeu_ps(acc + i * D + d, lo[i]);
@@ -242,12 +260,15 @@ static inline __attribute__((always_inline)) void weighted_sum(
  * hardware prefetchers, as a weight's do) and sending each value row to L2; the exponentials take 8 lanes at
  * a time (exp8); the weighted sum of values (weighted_sum) then reads the rows from L2 in 16-column blocks,
  * its sums in registers. Both loops run in one parallel region. */
-int qinfer_decode_attention(const void *q, const void *k, const void *v, void *out, int64_t B, int64_t H,
-                            int64_t Hkv, int64_t S, int64_t D, int64_t qb, int64_t qh, int64_t kb, int64_t kh,
-                            int64_t ks, int64_t vb, int64_t vh, int64_t vs, float scale, int dtype, int kv_dtype,
-                            const float *k_scale, const float *v_scale, const float *k_pos, const float *v_pos,
-                            int64_t pb, int64_t ph) {
+static int attention_rows(const void *q, const void *k, const void *v, void *out, int64_t B, int64_t H,
+                          int64_t Hkv, int64_t S, int64_t D, int64_t qb, int64_t qh, int64_t kb, int64_t kh,
+                          int64_t ks, int64_t vb, int64_t vh, int64_t vs, float scale, int dtype, int kv_dtype,
+                          const float *k_scale, const float *v_scale, const float *k_pos, const float *v_pos,
+                          int64_t pb, int64_t ph, const int64_t *table, int64_t tb, int64_t P,
+                          const int64_t *starts, const int64_t *ends) {
     const int64_t G = H / Hkv, per_task = G * (D + 2);  /* a task's partials: per head acc[D], max, sum */
+    int shift_p = 0;
+    while (table && ((int64_t)1 << shift_p) < P) shift_p++;
     const size_t esz = esize(dtype), kvsz = esize(kv_dtype);
     int64_t chunks = (S + 1023) / 1024;
     if (chunks < omp_get_max_threads()) chunks = S < omp_get_max_threads() ? S : omp_get_max_threads();
@@ -259,7 +280,10 @@ int qinfer_decode_attention(const void *q, const void *k, const void *v, void *o
     {
     #pragma omp for schedule(static)
     for (int64_t t = 0; t < tasks; t++) {
-        int64_t b = t / (Hkv * chunks), g = t / chunks % Hkv, j0 = t % chunks * len, j1 = j0 + len < S ? j0 + len : S;
+        int64_t b = t / (Hkv * chunks), g = t / chunks % Hkv;
+        const int64_t lo = table ? starts[b] : 0, hi = table ? ends[b] : S;  /* this sequence's keys */
+        int64_t j0 = lo + t % chunks * len, j1 = j0 + len < hi ? j0 + len : hi;
+        if (j0 > hi) j0 = hi;
         float *acc = part + t * per_task, *top = acc + G * D, *total = top + G;
         float *buf = malloc(sizeof(float) * (G * D + G * (j1 > j0 ? j1 - j0 : 1)));
         if (!buf) {
@@ -270,24 +294,36 @@ int qinfer_decode_attention(const void *q, const void *k, const void *v, void *o
         float *qf = buf, *sc = buf + G * D;  /* the group's queries in fp32; scores [G, n] */
         const int64_t n = j1 > j0 ? j1 - j0 : 0;
         const float *kg = k_scale ? k_scale + g * D : NULL, *vg = v_scale ? v_scale + g * D : NULL;
-        const float *kp = k_pos ? k_pos + b * pb + g * ph : NULL, *vp = v_pos ? v_pos + b * pb + g * ph : NULL;
+        rows_t kr, vr, kpr, vpr;  /* keys, values and their position scales, contiguous or through the table */
+        if (table) {
+            const int64_t *bt = table + b * tb;
+            kr = (rows_t){(const char *)k + g * P * D * kvsz, D, Hkv * P * D, bt, shift_p};
+            vr = (rows_t){(const char *)v + g * P * D * kvsz, D, Hkv * P * D, bt, shift_p};
+            kpr = (rows_t){(const char *)(k_pos ? k_pos + g * P : NULL), 1, Hkv * P, bt, shift_p};
+            vpr = (rows_t){(const char *)(v_pos ? v_pos + g * P : NULL), 1, Hkv * P, bt, shift_p};
+        } else {
+            kr = (rows_t){(const char *)k + (b * kb + g * kh) * kvsz, ks, 0, NULL, 0};
+            vr = (rows_t){(const char *)v + (b * vb + g * vh) * kvsz, vs, 0, NULL, 0};
+            kpr = (rows_t){(const char *)(k_pos ? k_pos + b * pb + g * ph : NULL), 1, 0, NULL, 0};
+            vpr = (rows_t){(const char *)(v_pos ? v_pos + b * pb + g * ph : NULL), 1, 0, NULL, 0};
+        }
+        const rows_t *kp = k_pos ? &kpr : NULL, *vp = v_pos ? &vpr : NULL;
         for (int64_t i = 0; i < G; i++) {
             const char *qrow = (const char *)q + (b * qb + (g * G + i) * qh) * esz;
             for (int64_t d = 0; d < D; d++) qf[i * D + d] = load_one(qrow, dtype, d) * (kg ? kg[d] : 1.f);
         }
-        const char *kh0 = (const char *)k + (b * kb + g * kh) * kvsz, *vh0 = (const char *)v + (b * vb + g * vh) * kvsz;
         const float shift = kv_dtype == 4 ? 256.f : 1.f;  /* e4m3x8 reads 2^-8 times each code's value */
         const float s = kg ? scale * shift : scale;
         for (int64_t i0 = 0; i0 < G; i0 += 4) {  /* up to 4 heads at a time, their sums in registers */
             const int m = G - i0 < 4 ? (int)(G - i0) : 4;
-            const char *vpre = i0 ? NULL : vh0;  /* the first heads' pass sends the value rows to L2 */
+            const rows_t *vpre = i0 ? NULL : &vr;  /* the first heads' pass sends the value rows to L2 */
             const float *qi = qf + i0 * D;
             float *si = sc + i0 * n;
             switch (m) {
-                case 4: scores_of(kh0, ks, vpre, vs, kv_dtype, qi, D, j0, j1, si, n, s, kp, 4, top + i0); break;
-                case 3: scores_of(kh0, ks, vpre, vs, kv_dtype, qi, D, j0, j1, si, n, s, kp, 3, top + i0); break;
-                case 2: scores_of(kh0, ks, vpre, vs, kv_dtype, qi, D, j0, j1, si, n, s, kp, 2, top + i0); break;
-                default: scores_of(kh0, ks, vpre, vs, kv_dtype, qi, D, j0, j1, si, n, s, kp, 1, top + i0);
+                case 4: scores_of(&kr, vpre, kv_dtype, qi, D, j0, j1, si, n, s, kp, 4, top + i0); break;
+                case 3: scores_of(&kr, vpre, kv_dtype, qi, D, j0, j1, si, n, s, kp, 3, top + i0); break;
+                case 2: scores_of(&kr, vpre, kv_dtype, qi, D, j0, j1, si, n, s, kp, 2, top + i0); break;
+                default: scores_of(&kr, vpre, kv_dtype, qi, D, j0, j1, si, n, s, kp, 1, top + i0);
             }
         }
         for (int64_t i = 0; i < G; i++) {
@@ -304,15 +340,15 @@ int qinfer_decode_attention(const void *q, const void *k, const void *v, void *o
             for (; j < n; j++) t += (si[j] = expf(si[j] - top[i]));
             total[i] = t;
             if (vp)  /* value j's scale joins its weight after the sum: the softmax's denominator is the keys' */
-                for (j = 0; j < n; j++) si[j] *= vp[j0 + j];
+                for (j = 0; j < n; j++) si[j] *= *(const float *)row_at(vp, j0 + j, sizeof(float));
         }
         for (int64_t i0 = 0; i0 < G; i0 += 4) {
             const int m = G - i0 < 4 ? (int)(G - i0) : 4;
             switch (m) {
-                case 4: weighted_sum(vh0, vs, kv_dtype, sc + i0 * n, n, j0, D, acc + i0 * D, 4); break;
-                case 3: weighted_sum(vh0, vs, kv_dtype, sc + i0 * n, n, j0, D, acc + i0 * D, 3); break;
-                case 2: weighted_sum(vh0, vs, kv_dtype, sc + i0 * n, n, j0, D, acc + i0 * D, 2); break;
-                default: weighted_sum(vh0, vs, kv_dtype, sc + i0 * n, n, j0, D, acc + i0 * D, 1);
+                case 4: weighted_sum(&vr, kv_dtype, sc + i0 * n, n, j0, D, acc + i0 * D, 4); break;
+                case 3: weighted_sum(&vr, kv_dtype, sc + i0 * n, n, j0, D, acc + i0 * D, 3); break;
+                case 2: weighted_sum(&vr, kv_dtype, sc + i0 * n, n, j0, D, acc + i0 * D, 2); break;
+                default: weighted_sum(&vr, kv_dtype, sc + i0 * n, n, j0, D, acc + i0 * D, 1);
             }
         }
         if (vg)
@@ -348,6 +384,31 @@ int qinfer_decode_attention(const void *q, const void *k, const void *v, void *o
     }  /* one parallel region for both loops: one wake of the threads */
     free(part);
     return failed;
+}
+
+int qinfer_decode_attention(const void *q, const void *k, const void *v, void *out, int64_t B, int64_t H,
+                            int64_t Hkv, int64_t S, int64_t D, int64_t qb, int64_t qh, int64_t kb, int64_t kh,
+                            int64_t ks, int64_t vb, int64_t vh, int64_t vs, float scale, int dtype, int kv_dtype,
+                            const float *k_scale, const float *v_scale, const float *k_pos, const float *v_pos,
+                            int64_t pb, int64_t ph) {
+    return attention_rows(q, k, v, out, B, H, Hkv, S, D, qb, qh, kb, kh, ks, vb, vh, vs, scale, dtype, kv_dtype,
+                          k_scale, v_scale, k_pos, v_pos, pb, ph, NULL, 0, 0, NULL, NULL);
+}
+
+/* The same over a paged cache (qinfer.format, "The paged KV cache"): k, v: [N, Hkv, P, D] pools of kv_dtype
+ * (P a power of two), k_pos, v_pos: [N, Hkv, P] fp32 or NULL; sequence b's keys starts[b]..ends[b]-1 through its
+ * block table, table + b * tb ([B, tb] int64). Chunks of keys split as above, over the longest range: where
+ * every sequence has the same range, the sums are those of qinfer_decode_attention over the same keys. */
+int qinfer_paged_decode_attention(const void *q, const void *k, const void *v, void *out, int64_t B, int64_t H,
+                                  int64_t Hkv, int64_t D, int64_t qb, int64_t qh, float scale, int dtype,
+                                  int kv_dtype, const float *k_scale, const float *v_scale, const float *k_pos,
+                                  const float *v_pos, const int64_t *table, int64_t tb, int64_t P,
+                                  const int64_t *starts, const int64_t *ends) {
+    int64_t S = 0;
+    for (int64_t b = 0; b < B; b++)
+        if (ends[b] - starts[b] > S) S = ends[b] - starts[b];
+    return attention_rows(q, k, v, out, B, H, Hkv, S, D, qb, qh, 0, 0, 0, 0, 0, 0, scale, dtype, kv_dtype,
+                          k_scale, v_scale, k_pos, v_pos, 0, 0, table, tb, P, starts, ends);
 }
 
 /* W: bf16 [N, K], rows ld elements apart; x: [K], b: [N] or NULL (no bias) and y: [N] of dtype */

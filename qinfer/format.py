@@ -32,6 +32,19 @@ KV-cache scales (``kv_cache`` "int8" or "fp8"). For every layer ``i``, ``model.l
 position of the calibration samples) over 127 or 448, or 1 for a channel whose max is 0, for a static cache storing
 ``round(x / scale)`` or ``e4m3(x / scale)``, clamped; qinfer's (``kv_cache.py``) uses their ratios, per position.
 
+The paged KV cache (in memory, not in a folder). Per layer, keys and values each in a pool of ``N`` blocks of
+``P`` positions (``P`` in {8, 16, 32, 64, 128}; 16 by default), ``[N, Hkv, P, D]`` row-major (``Hkv`` =
+``num_kv_heads``, ``D`` = ``head_dim``): a block holds, per KV head, ``P`` contiguous rows of ``D`` elements. A
+sequence's block table lists its blocks in position order; its position ``p`` is row ``p % P`` of block
+``table[p // P]``. Block ids are the same in every layer. Pages hold the model's dtype (bf16), or codes: int8, or
+float8_e4m3fn; then ``[N, Hkv, P]`` fp32 position scales ``t`` (keys and values each) sit beside them, and the
+layer's channel scales ``c`` ``[Hkv, D]`` fp32 (the ``k_scale``/``v_scale`` above, else 1) apply to every block::
+
+    t[blk, h, r] = max_d |x_d / c[h, d]| / QMAX          (QMAX 127 for int8, 448 for E4M3; 1e-30 at least)
+    int8: code = round(x / (c t)),  E4M3: code = e4m3(x / (c t)),  x ≈ code * c * t
+
+so a position's codes depend on its own values alone, and nothing clips.
+
 Integer weights (``format == "int"``)
 -------------------------------------
 ``b = bits`` in {2, 3, 4, 8}; ``G = group_size``, or ``G = K`` when ``group_size == -1`` (per channel).

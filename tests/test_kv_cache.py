@@ -1,7 +1,10 @@
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from qinfer.model.kv_cache import KVCache
+from qinfer.errors import QinferError
+from qinfer.model.kv_cache import BlockPool, BlockTable, KVCache, OutOfBlocks
 from qinfer.model.loader import load_model
 from tests.tiny_models import make_model
 
@@ -20,9 +23,10 @@ def test_quantized_cache_round_trip_error_is_bounded_per_position(tiny, kv_dtype
     k, v = (torch.randn(1, 2, 10, 16) * torch.logspace(-4, 0, 10)[:, None] for _ in range(2))
     k_out, v_out = cache.update(0, torch.arange(10), k, v)
     assert torch.equal(cache.scales[0][0], torch.ones(2, 16))  # uncalibrated: channels alike
-    for x, y, pos in ((k, k_out, cache.k_pos[0]), (v, v_out, cache.v_pos[0])):
-        torch.testing.assert_close(pos[:, :, :10], x.abs().amax(-1) / qmax, rtol=1e-6, atol=0)
-        step = pos[:, :, :10, None]
+    _, _, (_, _, k_pos, v_pos) = cache.read(0, 0, 10)
+    for x, y, pos in ((k, k_out, k_pos), (v, v_out, v_pos)):
+        torch.testing.assert_close(pos, x.abs().amax(-1) / qmax, rtol=1e-6, atol=0)
+        step = pos[..., None]
         # int8: half a step; fp8: 3 mantissa bits (relative), plus a subnormal floor
         limit = step / 2 if kv_dtype == "int8" else 2.0**-4 * x.abs() + step * 2.0**-9
         assert bool(((x - y).abs() <= limit * 1.0001).all())
@@ -39,8 +43,9 @@ def test_a_position_is_quantized_alone(tiny, kv_dtype):
     alone = KVCache(tiny.config, 1, 8, torch.float32, kv_dtype=kv_dtype)
     for t in range(6):
         alone.store(0, torch.tensor([t]), k[1:, :, t : t + 1], v[1:, :, t : t + 1])
-    for ours, theirs in ((whole.k, alone.k), (whole.v, alone.v), (whole.k_pos, alone.k_pos)):
-        assert torch.equal(ours[0][1:, :, :6].float(), theirs[0][:, :, :6].float())
+    ours, theirs = whole.read(0, 0, 6), alone.read(0, 0, 6)
+    for x, y in zip((*ours[:2], *ours[2][2:]), (*theirs[:2], *theirs[2][2:])):  # codes and position scales
+        assert torch.equal(x[1:].float(), y.float())
 
 
 def test_calibrated_scales_shape_the_channels_and_nothing_clips(tiny):
@@ -108,10 +113,9 @@ def test_sliding_window_layers_read_only_their_window(tmp_path):
     reads = {}
 
     class Recording(KVCache):
-        def store(self, layer, input_pos, k, v, start=0, end=None):
-            k_out, v_out, scales = super().store(layer, input_pos, k, v, start, end)
-            reads[layer] = (start, start + k_out.shape[2])  # the cached positions handed to the layer
-            return k_out, v_out, scales
+        def attend(self, layer, q, k, v, input_pos, start, end, mask, scale):
+            reads[layer] = (start, end)  # the cached positions the layer's queries attend over
+            return super().attend(layer, q, k, v, input_pos, start, end, mask, scale)
 
     cache = Recording(model.config, 1, 16, torch.float32)
     ids = torch.randint(0, 97, (1, 12))
@@ -146,6 +150,109 @@ def test_fp8_cache_reads_exactly_codes_times_scale(tiny):
     cache = KVCache(tiny.config, 1, 300, torch.float32, kv_dtype="fp8", scales=scales)
     k = torch.randn(1, 2, 300, 16) * torch.logspace(-6, 1, 16)
     k_out, _ = cache.update(0, torch.arange(300), k, k)
-    scale = cache.scales[0][0][None, :, None, :] * cache.k_pos[0][..., None]
-    assert torch.equal(k_out, cache.k[0].float() * scale)
-    assert int((cache.k[0].float().abs() < 2.0**-6).sum()) > 0  # subnormal codes were read
+    codes, _, (k_scale, _, k_pos, _) = cache.read(0, 0, 300)
+    scale = k_scale[None, :, None, :] * k_pos[..., None]
+    assert torch.equal(k_out, codes.float() * scale)
+    assert int((codes.float().abs() < 2.0**-6).sum()) > 0  # subnormal codes were read
+
+
+@pytest.fixture
+def config():
+    return SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=16)  # all a cache reads of a ModelConfig
+
+
+def test_blocks_are_allocated_all_or_none():
+    pool = BlockPool(4)
+    a = pool.allocate(3)
+    assert sorted(a) == [0, 1, 2] and pool.num_free == 1
+    with pytest.raises(OutOfBlocks, match="2 KV-cache blocks wanted, 1 free of 4"):
+        pool.allocate(2)
+    assert pool.num_free == 1  # nothing was taken by the refused request
+
+
+def test_a_shared_block_is_free_only_when_its_last_holder_releases_it():
+    pool = BlockPool(2)
+    blocks = pool.allocate(2)
+    pool.share(blocks[:1])
+    pool.release(blocks)
+    assert pool.num_free == 1 and pool.refs[blocks[0]] == 1
+    pool.release(blocks[:1])
+    assert pool.num_free == 2
+    with pytest.raises(ValueError, match="already free"):
+        pool.release(blocks[:1])
+    with pytest.raises(ValueError, match="is free"):
+        pool.share(blocks[:1])
+
+
+def test_reserve_grows_a_table_block_by_block_and_free_returns_them(config):
+    cache = KVCache(config, 0, 8, torch.bfloat16, block_size=8, num_blocks=5)
+    table = BlockTable()
+    cache.reserve(table, 1)
+    assert len(table.blocks) == 1
+    cache.reserve(table, 8)
+    assert len(table.blocks) == 1
+    cache.reserve(table, 17)
+    assert len(table.blocks) == 3 and cache.pool.num_free == 2
+    with pytest.raises(OutOfBlocks):
+        cache.reserve(table, 41)  # 6 blocks: 3 more wanted, 2 free
+    assert len(table.blocks) == 3 and cache.pool.num_free == 2
+    cache.free(table)
+    assert table.blocks == [] and cache.pool.num_free == 5
+
+
+def test_slots_follow_the_block_tables(config):
+    cache = KVCache(config, 0, 8, torch.bfloat16, block_size=8, num_blocks=4)
+    cache.bind([BlockTable([3, 0, 2]), BlockTable([1])])
+    block, row = cache.slots(torch.tensor([0, 7, 8, 20]))
+    assert block[0].tolist() == [3, 3, 0, 2] and row.tolist() == [0, 7, 0, 4]
+    assert block[1, :2].tolist() == [1, 1]  # (the second sequence's own positions)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "fp8"])
+def test_the_budget_sets_the_number_of_blocks(config, kv_dtype):
+    per_block = KVCache.bytes_per_block(config, 16, kv_dtype)
+    n = KVCache.blocks_for_memory(config, 10 * per_block + per_block // 2, 16, kv_dtype)
+    cache = KVCache(config, 0, 16, torch.bfloat16, kv_dtype=kv_dtype, num_blocks=n)
+    assert cache.num_blocks == 10
+    held = sum(t.numel() * t.element_size() for t in cache.k + cache.v + cache.k_pos + cache.v_pos)
+    assert held == 10 * per_block  # the count is of what the pages really hold
+    with pytest.raises(QinferError, match="less than one KV-cache block"):
+        KVCache.blocks_for_memory(config, per_block - 1, 16, kv_dtype)
+
+
+@pytest.mark.parametrize("bad, match", [({"block_size": 12}, "block size 12 is not supported"),
+                                        ({"kv_dtype": "int4"}, "unknown KV-cache dtype"),
+                                        ({"num_blocks": 0}, "at least one block")])
+def test_bad_settings_are_one_line(config, bad, match):
+    with pytest.raises(QinferError, match=match):
+        KVCache(config, 0, 8, torch.bfloat16, **bad)
+
+
+def test_scales_of_another_model_are_refused(config):
+    wrong = {0: (torch.ones(config.num_kv_heads + 1), torch.ones(config.num_kv_heads + 1))}
+    with pytest.raises(QinferError, match="quantize the model again with --kv-cache"):
+        KVCache(config, 1, 8, torch.bfloat16, kv_dtype="int8", scales=wrong)
+
+
+def test_a_sequence_too_long_for_the_free_blocks_is_refused_whole(config):
+    cache = KVCache(config, 1, 16, torch.bfloat16, block_size=8, num_blocks=3)
+    with pytest.raises(OutOfBlocks):
+        cache.new_sequence(17)  # 3 blocks wanted, 1 free
+    assert cache.pool.num_free == 1
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "fp8"])
+def test_sequences_in_shuffled_blocks_read_back_their_own_positions(config, kv_dtype):
+    torch.manual_seed(0)
+    Hkv, D, T = config.num_kv_heads, config.head_dim, 37
+    cache = KVCache(config, 0, T, torch.float32, kv_dtype=kv_dtype, block_size=8, num_blocks=12)
+    a, b = BlockTable([5, 1, 7, 0, 3]), BlockTable([2, 11, 4, 9, 6])
+    k, v = torch.randn(2, Hkv, T, D), torch.randn(2, Hkv, T, D)
+    cache.bind([a, b])
+    expected = cache.update(0, torch.arange(T), k, v)
+    cache.bind([b])  # the second sequence alone: its positions as written, the first one's untouched
+    alone = cache.update(0, torch.arange(0), k[1:, :, :0], v[1:, :, :0], 0, T)
+    for x, y in zip(expected, alone):
+        assert torch.equal(x[1:], y)
+    if kv_dtype == "bf16":
+        assert torch.equal(expected[0], k) and torch.equal(expected[1], v)

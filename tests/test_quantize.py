@@ -505,6 +505,7 @@ def test_kv_scales_cover_what_the_stored_model_writes(tiny, tmp_path, calib_file
     # each stored scale is the calibrated absmax over 127 of the keys / values the *quantized* block computes,
     # per KV head and channel (RTN and AWQ measured them before quantizing: the stored model's keys passed them
     # by up to 4%)
+    from qinfer.kernels.attention import attention
     from qinfer.pipeline.quantize import calibration_batch
 
     calib = CalibConfig(source=str(calib_file), samples=4, seq_len=32, keep_bos=False)
@@ -513,11 +514,11 @@ def test_kv_scales_cover_what_the_stored_model_writes(tiny, tmp_path, calib_file
     seen = {}
 
     class Ranges:
-        def store(self, layer, input_pos, k, v, start=0, end=None):
+        def attend(self, layer, q, k, v, input_pos, start, end, mask, scale):
             for name, t in (("k", k), ("v", v)):
                 a = t.abs().amax(dim=(0, 2)).float()  # [Hkv, D]
                 seen[layer, name] = torch.maximum(seen.get((layer, name), a), a)
-            return k[:, :, start:], v[:, :, start:], None
+            return attention(q, k[:, :, start:], v[:, :, start:], mask[:, start:], scale)
 
     with torch.no_grad():
         for row in calibration_batch(tiny, calib):

@@ -283,12 +283,9 @@ class Attention(nn.Module):
             first, last = span or (int(input_pos[0]), int(input_pos[-1]))
             # sym_max: under torch.compile, no guard on which side of the window a position lies (no recompile)
             start = 0 if self.window is None else torch.sym_max(0, first - self.window + 1)
-            # [B, Hkv, S - start, D] as stored; kv_scales: a quantized cache's (k_scale, v_scale, k_pos, v_pos)
-            k, v, kv_scales = cache.store(self.layer_idx, input_pos, k, v, start, last + 1)
-            mask = None if T == 1 else mask[:, start:]  # one query sees every key from start on
+            o = cache.attend(self.layer_idx, q, k, v, input_pos, start, last + 1, mask, self.scale)  # [B, H, T, D]
         else:
-            kv_scales = None
-        o = attention(q, k, v, mask, self.scale, kv_scales)  # [B, H, T, D]
+            o = attention(q, k, v, mask, self.scale)  # [B, H, T, D]
         return o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
 
 
@@ -453,7 +450,8 @@ class Transformer(nn.Module):
         cache = KVCache(self.config, 1, 1, self.dtype, self.device)
         ids = torch.tensor([[self.config.bos_token_id]], device=self.device)
         hidden = self.hidden_states(ids, torch.arange(1, device=self.device), cache)  # [1, 1, C]
-        return BosState(kv=[(k[0, :, 0].clone(), v[0, :, 0].clone()) for k, v in zip(cache.k, cache.v)], hidden=hidden[0, 0])
+        kv = [cache.read(i, 0, 1)[:2] for i in range(self.config.num_layers)]  # position 0: [1, Hkv, 1, D] each
+        return BosState(kv=[(k[0, :, 0].clone(), v[0, :, 0].clone()) for k, v in kv], hidden=hidden[0, 0])
 
     def hidden_states(self, input_ids, input_pos, cache: KVCache | None = None, span=None) -> torch.Tensor:
         """Final-norm hidden states [B, T, C] of T new tokens (``input_ids`` [B, T], ``input_pos`` [T]).

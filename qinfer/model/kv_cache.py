@@ -1,13 +1,19 @@
-"""A contiguous per-layer KV cache, optionally quantized: the interface the model writes through.
+"""The paged KV cache, optionally quantized: per layer a pool of fixed-size blocks, per sequence a block table.
 
-``store`` stores the new keys/values at their positions and returns the cached positions from ``start``
-(the first key any of the new queries may see: past a sliding window, the keys before it are never read)
-to the newest, as stored, with the layer's scales when the cache is quantized; ``update`` returns them in
-the compute dtype. With ``kv_dtype`` "int8" or "fp8" the cache quantizes on write with two scales: one per
-layer, KV head and channel (``c``, fixed) and one per position and KV head (``t``, set as each is written, from
-its own range), and attention reads the codes (``qinfer.kernels.attention``: a decode step's C loop folds the
-channel scales into the queries and its sums and the position scales into its scores and weights; other steps
-dequantize the slice they read):
+Memory is a number of blocks of ``block_size`` positions shared by every sequence, block ``b`` the same in every
+layer (the layout, bit for bit, is in ``qinfer.format``, "The paged KV cache"). A sequence holds the blocks its
+:class:`BlockTable` lists; a block may have several holders (:class:`BlockPool` counts them), so that sequences
+with a common prefix can share its full blocks. Running out of blocks is :class:`OutOfBlocks`, which a caller
+can act on (a scheduler preempts a sequence and retries); nothing is ever half-allocated.
+
+The model attends through :meth:`KVCache.attend`: the new keys and values go into their sequences' pages
+(quantized on the way in, for "int8" and "fp8"), and the queries attend over the cached positions from
+``start`` (the first key any of them may see: past a sliding window, the keys before it are never read) to the
+newest, as stored, with the layer's scales when quantized: a decode step reads the pages in place
+(``qinfer.kernels.attention.paged_decode``), a prompt's chunk over the positions gathered into a slice.
+
+A quantized cache has two scales: one per layer, KV head and channel (``c``, fixed) and one per position and KV
+head (``t``, set as each is written, from its own range)::
 
     t = max_d |x_d / c_d| / QMAX                          (QMAX: 127 for int8, 448 for fp8)
     int8: q = round(x / (c t))                            x ≈ q * c * t
@@ -19,20 +25,23 @@ only their ratios matter here (``t`` takes each position's magnitude), so they k
 taking the steps of the narrow ones, and scales calibrated for either dtype serve both. Nothing clips, however
 far a key lies past what calibration (or the prompt) showed, and a position's codes depend on it alone, not on
 the batch or the prompt it came with. The position scales cost 4 bytes per position and KV head each for keys
-and values (gemma3-270m's head_dim 256: 1.6% of an int8 cache). On gemma3-270m's GPTQ model a scale per
-position lowers an int8 cache's KL to the same model over a bf16 cache against one fixed scale per head, and
-calibrated channel scales lower it again (docs/results.md, "Choosing a quantize setting" and "Figures formerly
-in code comments").
+and values. How much a scale per position and calibrated channel scales lower an int8 cache's KL is measured in
+docs/results.md ("Choosing a quantize setting" and "Figures formerly in code comments").
 """
+
+from dataclasses import dataclass, field
 
 import torch
 
-from qinfer.model.arch import ModelConfig
 from qinfer.errors import QinferError
-from qinfer.kernels.attention import dequantize_kv
+from qinfer.kernels.attention import attention, dequantize_kv, paged_decode
+from qinfer.kernels.paged_attention import gather_pages, quantize_rows
+from qinfer.model.arch import ModelConfig
 
 KV_DTYPES = {"bf16": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 QMAX = {"int8": 127.0, "fp8": 448.0}
+BLOCK_SIZES = (8, 16, 32, 64, 128)  # what the attention kernels take: a power of two, 8 to 128 positions
+BLOCK_SIZE = 16
 
 
 def check_scale(where, name: str, scale: torch.Tensor, fix: str) -> None:
@@ -43,7 +52,59 @@ def check_scale(where, name: str, scale: torch.Tensor, fix: str) -> None:
         raise QinferError(f"{where}: {name} holds {float(scale[bad][0]):g}, not a finite positive scale: {fix}")
 
 
+class OutOfBlocks(QinferError):
+    """Not enough free blocks for a request: free some (finish or preempt a sequence) and retry."""
+
+
+class BlockPool:
+    """Which blocks are free, and how many holders each allocated block has."""
+
+    def __init__(self, num_blocks: int):
+        self.refs = [0] * num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: low ids first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` free blocks, each now held once; all or none (:class:`OutOfBlocks`)."""
+        if n > len(self._free):
+            raise OutOfBlocks(f"{n} KV-cache blocks wanted, {len(self._free)} free of {len(self.refs)}: raise "
+                              "--kv-memory, or run fewer or shorter sequences at once")
+        blocks = [self._free.pop() for _ in range(n)]
+        for b in blocks:
+            self.refs[b] = 1
+        return blocks
+
+    def share(self, blocks: list[int]) -> None:
+        """One more holder of each of ``blocks`` (a sequence reusing a prefix's blocks)."""
+        for b in blocks:
+            if self.refs[b] < 1:
+                raise ValueError(f"block {b} is free: only an allocated block can be shared")
+            self.refs[b] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        """One holder fewer of each of ``blocks``; a block no one holds is free again."""
+        for b in blocks:
+            if self.refs[b] < 1:
+                raise ValueError(f"block {b} is already free")
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self._free.append(b)
+
+
+@dataclass
+class BlockTable:
+    """One sequence's blocks, in position order."""
+
+    blocks: list[int] = field(default_factory=list)
+
+
 class KVCache:
+    """Every layer's pages, the pool of block ids, the scales of a quantized cache, and the sequences the next
+    forward runs (``tables``: one per batch row, each holding the blocks for its positions)."""
+
     def __init__(
         self,
         config: ModelConfig,
@@ -53,25 +114,100 @@ class KVCache:
         device="cpu",
         kv_dtype: str = "bf16",
         scales: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        block_size: int = BLOCK_SIZE,
+        num_blocks: int | None = None,
     ):
+        """Pages for ``num_blocks`` blocks (default: what ``batch`` sequences of ``max_len`` positions fill), and
+        ``batch`` sequences, each given the blocks for ``max_len`` positions (two at least)."""
         if kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
-        shape = (batch, config.num_kv_heads, max_len, config.head_dim)  # [B, Hkv, S_max, D]
+            raise QinferError(f"unknown KV-cache dtype {kv_dtype!r}: use one of {', '.join(KV_DTYPES)}")
+        if block_size not in BLOCK_SIZES:
+            raise QinferError(f"KV-cache block size {block_size} is not supported: use one of "
+                              f"{', '.join(map(str, BLOCK_SIZES))} ({BLOCK_SIZE} is the default)")
+        # at least two blocks each: torch.compile specializes a dimension of size 1, so the pages and block table
+        # of a one-block sequence would compile a graph of their own
+        per_sequence = max(2, -(-max_len // block_size))
+        num_blocks = batch * per_sequence if num_blocks is None else num_blocks
+        if num_blocks < 1:
+            raise QinferError("the KV cache needs at least one block: raise --kv-memory")
+        Hkv, D = config.num_kv_heads, config.head_dim
+        self.config, self.block_size, self.dtype, self.kv_dtype = config, block_size, dtype, kv_dtype
+        self.max_len = max_len
+        self.pool = BlockPool(num_blocks)
         store = KV_DTYPES[kv_dtype] or dtype
-        self.max_len, self.dtype, self.kv_dtype = max_len, dtype, kv_dtype
+        shape = (num_blocks, Hkv, block_size, D)  # [N, Hkv, P, D]
         # (separate tensors, not views of one: a deep copy of views, as eval --compile makes, does not compile)
         self.k = [torch.zeros(shape, dtype=store, device=device) for _ in range(config.num_layers)]
         self.v = [torch.zeros(shape, dtype=store, device=device) for _ in range(config.num_layers)]
         # quantized: per layer the channel scales (k_scale, v_scale), each [Hkv, D] fp32 (1 where not calibrated),
-        # and the position scales of keys and of values, [B, Hkv, S_max] fp32 each
+        # and the position scales of keys and of values, [N, Hkv, P] fp32 each
         self.scales, self.k_pos, self.v_pos = {}, [], []
         if kv_dtype != "bf16":
-            ones = torch.ones(shape[1], shape[3], device=device)
-            self.scales = {i: tuple(self._per_channel(x, device) for x in scales[i]) if scales and i in scales
+            ones = torch.ones(Hkv, D, device=device)
+            self.scales = {i: tuple(_per_channel(x, Hkv, D, device) for x in scales[i]) if scales and i in scales
                            else (ones, ones) for i in range(config.num_layers)}
-            self._divisors = {i: torch.stack(kv)[:, None, :, None, :] for i, kv in self.scales.items()}
             self.k_pos = [torch.ones(shape[:3], device=device) for _ in range(config.num_layers)]
             self.v_pos = [torch.ones(shape[:3], device=device) for _ in range(config.num_layers)]
+        self.tables: list[BlockTable] = []
+        self.block_tables = torch.zeros(0, per_sequence, dtype=torch.long, device=device)
+        self.bind([self.new_sequence(per_sequence * block_size) for _ in range(batch)])
+
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, block_size: int = BLOCK_SIZE, kv_dtype: str = "bf16",
+                        dtype: torch.dtype = torch.bfloat16) -> int:
+        """What one block costs across all layers: keys and values, and their position scales when quantized."""
+        per_position = config.num_kv_heads * config.head_dim * (KV_DTYPES[kv_dtype] or dtype).itemsize
+        if kv_dtype != "bf16":
+            per_position += config.num_kv_heads * 4  # one fp32 position scale per KV head
+        return 2 * per_position * block_size * config.num_layers
+
+    @classmethod
+    def blocks_for_memory(cls, config: ModelConfig, budget: int, block_size: int = BLOCK_SIZE, kv_dtype: str = "bf16",
+                          dtype: torch.dtype = torch.bfloat16) -> int:
+        """How many blocks ``budget`` bytes hold (one at least, or a one-line refusal)."""
+        per_block = cls.bytes_per_block(config, block_size, kv_dtype, dtype)
+        if budget < per_block:
+            raise QinferError(f"--kv-memory {budget} bytes is less than one KV-cache block of {block_size} positions "
+                              f"({per_block} bytes for this model): raise --kv-memory")
+        return budget // per_block
+
+    def bytes_per_token(self) -> int:
+        """Bytes one cached position of every bound sequence occupies across all layers (keys and values, with
+        their position scales)."""
+        per_block = self.bytes_per_block(self.config, self.block_size, self.kv_dtype, self.dtype)
+        return per_block // self.block_size * len(self.tables)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.pool.refs)
+
+    def new_sequence(self, length: int) -> BlockTable:
+        """A sequence holding the blocks for ``length`` positions (:class:`OutOfBlocks` if they are not free)."""
+        table = BlockTable()
+        self.reserve(table, length)
+        return table
+
+    def reserve(self, table: BlockTable, length: int) -> None:
+        """Give ``table`` the blocks it needs to hold ``length`` positions (all or none: :class:`OutOfBlocks`)."""
+        need = -(-length // self.block_size) - len(table.blocks)
+        if need > 0:
+            table.blocks += self.pool.allocate(need)
+
+    def free(self, table: BlockTable) -> None:
+        """Return a sequence's blocks (a block someone else holds stays allocated) and empty its table."""
+        self.pool.release(table.blocks)
+        table.blocks = []
+
+    def bind(self, tables: list[BlockTable]) -> None:
+        """Run the next forwards over these sequences, one per batch row."""
+        width = max([len(t.blocks) for t in tables] + [1])
+        rows = [t.blocks + [0] * (width - len(t.blocks)) for t in tables]  # (padding: never read)
+        self.tables = list(tables)
+        self.block_tables = torch.tensor(rows, dtype=torch.long, device=self.k[0].device)
+
+    def slots(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block [B, T], row [B, T]) of ``positions`` [T] in each bound sequence."""
+        return self.block_tables[:, positions // self.block_size], positions % self.block_size
 
     def store(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0,
               end: int | None = None):
@@ -80,20 +216,49 @@ class KVCache:
         # position scales [B, Hkv, end - start] (None for a bf16 cache); end is input_pos[-1] + 1 (given by a
         # caller that has it as an int)
         end = int(input_pos[-1]) + 1 if end is None else end
-        if end > self.max_len:
-            raise ValueError(f"KV cache holds {self.max_len} positions; position {end - 1} does not fit")
-        # a decode step's one position is a slice (a copy), cheaper than an index_put
-        at = slice(end - 1, end) if k.shape[2] == 1 else input_pos
+        if end > self.block_tables.shape[1] * self.block_size:
+            raise ValueError(f"the KV cache holds {self.block_tables.shape[1] * self.block_size} positions per "
+                             f"sequence; position {end - 1} does not fit")
+        self.write(layer, input_pos, k, v)
+        return self.read(layer, start, end)
+
+    def write(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [B, Hkv, T, D] at ``input_pos`` [T] of every bound sequence, quantized where the pages hold
+        codes."""
+        block, row = self.slots(input_pos)  # [B, T], [T]
+        block, row = block.reshape(-1), row.repeat(k.shape[0])
+        k, v = (x.transpose(1, 2).reshape(-1, *x.shape[1:2], x.shape[3]) for x in (k, v))  # [B * T, Hkv, D]
+        if self.kv_dtype == "bf16":  # (an index_put takes its source's dtype)
+            self.k[layer][block, :, row] = k.to(self.k[layer].dtype)
+            self.v[layer][block, :, row] = v.to(self.v[layer].dtype)
+            return
+        k_scale, v_scale = self.scales[layer]
+        for pages, pos, x, c in ((self.k[layer], self.k_pos[layer], k, k_scale),
+                                 (self.v[layer], self.v_pos[layer], v, v_scale)):
+            codes, t = quantize_rows(x, c, pages.dtype)
+            pages[block, :, row], pos[block, :, row] = codes, t
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_pos: torch.Tensor,
+               start: int, end: int, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """Write k, v [B, Hkv, T, D] at ``input_pos`` [T] and attend q [B, H, T, D] over positions start..end-1
+        (``mask`` [T, end]: True where a query may see a key; unused for one query, which sees them all)."""
+        self.write(layer, input_pos, k, v)
+        if q.shape[2] == 1:  # a decode step: read in place where a kernel can
+            scales = (*self.scales[layer], self.k_pos[layer], self.v_pos[layer]) if self.scales else None
+            return paged_decode(q, self.k[layer], self.v[layer], self.block_tables, start, end, scale, scales)
+        k, v, scales = self.read(layer, start, end)
+        return attention(q, k, v, mask[:, start:], scale, scales)
+
+    def read(self, layer: int, start: int, end: int):
+        """Positions start..end-1 of every bound sequence as stored: (k, v [B, Hkv, end - start, D], scales), the
+        scales as :meth:`store` returns them."""
+        positions = torch.arange(start, end, device=self.block_tables.device)
+        k, v = (gather_pages(pages, self.block_tables, positions) for pages in (self.k[layer], self.v[layer]))
         if self.kv_dtype == "bf16":
-            self.k[layer][:, :, at], self.v[layer][:, :, at] = k, v
-            return self.k[layer][:, :, start:end], self.v[layer][:, :, start:end], None
-        codes, pos = self._quantize(torch.stack([k, v]), layer)  # keys and values in one pass
-        if not isinstance(at, slice):
-            codes = codes.to(self.k[layer].dtype)  # (an index_put takes its source's dtype; a slice's copy converts)
-        self.k[layer][:, :, at], self.v[layer][:, :, at] = codes
-        self.k_pos[layer][:, :, at], self.v_pos[layer][:, :, at] = pos
-        scales = (*self.scales[layer], self.k_pos[layer][:, :, start:end], self.v_pos[layer][:, :, start:end])
-        return self.k[layer][:, :, start:end], self.v[layer][:, :, start:end], scales
+            return k, v, None
+        k_pos, v_pos = (gather_pages(pos, self.block_tables, positions)
+                        for pos in (self.k_pos[layer], self.v_pos[layer]))
+        return k, v, (*self.scales[layer], k_pos, v_pos)
 
     def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0,
                end: int | None = None):
@@ -104,31 +269,18 @@ class KVCache:
         k_scale, v_scale, k_pos, v_pos = scales
         return dequantize_kv(k, k_scale, self.dtype, k_pos), dequantize_kv(v, v_scale, self.dtype, v_pos)
 
-    def bytes_per_token(self) -> int:
-        """Bytes one cached position occupies across all layers (keys and values, with their position scales)."""
-        per_layer = self.k[0][0, :, 0].numel() * self.k[0].element_size() * 2
-        if self.k_pos:
-            per_layer += self.k_pos[0][0, :, 0].numel() * self.k_pos[0].element_size() * 2
-        return per_layer * len(self.k) * self.k[0].shape[0]
 
-    def _per_channel(self, scale: torch.Tensor, device) -> torch.Tensor:
-        # [Hkv] (one per head) or [Hkv, D] -> [Hkv, D] fp32
-        Hkv, D = self.k[0].shape[1], self.k[0].shape[3]
-        return scale.float().to(device).reshape(Hkv, -1).expand(Hkv, D).contiguous()
-
-    def _quantize(self, kv: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # kv [2, B, Hkv, T, D] (a fresh tensor: fp32 is divided in place) -> codes (in fp32: integers for int8, the
-        # cache's copy rounds them to E4M3 for fp8) and position scales [2, B, Hkv, T]: kv ≈ codes * scale * pos
-        qmax = QMAX[self.kv_dtype]
-        y = kv.float().div_(self._divisors[layer])
-        pos = y.abs().amax(dim=-1).clamp_min_(1e-30).div_(qmax)  # (an all-zero position: codes 0)
-        y = y.div_(pos[..., None])  # the largest |y| is qmax, to a rounding: nothing clips
-        return (y.round_() if self.kv_dtype == "int8" else y), pos
+def _per_channel(scale: torch.Tensor, Hkv: int, D: int, device) -> torch.Tensor:
+    # [Hkv] (one per head) or [Hkv, D] -> [Hkv, D] fp32
+    if scale.numel() not in (Hkv, Hkv * D):
+        raise QinferError(f"a KV-cache scale has {scale.numel()} values; this model needs {Hkv} (one per KV head) or "
+                          f"{Hkv * D} (per head and channel): quantize the model again with --kv-cache")
+    return scale.float().to(device).reshape(Hkv, -1).expand(Hkv, D).contiguous()
 
 
 def make_cache(model, batch: int, max_len: int, kv_dtype: str = "bf16") -> KVCache:
-    """A cache for ``model`` (a ``Transformer``) of ``kv_dtype``, with the channel scales ``qinfer quantize
-    --kv-cache`` stored in its folder, if any."""
+    """A cache for ``batch`` sequences of up to ``max_len`` positions of ``model`` (a ``Transformer``), of
+    ``kv_dtype``, with the channel scales ``qinfer quantize --kv-cache`` stored in its folder, if any."""
     if kv_dtype not in KV_DTYPES:
         raise QinferError(f"unknown KV-cache dtype {kv_dtype!r}; use one of {', '.join(KV_DTYPES)}")
     if kv_dtype == "bf16":
