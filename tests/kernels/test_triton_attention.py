@@ -3,20 +3,15 @@
 positions in shuffled, partly filled blocks, head_dim 64/128/256, GQA ratios 1/4/8, windows, bf16/int8/FP8
 pages; and compiled for Hopper, which checks what the interpreter does not."""
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
-import triton
 
 from qinfer.kernels import triton_attention
 from qinfer.kernels.paged_attention import gather_ref, paged_decode_ref, paged_prefill_ref
 from tests.kernels.test_paged_attention import CODES, _fill
+from tests.kernels.triton_compile import compile_in_subprocess
 
 SHAPES = [(64, 1), (128, 4), (256, 8)]  # (head_dim, query heads per KV head)
 
@@ -123,14 +118,7 @@ _TARGETS = [(code, D, G) for code in (0, 1, 2) for D, G in SHAPES]
 
 
 def test_kernels_compile_for_hopper(tmp_path):
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    if not ptxas.exists():
-        pytest.skip("this triton wheel carries no ptxas")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(_TARGETS)], capture_output=True, text=True,
-                          env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert len(proc.stdout.splitlines()) == 3 * len(_TARGETS)
+    assert len(compile_in_subprocess(_COMPILE, _TARGETS, tmp_path, timeout=900)) == 3 * len(_TARGETS)
 
 
 def test_gather_of_the_reference_reads_through_the_table():

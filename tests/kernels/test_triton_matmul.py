@@ -2,22 +2,19 @@
 interpreter on CPU (tests/conftest.py sets ``TRITON_INTERPRET=1`` there); and a quantized model run through it."""
 
 import importlib
-import json
-import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
-import triton
 
 from qinfer.format import Fp8Weight, QuantizedWeight, QuantScheme
 from qinfer.kernels import triton_matmul
 from qinfer.kernels.quant_linear import dequant_linear_ref
 from qinfer.model.loader import load_model
 from qinfer.quantizers.fp8 import fp8_quantize
+from tests.kernels.triton_compile import compile_in_subprocess
 from qinfer.quantizers.rtn import rtn_quantize
 from tests.tiny_models import make_model
 
@@ -183,13 +180,4 @@ _TARGETS = [
 
 
 def test_kernels_compile_for_nvidia_gpus(tmp_path):
-    # No GPU here: compile the kernels to cubins (Triton's own LLVM and ptxas), which checks what the
-    # interpreter does not (types, tl.dot's shapes and precisions, shared memory)
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    if not ptxas.exists():
-        pytest.skip("this triton wheel carries no ptxas")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(_TARGETS)], capture_output=True, text=True,
-                          env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert len(proc.stdout.splitlines()) == 2 * len(_TARGETS)
+    assert len(compile_in_subprocess(_COMPILE, _TARGETS, tmp_path, timeout=600)) == 2 * len(_TARGETS)
