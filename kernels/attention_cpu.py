@@ -13,6 +13,13 @@ outside ``cpu_library.only_gemvs`` (a compiled graph fuses these ops itself); un
 operator ``torch.ops.qinfer.decode_attention`` (``paged_decode_attention``), so ``decode_profile`` names it;
 other calls skip its dispatch. Over pages the loop is the same, each row's address read from the block table: where
 every sequence attends the same range of positions, its sums are those over a slice holding the same keys.
+
+Int8 codes with bf16 or fp16 queries, on a CPU with AVX512-VNNI, take integer loops instead
+(``cpu_library.attention_vnni``; ``attention_without_vnni`` turns them off): each query head in 15-bit fixed
+point times the codes widened to 16 bits (VPDPWSSD, exact int32 sums), the values' weighted sums in 16-lane fp32.
+The scores then differ from the fp32 loop's by about 1e-5 of their range (the queries' fixed-point step), where
+the fp32 loop's are exact to fp32 rounding; the fp32 loop does 4 FMAs per query head, position and channel on
+one-byte codes, which binds a small CPU before its memory does (docs/results.md, "Paged decode attention").
 """
 
 import torch

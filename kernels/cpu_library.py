@@ -99,6 +99,7 @@ def library() -> tuple[ctypes.CDLL | None, str]:
     for kernel in (lib.qinfer_int4_dequantize, lib.qinfer_int_dequantize, lib.qinfer_fp8_dequantize):
         kernel.argtypes, kernel.restype = [_P, _P, ctypes.c_int], ctypes.c_int
     lib.qinfer_int4_vnni.argtypes, lib.qinfer_int4_vnni.restype = [ctypes.c_int], ctypes.c_int
+    lib.qinfer_attention_i8_vnni.argtypes, lib.qinfer_attention_i8_vnni.restype = [ctypes.c_int], ctypes.c_int
     return lib, ""
 
 
@@ -232,6 +233,25 @@ def with_vnni(name: str):
     if name not in vnni_loops():
         raise ValueError(f"this CPU has no {name} loop (it has: {', '.join(vnni_loops()) or 'none'})")
     return _vnni_loop(name)
+
+
+def attention_vnni() -> bool:
+    """Whether attention over int8 KV codes takes the integer loops (AVX512-VNNI: the queries quantized to int8
+    per head) rather than the fp32 ones."""
+    return available() and library()[0].qinfer_attention_i8_vnni(-1) == 1
+
+
+@contextlib.contextmanager
+def attention_without_vnni():
+    """Inside it, attention over int8 KV codes takes the fp32 loops even where the CPU has AVX512-VNNI (a
+    side-by-side timing, or a test comparing the two)."""
+    lib = library()[0] if available() else None
+    prior = lib.qinfer_attention_i8_vnni(0) if lib is not None else None
+    try:
+        yield
+    finally:
+        if lib is not None:
+            lib.qinfer_attention_i8_vnni(prior)
 
 
 # The operators torch.compile sees, a fragment of the qinfer namespace: each kernel's module defines its own

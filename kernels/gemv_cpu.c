@@ -260,6 +260,13 @@ static inline __attribute__((always_inline)) void weighted_sum(
  * hardware prefetchers, as a weight's do) and sending each value row to L2; the exponentials take 8 lanes at
  * a time (exp8); the weighted sum of values (weighted_sum) then reads the rows from L2 in 16-column blocks,
  * its sums in registers. Both loops run in one parallel region. */
+/* The int8 codes' integer loops (defined below, where the compiler's VNNI support is known): whether they are
+ * on, and the scores and weighted sums of a task's G query heads through them. */
+static int attention_i8_vnni(void);
+static void scores_i8(const rows_t *kr, const rows_t *vr, const float *qf, int64_t G, int64_t D, int64_t j0,
+                      int64_t j1, float *sc, int64_t n, float scale, const rows_t *kp, float *top);
+static void weighted_i8(const rows_t *vr, const float *p, int64_t n, int64_t j0, int64_t D, float *acc, int64_t G);
+
 static int attention_rows(const void *q, const void *k, const void *v, void *out, int64_t B, int64_t H,
                           int64_t Hkv, int64_t S, int64_t D, int64_t qb, int64_t qh, int64_t kb, int64_t kh,
                           int64_t ks, int64_t vb, int64_t vh, int64_t vs, float scale, int dtype, int kv_dtype,
@@ -314,7 +321,9 @@ static int attention_rows(const void *q, const void *k, const void *v, void *out
         }
         const float shift = kv_dtype == 4 ? 256.f : 1.f;  /* e4m3x8 reads 2^-8 times each code's value */
         const float s = kg ? scale * shift : scale;
-        for (int64_t i0 = 0; i0 < G; i0 += 4) {  /* up to 4 heads at a time, their sums in registers */
+        const int i8 = kv_dtype == 3 && dtype != 0 && D % 32 == 0 && D <= 512 && attention_i8_vnni();
+        if (i8) scores_i8(&kr, &vr, qf, G, D, j0, j1, sc, n, s, kp, top);
+        for (int64_t i0 = 0; i0 < G && !i8; i0 += 4) {  /* up to 4 heads at a time, their sums in registers */
             const int m = G - i0 < 4 ? (int)(G - i0) : 4;
             const rows_t *vpre = i0 ? NULL : &vr;  /* the first heads' pass sends the value rows to L2 */
             const float *qi = qf + i0 * D;
@@ -342,7 +351,8 @@ static int attention_rows(const void *q, const void *k, const void *v, void *out
             if (vp)  /* value j's scale joins its weight after the sum: the softmax's denominator is the keys' */
                 for (j = 0; j < n; j++) si[j] *= *(const float *)row_at(vp, j0 + j, sizeof(float));
         }
-        for (int64_t i0 = 0; i0 < G; i0 += 4) {
+        if (i8) weighted_i8(&vr, sc, n, j0, D, acc, G);
+        for (int64_t i0 = 0; i0 < G && !i8; i0 += 4) {
             const int m = G - i0 < 4 ? (int)(G - i0) : 4;
             switch (m) {
                 case 4: weighted_sum(&vr, kv_dtype, sc + i0 * n, n, j0, D, acc + i0 * D, 4); break;
@@ -543,6 +553,138 @@ int qinfer_int4_vnni(int loop) {
     if (int4_vnni < 0) int4_vnni = vnni_on_cpu(1) ? 1 : vnni_on_cpu(2) ? 2 : 0;
     int before = int4_vnni;
     if (loop == 0 || ((loop == 1 || loop == 2) && vnni_on_cpu(loop))) int4_vnni = loop;
+    return before;
+}
+
+/* Attention over int8 codes by integer dot products (AVX512-VNNI): the fp32 loops above do 4 FMAs per query
+ * head, position and channel on codes of one byte, which on a 2-core CPU binds before the memory does. Each query
+ * head (already times the channel scales) is put in 15-bit fixed point with its own step sq = max |q| / 32767
+ * (within sq / 2 of each q, where bf16 keeps 2^-9 of q itself) and VPDPWSSD multiplies it with the codes widened
+ * to 16 bits, 32 products a lane-pair instruction, exact in int32 (|sum| < 32767 * 128 * D < 2^31 for D <= 512);
+ * the score is that sum * sq * scale * t_j. Half-precision queries only (an fp32 row keeps the float loop, as
+ * the 4-bit GEMV does). The values' weighted sums stay fp32, 32 columns a pass in two 16-lane registers per head.
+ * D a multiple of 32. */
+#if QINFER_VNNI
+#define I8_TARGET "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"
+
+static inline __attribute__((always_inline, target(I8_TARGET))) void scores_i8_m(
+        const rows_t *kr_, const rows_t *vr_, const int16_t *qi, const float *qs, int64_t D, int64_t j0, int64_t j1,
+        float *sc, int64_t n, const rows_t *kp, const int M, float *top) {
+    for (int i = 0; i < M; i++) top[i] = -INFINITY;
+    const int64_t ahead = AHEAD / D > 1 ? AHEAD / D : 1;
+    for (int64_t j = j0; j < j1; j++) {
+        const char *kr = row_at(kr_, j, 1);
+        if (j + ahead < j1) {
+            const char *next = row_at(kr_, j + ahead, 1);
+            for (int64_t o = 0; o < D; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
+        }
+        if (vr_) {
+            const char *vr = row_at(vr_, j, 1);
+            for (int64_t o = 0; o < D; o += 64) _mm_prefetch(vr + o, _MM_HINT_T1);
+        }
+        __m512i a[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                        _mm512_setzero_si512()};
+        for (int64_t d = 0; d < D; d += 32) {
+            __m512i kc = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(kr + d)));
+            for (int i = 0; i < M; i++)
+                a[i] = _mm512_dpwssd_epi32(a[i], _mm512_loadu_si512((const void *)(qi + i * D + d)), kc);
+        }
+        const float tj = kp ? *(const float *)row_at(kp, j, sizeof(float)) : 1.f;
+        /* the M sums at once: 512 -> 256 -> 128 bits per head, then two rounds of pairwise adds across heads */
+        __m128i h[4];
+        for (int i = 0; i < 4; i++) {
+            __m256i t = _mm256_add_epi32(_mm512_castsi512_si256(a[i]), _mm512_extracti64x4_epi64(a[i], 1));
+            h[i] = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+        }
+        int32_t sums[4];
+        _mm_storeu_si128((__m128i *)sums, _mm_hadd_epi32(_mm_hadd_epi32(h[0], h[1]), _mm_hadd_epi32(h[2], h[3])));
+        for (int i = 0; i < M; i++) {
+            float x = (float)sums[i] * qs[i] * tj;
+            sc[i * n + j - j0] = x;
+            if (x > top[i]) top[i] = x;
+        }
+    }
+}
+
+static __attribute__((target(I8_TARGET))) void scores_i8(
+        const rows_t *kr, const rows_t *vr, const float *qf, int64_t G, int64_t D, int64_t j0, int64_t j1,
+        float *sc, int64_t n, float scale, const rows_t *kp, float *top) {
+    int16_t q16[G * D];
+    float qs[G];
+    for (int64_t i = 0; i < G; i++) {
+        float m = 0.f;
+        for (int64_t d = 0; d < D; d++) m = fmaxf(m, fabsf(qf[i * D + d]));
+        const float sq = m > 0.f ? m / 32767.f : 1.f;
+        for (int64_t d = 0; d < D; d++) q16[i * D + d] = (int16_t)lrintf(qf[i * D + d] / sq);
+        qs[i] = sq * scale;
+    }
+    for (int64_t i0 = 0; i0 < G; i0 += 4) {
+        const int m = G - i0 < 4 ? (int)(G - i0) : 4;
+        const rows_t *vpre = i0 ? NULL : vr;
+        const int16_t *qi = q16 + i0 * D;
+        float *si = sc + i0 * n;
+        switch (m) {
+            case 4: scores_i8_m(kr, vpre, qi, qs + i0, D, j0, j1, si, n, kp, 4, top + i0); break;
+            case 3: scores_i8_m(kr, vpre, qi, qs + i0, D, j0, j1, si, n, kp, 3, top + i0); break;
+            case 2: scores_i8_m(kr, vpre, qi, qs + i0, D, j0, j1, si, n, kp, 2, top + i0); break;
+            default: scores_i8_m(kr, vpre, qi, qs + i0, D, j0, j1, si, n, kp, 1, top + i0);
+        }
+    }
+}
+
+static inline __attribute__((always_inline, target(I8_TARGET))) void weighted_i8_m(
+        const rows_t *vr_, const float *p, int64_t n, int64_t j0, int64_t D, float *acc, const int M) {
+    for (int64_t d = 0; d < D; d += 64) {  /* 64 columns a pass (D % 64 == 32: the last pass takes 32) */
+        const int c = D - d >= 64 ? 4 : 2;  /* 16-lane registers of columns */
+        __m512 s[4][4];
+        for (int i = 0; i < M; i++)
+            for (int r = 0; r < 4; r++) s[i][r] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; j++) {
+            const char *vr = row_at(vr_, j0 + j, 1) + d;
+            __m512 v[4];
+            for (int r = 0; r < c; r++)
+                v[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(vr + 16 * r))));
+            for (int i = 0; i < M; i++) {
+                __m512 pj = _mm512_set1_ps(p[i * n + j]);
+                for (int r = 0; r < c; r++) s[i][r] = _mm512_fmadd_ps(pj, v[r], s[i][r]);
+            }
+        }
+        for (int i = 0; i < M; i++)
+            for (int r = 0; r < c; r++) _mm512_storeu_ps(acc + i * D + d + 16 * r, s[i][r]);
+    }
+}
+
+static __attribute__((target(I8_TARGET))) void weighted_i8(const rows_t *vr, const float *p, int64_t n, int64_t j0,
+                                                            int64_t D, float *acc, int64_t G) {
+    for (int64_t i0 = 0; i0 < G; i0 += 4) {
+        const int m = G - i0 < 4 ? (int)(G - i0) : 4;
+        switch (m) {
+            case 4: weighted_i8_m(vr, p + i0 * n, n, j0, D, acc + i0 * D, 4); break;
+            case 3: weighted_i8_m(vr, p + i0 * n, n, j0, D, acc + i0 * D, 3); break;
+            case 2: weighted_i8_m(vr, p + i0 * n, n, j0, D, acc + i0 * D, 2); break;
+            default: weighted_i8_m(vr, p + i0 * n, n, j0, D, acc + i0 * D, 1);
+        }
+    }
+}
+#else
+static void scores_i8(const rows_t *kr, const rows_t *vr, const float *qf, int64_t G, int64_t D, int64_t j0,
+                      int64_t j1, float *sc, int64_t n, float scale, const rows_t *kp, float *top) {}
+static void weighted_i8(const rows_t *vr, const float *p, int64_t n, int64_t j0, int64_t D, float *acc, int64_t G) {}
+#endif
+
+/* -1: not asked yet; then whether int8 codes take the integer loops (1) or the fp32 ones (0) */
+static int i8_vnni = -1;
+
+static int attention_i8_vnni(void) {
+    if (i8_vnni < 0) i8_vnni = vnni_on_cpu(2) && __builtin_cpu_supports("avx512bw");
+    return i8_vnni;
+}
+
+/* Whether attention over int8 codes takes the integer loops: 0 turns them off, 1 on (where the CPU has
+ * AVX512-VNNI and AVX512BW), any other value only asks. Returns the setting before. */
+int qinfer_attention_i8_vnni(int on) {
+    int before = attention_i8_vnni();
+    if (on == 0 || (on == 1 && vnni_on_cpu(2) && __builtin_cpu_supports("avx512bw"))) i8_vnni = on;
     return before;
 }
 

@@ -77,11 +77,11 @@ def main(contexts, batches, dtypes, heads, kv_heads, head_dim, layers, repeats):
     for kind in kinds:
         for context in contexts:
             for batch in batches:
-                seconds, (moved, flops) = _time_case(kind, context, batch, heads, kv_heads, head_dim, repeats)
+                seconds, (moved, flops), note = _time_case(kind, context, batch, heads, kv_heads, head_dim, repeats)
                 gbs = moved / seconds / 1e9
                 compute = f"; fp32 FLOPs at {flops / seconds / 1e12 / peak:.0%} of the peak" if peak else ""
                 click.echo(f"{kind} {_short(context)} batch {batch}: {gbs:.1f} GB/s = {gbs / bandwidth:.0%} of "
-                           f"{bandwidth:.1f} GB/s ({seconds * 1e3:.3f} ms, {moved / 1e6:.1f} MB{compute})")
+                           f"{bandwidth:.1f} GB/s ({seconds * 1e3:.3f} ms, {moved / 1e6:.1f} MB{compute}{note})")
                 projected.append((kind, context, batch, max(moved / H100_BANDWIDTH, flops / H100_BF16_FLOPS)))
     click.echo("positions per GiB of KV memory, whole model "
                f"({layers} layers): " + ", ".join(
@@ -101,9 +101,10 @@ def _per_gib(kind: str, kv_heads: int, head_dim: int, layers: int) -> int:
     return (1 << 30) // (2 * kv_heads * row * layers)
 
 
-def _time_case(kind, context, batch, heads, kv_heads, head_dim, repeats) -> tuple[float, tuple[int, int]]:
-    """The median seconds of one decode step's attention over ``batch`` sequences of ``context`` positions, and
-    the (bytes, FLOPs) it must move and do."""
+def _time_case(kind, context, batch, heads, kv_heads, head_dim, repeats) -> tuple[float, tuple[int, int], str]:
+    """The median seconds of one decode step's attention over ``batch`` sequences of ``context`` positions, the
+    (bytes, FLOPs) it must move and do, and for int8 codes through the integer loop, how far its output lands from
+    the fp32 loop's (the largest difference over the largest output)."""
     g = torch.Generator().manual_seed(0)
     per_seq = -(-context // BLOCK)
     blocks = batch * per_seq
@@ -120,14 +121,27 @@ def _time_case(kind, context, batch, heads, kv_heads, head_dim, repeats) -> tupl
         k_pos, v_pos = k_pos.transpose(1, 2).contiguous(), v_pos.transpose(1, 2).contiguous()
         scales = (ones, ones, k_pos, v_pos)
     q = torch.randn(batch, heads, 1, head_dim, generator=g).bfloat16()
-    times = []
+    call = lambda: paged_decode(q, k_pages, v_pages, tables, 0, context, head_dim ** -0.5, scales)  # noqa: E731
+    both = kind == "int8" and cpu_library.attention_vnni()  # also the fp32 loop, alternating call by call
+    times, fp32_times = [], []
     for i in range(repeats + 1):
         t0 = time.perf_counter()
-        paged_decode(q, k_pages, v_pages, tables, 0, context, head_dim ** -0.5, scales)
-        if i:  # the first call warms up
+        out = call()
+        if i:  # the first calls warm up
             times.append(time.perf_counter() - t0)
+        if both:
+            with cpu_library.attention_without_vnni():
+                t0 = time.perf_counter()
+                exact = call()
+                if i:
+                    fp32_times.append(time.perf_counter() - t0)
+    note = ""
+    if both:  # how far the integer loop lands from the fp32 one, and how much faster it is in the same run
+        gap = float((out.float() - exact.float()).abs().max() / exact.float().abs().max())
+        note = (f"; integer loop, within {gap:.1e} of the fp32 loop, which took "
+                f"{statistics.median(fp32_times) * 1e3:.3f} ms")
     kv_bytes = PAGE_DTYPES[kind].itemsize
-    return statistics.median(times), decode_cost([context] * batch, heads, kv_heads, head_dim, kv_bytes)
+    return statistics.median(times), decode_cost([context] * batch, heads, kv_heads, head_dim, kv_bytes), note
 
 
 if __name__ == "__main__":

@@ -198,7 +198,8 @@ def test_c_decode_step_over_quantized_codes_matches_the_exact_attention(heads, k
     k_scales, v_scales = ((x[0], *(p[:, :, 5 : 5 + S] for p in x[1:])) for x in (k_scales, v_scales))
     assert attention_cpu.attention_supported(q, k, v, quantized=True)
     assert not attention_cpu.attention_supported(q, k, v)
-    got = attention(q, k, v, None, D**-0.5, (k_scales[0], v_scales[0], *k_scales[1:], *v_scales[1:]))
+    with cpu_library.attention_without_vnni():  # the fp32 loop (the integer one: test_paged_attention.py)
+        got = attention(q, k, v, None, D**-0.5, (k_scales[0], v_scales[0], *k_scales[1:], *v_scales[1:]))
     group = heads // kv_heads
     keys, values = _dequantized(k, k_scales), _dequantized(v, v_scales)
     scores = (q.double() @ keys.repeat_interleave(group, 1).transpose(-1, -2)) * D**-0.5

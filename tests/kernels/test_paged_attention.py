@@ -145,3 +145,27 @@ def test_c_paged_decode_sums_as_the_slice_loop_over_the_same_keys():
     k_pos, v_pos = (x[block, :, row].transpose(0, 1)[None] for x in (scales["k_pos"], scales["v_pos"]))
     sliced = decode_attention(q, k, v, 0.125, scales["k_scale"], scales["v_scale"], k_pos, v_pos)
     assert torch.equal(paged, sliced)
+
+
+@pytest.mark.parametrize("D, group", [(64, 1), (128, 4), (256, 8), (256, 3)])
+def test_int8_codes_through_integer_dot_products_stay_close_to_the_fp32_loop(D, group):
+    # the queries quantized to int8 per head: scores within a few thousandths of their range, the output
+    # within a bf16 rounding or two of the fp32 loop's
+    from qinfer.kernels import cpu_library
+    from qinfer.kernels.attention_cpu import paged_decode_attention
+
+    _c_loop()
+    if not cpu_library.attention_vnni():
+        pytest.skip("this CPU has no AVX512-VNNI")
+    Hkv, P, lengths = 2, 16, [1, 5, 123, 1000]
+    k_pages, v_pages, scales, tables, _ = _fill(lengths, Hkv, D, P, "int8")
+    q = torch.randn(len(lengths), Hkv * group, 1, D, dtype=torch.bfloat16)
+    ends = torch.tensor(lengths)
+    args = (q, k_pages, v_pages, tables, torch.zeros_like(ends), ends, D ** -0.5)
+    fast = paged_decode_attention(*args, **scales)
+    with cpu_library.attention_without_vnni():
+        assert not cpu_library.attention_vnni()
+        exact = paged_decode_attention(*args, **scales)
+    assert cpu_library.attention_vnni()
+    torch.testing.assert_close(fast.float(), exact.float(), rtol=2e-2, atol=2e-2)
+    assert not torch.equal(fast, exact)  # (the integer loop did run)
