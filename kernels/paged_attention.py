@@ -5,12 +5,13 @@ The page layout (``qinfer.format``, "The paged KV cache") per layer: ``k_pages``
 [N, Hkv, P] fp32 and the channel scales ``k_scale``, ``v_scale`` [Hkv, D] fp32. A sequence's position p lives in
 block ``block_table[p // P]``, row ``p % P``; its key is ``k_pages[b, h, r] * k_scale[h] * k_pos[b, h, r]``.
 
-``write_pages_ref`` quantizes a chunk of new keys and values on the way in (each position's scale from its own
-range, so a position's codes depend on it alone); ``paged_decode_ref`` attends one query per sequence over its
-pages (sequences of different lengths, grouped-query heads, a sliding window); ``paged_prefill_ref`` writes a
-chunk's keys and values into its sequence's pages and attends its queries over them, causally. The Triton kernels
-(``qinfer.kernels.triton_attention``) take the same arguments. Every
-product and sum is fp32 and the output is rounded once to the queries' dtype.
+``write_pages`` quantizes a chunk of new keys and values on the way in (each position's scale from its own range,
+so a position's codes depend on it alone): the cache writes through it on CPU, and it is the Triton write's
+reference. ``paged_decode_ref`` attends one query per sequence over its pages (sequences of different lengths,
+grouped-query heads, a sliding window); ``paged_prefill_ref`` writes a chunk's keys and values into its
+sequence's pages and attends its queries over them, causally. The Triton kernels
+(``qinfer.kernels.triton_attention``) take the same arguments. Every product and sum is fp32 and the output is
+rounded once to the queries' dtype.
 """
 
 import torch
@@ -31,7 +32,7 @@ def quantize_rows(x: torch.Tensor, channel_scale: torch.Tensor, code_dtype: torc
     return (y.round_() if code_dtype == torch.int8 else y).to(code_dtype), pos
 
 
-def write_pages_ref(k_pages: torch.Tensor, v_pages: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+def write_pages(k_pages: torch.Tensor, v_pages: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                     k_pos: torch.Tensor | None = None, v_pos: torch.Tensor | None = None) -> None:
     """Store k, v [T, Hkv, D] at ``slots`` [T] (``block * P + row``) of the pages, quantized where the pages hold
@@ -58,14 +59,12 @@ def gather_pages(pages: torch.Tensor, block_tables: torch.Tensor, positions: tor
 def gather_ref(pages: torch.Tensor, block_table: torch.Tensor, start: int, end: int,
                channel_scale: torch.Tensor | None = None, pos: torch.Tensor | None = None) -> torch.Tensor:
     """Positions start..end-1 of one sequence, [Hkv, end - start, D] fp32, dequantized where the pages hold codes."""
-    P = pages.shape[2]
     positions = torch.arange(start, end, device=pages.device)
-    block, row = block_table[positions // P].long(), positions % P
-    x = pages[block, :, row]  # [S, Hkv, D]
+    x = gather_pages(pages, block_table[None], positions)[0]  # [Hkv, S, D] as stored
     if pages.dtype in QMAX:
-        scale = channel_scale[None] * pos[block, :, row][..., None]  # [S, Hkv, D]
+        scale = channel_scale[:, None, :] * gather_pages(pos, block_table[None], positions)[0][..., None]
         x = e4m3_times(x, scale) if pages.dtype == torch.float8_e4m3fn else x.float() * scale
-    return x.float().transpose(0, 1)
+    return x.float()
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
@@ -107,7 +106,7 @@ def paged_prefill_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages
     positions = torch.arange(start, end, device=q.device)
     P = k_pages.shape[2]
     slots = block_table[positions // P].long() * P + positions % P
-    write_pages_ref(k_pages, v_pages, slots, k, v, k_scale, v_scale, k_pos, v_pos)
+    write_pages(k_pages, v_pages, slots, k, v, k_scale, v_scale, k_pos, v_pos)
     first = 0 if window is None else max(0, start - window + 1)  # the first key any of the queries sees
     keys = gather_ref(k_pages, block_table, first, end, k_scale, k_pos)
     values = gather_ref(v_pages, block_table, first, end, v_scale, v_pos)

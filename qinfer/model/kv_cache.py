@@ -35,7 +35,7 @@ import torch
 
 from qinfer.errors import QinferError
 from qinfer.kernels.attention import attention, dequantize_kv, paged_decode
-from qinfer.kernels.paged_attention import gather_pages, quantize_rows
+from qinfer.kernels.paged_attention import gather_pages, write_pages
 from qinfer.model.arch import ModelConfig
 
 KV_DTYPES = {"bf16": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -132,7 +132,6 @@ class KVCache:
             raise QinferError("the KV cache needs at least one block: raise --kv-memory")
         Hkv, D = config.num_kv_heads, config.head_dim
         self.config, self.block_size, self.dtype, self.kv_dtype = config, block_size, dtype, kv_dtype
-        self.max_len = max_len
         self.pool = BlockPool(num_blocks)
         store = KV_DTYPES[kv_dtype] or dtype
         shape = (num_blocks, Hkv, block_size, D)  # [N, Hkv, P, D]
@@ -226,17 +225,14 @@ class KVCache:
         """Store k, v [B, Hkv, T, D] at ``input_pos`` [T] of every bound sequence, quantized where the pages hold
         codes."""
         block, row = self.slots(input_pos)  # [B, T], [T]
-        block, row = block.reshape(-1), row.repeat(k.shape[0])
+        slots = (block * self.block_size + row).reshape(-1)  # [B * T], sequence by sequence
         k, v = (x.transpose(1, 2).reshape(-1, *x.shape[1:2], x.shape[3]) for x in (k, v))  # [B * T, Hkv, D]
-        if self.kv_dtype == "bf16":  # (an index_put takes its source's dtype)
-            self.k[layer][block, :, row] = k.to(self.k[layer].dtype)
-            self.v[layer][block, :, row] = v.to(self.v[layer].dtype)
-            return
-        k_scale, v_scale = self.scales[layer]
-        for pages, pos, x, c in ((self.k[layer], self.k_pos[layer], k, k_scale),
-                                 (self.v[layer], self.v_pos[layer], v, v_scale)):
-            codes, t = quantize_rows(x, c, pages.dtype)
-            pages[block, :, row], pos[block, :, row] = codes, t
+        k_scale, v_scale = self.scales.get(layer, (None, None))
+        write_pages(self.k[layer], self.v[layer], slots, k, v, k_scale, v_scale, *self.position_scales(layer))
+
+    def position_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A quantized cache's position scales of keys and values in ``layer`` ([N, Hkv, P] each), else None."""
+        return (self.k_pos[layer], self.v_pos[layer]) if self.k_pos else (None, None)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_pos: torch.Tensor,
                start: int, end: int, mask: torch.Tensor | None, scale: float) -> torch.Tensor:

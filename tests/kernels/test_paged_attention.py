@@ -11,7 +11,7 @@ from qinfer.kernels.paged_attention import (
     paged_decode_ref,
     paged_prefill_ref,
     quantize_rows,
-    write_pages_ref,
+    write_pages,
 )
 
 CODES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -42,7 +42,7 @@ def _fill(lengths, Hkv, D, P, kv_dtype, seed=0):
         tables[b, : need[b]] = torch.tensor(blocks)
         k, v = torch.randn(n, Hkv, D, generator=g), torch.randn(n, Hkv, D, generator=g)
         slots = torch.tensor(blocks)[torch.arange(n) // P] * P + torch.arange(n) % P
-        write_pages_ref(k_pages, v_pages, slots, k, v, **scales)
+        write_pages(k_pages, v_pages, slots, k, v, **scales)
         stored.append(tuple(gather_ref(p, tables[b], 0, n, scales.get(f"{x}_scale"), scales.get(f"{x}_pos"))
                             for p, x in ((k_pages, "k"), (v_pages, "v"))))
         if kv_dtype not in CODES:
