@@ -47,6 +47,25 @@ def _load_rows(ptr, off, d, mask, CODE: tl.constexpr):
 
 
 @triton.jit
+def _page_rows(bt_ptr, j, inside, g, Hkv, P):
+    """The rows of positions ``j`` (KV head g) in the pages, through the block table at ``bt_ptr``."""
+    blk = tl.load(bt_ptr + j // P, mask=inside, other=0).to(tl.int64)
+    return (blk * Hkv + g) * P + j % P
+
+
+@triton.jit
+def _softmax_step(m, total, scores):
+    """The online softmax over one more tile of ``scores`` [rows, keys] (-inf where a key is not seen): the new
+    running max, the factor that rescales what was summed so far, this tile's weights, and the new sum of weights.
+    A row that has seen no key yet keeps max -inf and weights 0."""
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - safe)
+    p = tl.exp(scores - safe[:, None])
+    return m_new, alpha, p, total * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kp_ptr, vp_ptr, bt_ptr, len_ptr, o_ptr, m_ptr, l_ptr,
                    scale, Hkv, P, stride_qb, stride_qh, stride_bt, window, SPLITS,
                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, CODE: tl.constexpr,
@@ -68,17 +87,13 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kp_ptr, vp_ptr, bt_ptr, 
     for j0 in range(s_lo, s_hi, BLOCK):
         j = j0 + tl.arange(0, BLOCK)
         inside = j < s_hi
-        blk = tl.load(bt_ptr + b * stride_bt + j // P, mask=inside, other=0).to(tl.int64)
-        row = (blk * Hkv + g) * P + j % P  # the position's row in the pages, [BLOCK]
+        row = _page_rows(bt_ptr + b * stride_bt, j, inside, g, Hkv, P)  # [BLOCK]
         k = _load_rows(k_ptr, row * D, d, inside, CODE)  # [BLOCK, D]
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GP, BLOCK]
         if CODE != 0:
             scores = scores * tl.load(kp_ptr + row, mask=inside, other=0)[None, :]
         scores = tl.where(inside[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        total = total * alpha + tl.sum(p, axis=1)
+        m_new, alpha, p, total = _softmax_step(m, total, scores)
         if CODE != 0:  # value j's position scale joins its weight after the sum: the denominator is the keys'
             p = p * tl.load(vp_ptr + row, mask=inside, other=0)[None, :]
         v = _load_rows(v_ptr, row * D, d, inside, CODE)
@@ -181,8 +196,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kp_ptr, vp_ptr, bt_ptr,
     for j0 in range(first, last, BN):
         j = j0 + tl.arange(0, BN)
         inside = j < last
-        blk = tl.load(bt_ptr + j // P, mask=inside, other=0).to(tl.int64)
-        row = (blk * Hkv + g) * P + j % P
+        row = _page_rows(bt_ptr, j, inside, g, Hkv, P)
         k = _load_rows(k_ptr, row * D, d, inside, CODE)  # [BN, D]
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BM, BN]
         if CODE != 0:
@@ -191,11 +205,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kp_ptr, vp_ptr, bt_ptr,
         if WINDOW:
             seen = seen & (j[None, :] > q_at[:, None] - window)
         scores = tl.where(seen, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet (padding rows)
-        alpha = tl.exp(m - safe)
-        p = tl.exp(scores - safe[:, None])
-        total = total * alpha + tl.sum(p, axis=1)
+        m_new, alpha, p, total = _softmax_step(m, total, scores)  # (padding rows see no key)
         if CODE != 0:
             p = p * tl.load(vp_ptr + row, mask=inside, other=0)[None, :]
         v = _load_rows(v_ptr, row * D, d, inside, CODE)
