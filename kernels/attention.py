@@ -85,16 +85,25 @@ def attention(
 
 
 def paged_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_tables: torch.Tensor,
-                 start: int, end: int, scale: float, kv_scales: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+                 start: int | torch.Tensor, end: int | torch.Tensor, scale: float,
+                 kv_scales: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """A decode step over a paged KV cache: q [B, H, 1, D], one query row per sequence, against positions
-    start..end-1 of each sequence's pages [N, Hkv, P, D] through ``block_tables`` [B, M]; ``kv_scales``: the pages
-    hold codes, and these are (k_scale, v_scale [Hkv, D], k_pos, v_pos [N, Hkv, P]). On CPU, eagerly, the C loop
-    reads the pages in place; elsewhere the positions are gathered into a slice for :func:`attention`."""
+    start..end-1 of each sequence's pages [N, Hkv, P, D] through ``block_tables`` [B, M]; ``start`` and ``end``
+    are ints (every sequence the same range) or [B] int64 tensors (a range per sequence); ``kv_scales``: the
+    pages hold codes, and these are (k_scale, v_scale [Hkv, D], k_pos, v_pos [N, Hkv, P]). On CPU, eagerly, the C
+    loop reads the pages in place; elsewhere each range of positions is gathered into a slice for
+    :func:`attention` (one call for a shared range, one per sequence otherwise)."""
     k_scale, v_scale, k_pos, v_pos = kv_scales or (None,) * 4
+    B = q.shape[0]
     if attention_cpu.paged_supported(q, k_pages, v_pages, quantized=kv_scales is not None):
-        ends = torch.full((q.shape[0],), end, dtype=torch.int64)
-        return attention_cpu.paged_decode_attention(q, k_pages, v_pages, block_tables, torch.full_like(ends, start),
-                                                    ends, scale, k_scale, v_scale, k_pos, v_pos)
+        starts, ends = (x if isinstance(x, torch.Tensor) else torch.full((B,), x, dtype=torch.int64)
+                        for x in (start, end))
+        return attention_cpu.paged_decode_attention(q, k_pages, v_pages, block_tables, starts, ends, scale,
+                                                    k_scale, v_scale, k_pos, v_pos)
+    if isinstance(start, torch.Tensor) or isinstance(end, torch.Tensor):
+        starts, ends = (x.tolist() if isinstance(x, torch.Tensor) else [x] * B for x in (start, end))
+        return torch.cat([paged_decode(q[b:b + 1], k_pages, v_pages, block_tables[b:b + 1], starts[b], ends[b],
+                                       scale, kv_scales) for b in range(B)])
     positions = torch.arange(start, end, device=q.device)
     k, v = gather_pages(k_pages, block_tables, positions), gather_pages(v_pages, block_tables, positions)
     if kv_scales is not None:

@@ -19,7 +19,7 @@ from qinfer.format import Fp8Weight, QuantizedWeight
 from qinfer.kernels.attention import attention
 from qinfer.kernels.linear import linear, matmul_dtype
 from qinfer.kernels.norm import rms_norm
-from qinfer.model.kv_cache import KVCache
+from qinfer.model.kv_cache import DecodeRows, KVCache
 
 
 class QLinear(nn.Module):
@@ -473,6 +473,23 @@ class Transformer(nn.Module):
             h = h.clone()
             h[bos, 0] = self.bos_hidden.to(h.dtype)
         return h
+
+    def decode_rows(self, input_ids: torch.Tensor, rows: DecodeRows) -> torch.Tensor:
+        """Final-norm hidden states [M, C] of M tokens (``input_ids`` [M]), each of its own sequence and position
+        as ``rows`` gives them: one decode step of many sequences (see :class:`DecodeRows`). Each row goes through
+        the same products as it would alone where the linear kernels sum each row on its own (the C kernels do),
+        and attention is per row."""
+        x = self.embed(input_ids[:, None])  # [M, 1, C]
+        positions = rows.positions
+        span = (int(positions.min()), int(positions.max()))  # (unused by the rows' attention; read once)
+        ropes = {}
+        for i, layer in enumerate(self.model.layers):
+            rope = self.config.rope[i]
+            if rope not in ropes:
+                cos, sin = self.rope(i, positions, x.dtype)  # [M, D]: one position per row
+                ropes[rope] = cos[:, None, None], sin[:, None, None]  # [M, 1, 1, D] against [M, H, 1, D]
+            x = layer(x, *ropes[rope], None, rows, positions, None, span)
+        return self.model.norm(x)[:, 0]
 
     def forward(self, input_ids, input_pos=None, cache: KVCache | None = None, last_only: bool = False, span=None):
         """Logits [B, T, V] (or [B, 1, V] with ``last_only``) in the model's dtype; ``span`` as in

@@ -29,6 +29,7 @@ and values. How much a scale per position and calibrated channel scales lower an
 docs/results.md ("Choosing a quantize setting" and "Figures formerly in code comments").
 """
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -57,41 +58,83 @@ class OutOfBlocks(QinferError):
 
 
 class BlockPool:
-    """Which blocks are free, and how many holders each allocated block has."""
+    """Which blocks are free, how many holders each allocated block has, and which hold a known prefix.
+
+    A full block can be registered under a key naming its tokens and every token before it (:meth:`register`:
+    the prefix cache). When no one holds it any more it stays findable (:meth:`lookup`), free but cached, and
+    :meth:`share` takes it back, until an allocation needs it: free blocks that hold nothing known go first, then
+    cached ones, least recently released first (each then forgets its key).
+    """
 
     def __init__(self, num_blocks: int):
         self.refs = [0] * num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: low ids first
+        self._free = list(range(num_blocks - 1, -1, -1))  # holding nothing known; popped from the end: low ids first
+        self._cached: OrderedDict[int, None] = OrderedDict()  # free, but registered: least recently released first
+        self._key_of: dict[int, tuple] = {}
+        self._block_of: dict[tuple, int] = {}
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._cached)
 
     def allocate(self, n: int) -> list[int]:
         """``n`` free blocks, each now held once; all or none (:class:`OutOfBlocks`)."""
-        if n > len(self._free):
-            raise OutOfBlocks(f"{n} KV-cache blocks wanted, {len(self._free)} free of {len(self.refs)}: raise "
+        if n > self.num_free:
+            raise OutOfBlocks(f"{n} KV-cache blocks wanted, {self.num_free} free of {len(self.refs)}: raise "
                               "--kv-memory, or run fewer or shorter sequences at once")
-        blocks = [self._free.pop() for _ in range(n)]
-        for b in blocks:
+        blocks = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.pop()
+            else:  # evict the least recently released cached block
+                b = self._cached.popitem(last=False)[0]
+                del self._block_of[self._key_of.pop(b)]
             self.refs[b] = 1
+            blocks.append(b)
         return blocks
 
     def share(self, blocks: list[int]) -> None:
-        """One more holder of each of ``blocks`` (a sequence reusing a prefix's blocks)."""
+        """One more holder of each of ``blocks`` (a sequence reusing a prefix's blocks); a cached free block is
+        taken back."""
         for b in blocks:
             if self.refs[b] < 1:
-                raise ValueError(f"block {b} is free: only an allocated block can be shared")
+                if b not in self._cached:
+                    raise ValueError(f"block {b} is free: only an allocated or cached block can be shared")
+                del self._cached[b]
             self.refs[b] += 1
 
     def release(self, blocks: list[int]) -> None:
-        """One holder fewer of each of ``blocks``; a block no one holds is free again."""
+        """One holder fewer of each of ``blocks``; a block no one holds is free again (cached, if registered)."""
         for b in blocks:
             if self.refs[b] < 1:
                 raise ValueError(f"block {b} is already free")
             self.refs[b] -= 1
             if self.refs[b] == 0:
-                self._free.append(b)
+                if b in self._key_of:
+                    self._cached[b] = None
+                else:
+                    self._free.append(b)
+
+    def register(self, block: int, key: tuple) -> None:
+        """Name held ``block`` by ``key`` (its tokens and their prefix's), unless another block already has that
+        key or this one has a key."""
+        if key not in self._block_of and block not in self._key_of:
+            self._block_of[key], self._key_of[block] = block, key
+
+    def lookup(self, key: tuple) -> int | None:
+        """The block registered under ``key``, held or cached, else None."""
+        return self._block_of.get(key)
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks registered under a key (held or free)."""
+        return len(self._key_of)
+
+
+def block_key(parent: tuple | None, tokens: tuple[int, ...]) -> tuple:
+    """The prefix-cache key of a full block of ``tokens`` after the block keyed ``parent`` (None: the first).
+    A key holds its parent's hash, not the parent itself, so it costs the same at any depth."""
+    return (None if parent is None else hash(parent), tokens)
 
 
 @dataclass
@@ -227,8 +270,18 @@ class KVCache:
         block, row = self.slots(input_pos)  # [B, T], [T]
         slots = (block * self.block_size + row).reshape(-1)  # [B * T], sequence by sequence
         k, v = (x.transpose(1, 2).reshape(-1, *x.shape[1:2], x.shape[3]) for x in (k, v))  # [B * T, Hkv, D]
+        self.write_slots(layer, slots, k, v)
+
+    def write_slots(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [T, Hkv, D] at ``slots`` [T] (``block * block_size + row``), quantized where the pages hold
+        codes."""
         k_scale, v_scale = self.scales.get(layer, (None, None))
         write_pages(self.k[layer], self.v[layer], slots, k, v, k_scale, v_scale, *self.position_scales(layer))
+
+    def layer_scales(self, layer: int) -> tuple[torch.Tensor, ...] | None:
+        """A quantized cache's scales of ``layer`` as the attention kernels take them (k_scale, v_scale, k_pos,
+        v_pos), else None."""
+        return (*self.scales[layer], self.k_pos[layer], self.v_pos[layer]) if self.scales else None
 
     def position_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """A quantized cache's position scales of keys and values in ``layer`` ([N, Hkv, P] each), else None."""
@@ -240,8 +293,8 @@ class KVCache:
         (``mask`` [T, end]: True where a query may see a key; unused for one query, which sees them all)."""
         self.write(layer, input_pos, k, v)
         if q.shape[2] == 1:  # a decode step: read in place where a kernel can
-            scales = (*self.scales[layer], self.k_pos[layer], self.v_pos[layer]) if self.scales else None
-            return paged_decode(q, self.k[layer], self.v[layer], self.block_tables, start, end, scale, scales)
+            return paged_decode(q, self.k[layer], self.v[layer], self.block_tables, start, end, scale,
+                                self.layer_scales(layer))
         k, v, scales = self.read(layer, start, end)
         return attention(q, k, v, mask[:, start:], scale, scales)
 
@@ -264,6 +317,44 @@ class KVCache:
             return k, v
         k_scale, v_scale, k_pos, v_pos = scales
         return dequantize_kv(k, k_scale, self.dtype, k_pos), dequantize_kv(v, v_scale, self.dtype, v_pos)
+
+
+class DecodeRows:
+    """Rows that each run one token of a sequence at a position of its own, in one forward: the decode steps of
+    many sequences, and the generated tokens of a preempted one being computed again (several rows of one
+    sequence). Passed to the model in place of the cache (``Transformer.decode_rows``): :meth:`attend` writes
+    every row's key and value, then attends each row's query over its sequence's positions up to its own (from
+    the first its layer's sliding window shows), the same sums whatever the other rows are."""
+
+    def __init__(self, cache: KVCache, tables: list[BlockTable], positions: list[int]):
+        width = max(len(t.blocks) for t in tables)
+        device = cache.k[0].device
+        self.cache = cache
+        self.block_tables = torch.tensor([t.blocks + [0] * (width - len(t.blocks)) for t in tables],
+                                         dtype=torch.long, device=device)  # [M, width] (padding: never read)
+        self.positions = torch.tensor(positions, dtype=torch.long, device=device)  # [M]
+        P = cache.block_size
+        rows = torch.arange(len(tables), device=device)
+        self.slots = self.block_tables[rows, self.positions // P] * P + self.positions % P  # [M]
+        self.ends = self.positions + 1
+        self._starts: dict[int | None, torch.Tensor] = {}
+
+    def starts(self, window: int | None) -> torch.Tensor:
+        """[M]: each row's first visible position under ``window`` (None: 0)."""
+        if window not in self._starts:
+            first = torch.zeros_like(self.positions) if window is None else (self.positions - window + 1).clamp_min(0)
+            self._starts[window] = first
+        return self._starts[window]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_pos, start, end, mask,
+               scale: float) -> torch.Tensor:
+        """q [M, H, 1, D], k, v [M, Hkv, 1, D] -> [M, H, 1, D]; ``input_pos``, ``start``, ``end`` and ``mask``
+        are unused: each row's range comes from its own position."""
+        c = self.cache
+        c.write_slots(layer, self.slots, k[:, :, 0], v[:, :, 0])
+        starts = self.starts(c.config.sliding_window[layer])
+        return paged_decode(q, c.k[layer], c.v[layer], self.block_tables, starts, self.ends, scale,
+                            c.layer_scales(layer))
 
 
 def _per_channel(scale: torch.Tensor, Hkv: int, D: int, device) -> torch.Tensor:
