@@ -13,9 +13,11 @@ from qinfer.model.kv_cache import KVCache
 CONFIG = SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=8)  # all a cache reads of a ModelConfig
 
 
-def scheduler(blocks: int, block_size: int = 8, **kwargs) -> Scheduler:
+def scheduler(blocks: int, block_size: int = 8, max_step_tokens: int = 64, max_running: int = 8,
+              prefill_chunk: int = 16, **kwargs) -> Scheduler:
     """A scheduler over ``blocks`` blocks of ``block_size`` positions (no sequences bound: the scheduler's own)."""
-    return Scheduler(KVCache(CONFIG, 0, block_size, torch.float32, block_size=block_size, num_blocks=blocks), **kwargs)
+    cache = KVCache(CONFIG, 0, block_size, torch.float32, block_size=block_size, num_blocks=blocks)
+    return Scheduler(cache, max_step_tokens, max_running, prefill_chunk, **kwargs)
 
 
 def run(s: Scheduler, steps: int = 1000) -> list[list[tuple[str, int, int]]]:
@@ -32,31 +34,44 @@ def run(s: Scheduler, steps: int = 1000) -> list[list[tuple[str, int, int]]]:
     return log
 
 
-def test_a_long_prompt_is_chunked_while_the_others_decode():
-    s = scheduler(blocks=32, max_step_tokens=16)
+def test_prompts_run_in_whole_chunks_on_a_fixed_grid_while_the_others_decode():
+    s = scheduler(blocks=32, max_step_tokens=16, max_running=4, prefill_chunk=12)
     s.add(Request("a", [1] * 4, max_tokens=6))
     first = s.schedule()
     s.advance(first, {"a": 7})
     s.add(Request("b", [2] * 40, max_tokens=2))
     steps = run(s)
-    # every step until b's prompt is in gives a its token, and b the rest of the budget
-    assert steps[0] == [("a", 4, 1), ("b", 0, 15)]
-    assert steps[1] == [("a", 5, 1), ("b", 15, 15)]
-    assert steps[2] == [("a", 6, 1), ("b", 30, 10)]
+    # every step until b's prompt is in gives a its token first, and b its next chunk, ending at a multiple of 12
+    assert steps[:4] == [[("a", 4, 1), ("b", 0, 12)], [("a", 5, 1), ("b", 12, 12)], [("a", 6, 1), ("b", 24, 12)],
+                         [("a", 7, 1), ("b", 36, 4)]]
     assert all(sum(c for _, _, c in step) <= 16 for step in steps)
 
 
+def test_a_chunk_that_does_not_fit_the_budget_waits_whole():
+    s = scheduler(blocks=32, max_step_tokens=16, max_running=4, prefill_chunk=12)
+    s.add(Request("a", [1] * 12, max_tokens=3))
+    s.add(Request("b", [2] * 12, max_tokens=3))
+    steps = run(s)
+    assert steps[0] == [("a", 0, 12)]  # b's chunk of 12 would not fit the 4 tokens left: it is not cut
+    assert steps[1] == [("a", 12, 1), ("b", 0, 12)]
+
+
+def test_the_budget_must_hold_a_token_per_sequence_and_a_chunk():
+    with pytest.raises(QinferError, match="must hold a token for each of 8 running sequences and a prompt chunk"):
+        scheduler(blocks=4, max_step_tokens=16, max_running=8, prefill_chunk=12)
+
+
 def test_requests_are_admitted_in_arrival_order_within_the_budgets():
-    s = scheduler(blocks=32, max_step_tokens=10, max_running=2)
+    s = scheduler(blocks=32, max_step_tokens=14, max_running=2, prefill_chunk=6)
     for name in "abc":
         s.add(Request(name, [1] * 6, max_tokens=1))
     step = s.schedule()
-    assert [(x.request.id, x.count) for x in step.scheduled] == [("a", 6), ("b", 4)]  # c waits: no sequence left
+    assert [(x.request.id, x.count) for x in step.scheduled] == [("a", 6), ("b", 6)]  # c waits: no sequence left
     assert [r.id for r in s.waiting] == ["c"]
 
 
 def test_when_blocks_run_out_the_newest_request_is_preempted_and_computed_again():
-    s = scheduler(blocks=4, max_step_tokens=64)  # 4 blocks of 8: 32 positions in all
+    s = scheduler(blocks=4, max_step_tokens=64, max_running=4, prefill_chunk=16)  # 4 blocks of 8: 32 positions
     s.add(Request("old", [1] * 12, max_tokens=8))
     s.add(Request("new", [2] * 12, max_tokens=8))
     first = s.schedule()
@@ -95,11 +110,85 @@ def test_finish_frees_a_request_wherever_it_is():
 
 
 def test_many_requests_all_finish_with_every_block_returned():
-    s = scheduler(blocks=6, max_step_tokens=12, max_running=8)
+    s = scheduler(blocks=4, max_step_tokens=12, max_running=4, prefill_chunk=8)
     requests = [Request(str(i), [i] * (3 + i % 7), max_tokens=1 + i % 5) for i in range(20)]
     for r in requests:
         s.add(r)
     run(s)
     assert all(r.finished and len(r.generated) == r.max_tokens for r in requests)
     assert any(r.preemptions for r in requests)  # (the cache was too small for all of them at once)
-    assert s.cache.pool.num_free == 6
+    assert s.cache.pool.num_free == 4
+
+
+def test_a_preempted_request_computes_its_generated_tokens_again_past_the_chunk_grid():
+    s = scheduler(blocks=8, prefill_chunk=8, prefix_caching=False)
+    r = Request("r", [1] * 8, max_tokens=20)
+    s.add(r)
+    for _ in range(11):  # the prompt, then 10 more tokens: 11 generated
+        s.advance(s.schedule(), {"r": 7})
+    s._preempt(r)
+    step = s.schedule()
+    assert [(x.start, x.count) for x in step.scheduled] == [(0, 8)]  # the prompt: its chunk
+    s.advance(step, {})
+    step = s.schedule()
+    assert [(x.start, x.count, x.samples) for x in step.scheduled] == [(8, 11, True)]  # all generated, one step
+
+
+def test_a_request_reuses_the_cached_blocks_of_a_shared_prefix_rounded_to_the_chunk_grid():
+    s = scheduler(blocks=16, prefill_chunk=16)  # blocks of 8
+    first = Request("first", list(range(40)), max_tokens=2)
+    s.add(first)
+    run(s)  # finished: its blocks are free, and cached
+    assert s.cache.pool.num_free == 16 and s.cache.pool.cached_blocks == 5  # 41 computed tokens: 5 full blocks
+    same32 = Request("same32", list(range(32)) + [99] * 9, max_tokens=1)
+    s.add(same32)
+    step = s.schedule()
+    assert same32.cached_tokens == 32 and [(x.start, x.count) for x in step.scheduled] == [(32, 9)]
+    cached = [s.cache.pool.lookup(key) for key in first.keys]
+    assert same32.table.blocks[:4] == cached[:4] and s.cache.pool.refs[cached[0]] == 1
+    s.advance(step, {"same32": 7})  # finished: its blocks are free again, the first four still cached
+    same24 = Request("same24", list(range(24)) + [99] * 9, max_tokens=1)  # 3 blocks cached: 16 (the grid) reused
+    s.add(same24)
+    step = s.schedule()
+    assert same24.cached_tokens == 16 and [(x.start, x.count) for x in step.scheduled] == [(16, 16), ]
+    assert same24.table.blocks[:2] == cached[:2] and s.cache.pool.lookup(first.keys[4]) == cached[4]
+
+
+def test_an_identical_prompt_leaves_its_newest_token_to_compute():
+    s = scheduler(blocks=16, prefill_chunk=8)
+    s.add(Request("a", list(range(32)), max_tokens=1))
+    run(s)
+    b = Request("b", list(range(32)), max_tokens=1)
+    s.add(b)
+    step = s.schedule()
+    assert b.cached_tokens == 24 and [(x.start, x.count, x.samples) for x in step.scheduled] == [(24, 8, True)]
+
+
+def test_cached_free_blocks_are_evicted_least_recently_released_first():
+    from qinfer.model.kv_cache import BlockPool, block_key
+
+    pool = BlockPool(4)
+    a, b, c = pool.allocate(3)
+    keys = [block_key(None, (i,)) for i in range(3)]
+    for block, key in zip((a, b, c), keys):
+        pool.register(block, key)
+    pool.release([b])
+    pool.release([a])
+    pool.release([c])
+    assert pool.num_free == 4 and pool.lookup(keys[1]) == b
+    assert pool.allocate(1) == [3]  # a block that holds nothing known goes first
+    assert pool.allocate(1) == [b] and pool.lookup(keys[1]) is None  # then the least recently released
+    pool.share([c])  # a cached free block taken back is not evicted
+    assert pool.allocate(1) == [a] and pool.lookup(keys[2]) == c and pool.refs[c] == 1
+
+
+def test_a_decode_already_scheduled_is_taken_back_when_its_request_is_preempted_in_the_same_step():
+    s = scheduler(blocks=4, max_step_tokens=16, max_running=4, prefill_chunk=8, prefix_caching=False)
+    old, new = Request("old", [1] * 24, max_tokens=1), Request("new", [2] * 8, max_tokens=8)
+    s.add(old)
+    s.add(new)
+    for _ in range(2):  # old's first two chunks; new's prompt, then its first decode
+        s.advance(s.schedule(), {"new": 7})
+    step = s.schedule()  # new decodes first, then old's third chunk needs the block new holds: new goes
+    assert [r.id for r in step.preempted] == ["new"]
+    assert [(x.request.id, x.start, x.count) for x in step.scheduled] == [("old", 16, 8)]

@@ -1,17 +1,31 @@
 """Which tokens of which requests the next forward runs: continuous batching over the paged KV cache.
 
 Each step has a budget of tokens (``max_step_tokens``) and of sequences (``max_running``). The scheduler spends
-it first come, first served:
+it in this order:
 
-1. the running requests, oldest first: one token each for those decoding, and the next chunk of the prompt
-   for those still prefilling (a long prompt is cut into chunks, so it never stalls the others' tokens);
-2. then waiting requests, in arrival order, each with a first chunk of its prompt, while tokens, sequences and
-   free blocks allow (a request that does not fit waits; the ones behind it wait too, so arrival order holds).
+1. one token for each running request that is decoding (every token but its newest is cached), so a long
+   prompt never stalls the others' tokens;
+2. the next chunk of each running request still computing its prompt (or, after a preemption, its prompt and
+   the tokens it had generated), oldest first;
+3. waiting requests in arrival order, each with a first chunk, while tokens, sequences and free blocks allow
+   (a request that does not fit waits; the ones behind it wait too, so arrival order holds).
+
+Prompt chunks lie on a fixed grid: they end at multiples of ``prefill_chunk`` positions (or at the prompt's end)
+and are never cut by the budget (a chunk that does not fit waits for the next step), so a prompt is computed in
+the same pieces whatever else runs. With kernels that sum each row on its own, a request's tokens then do not
+depend on the other requests (the engine's batch invariance). The generated tokens of a preempted request are
+computed again as decode rows, any number per step.
 
 A running request that needs a block when none is free takes one from the most recently admitted request:
 that request is preempted (its blocks freed, its computed tokens forgotten) and goes back to the front of the
 queue, to be computed again from its prompt and the tokens it had generated. An accepted request is never
 dropped, and the cache never runs out: only a request too long for the whole cache is refused, when added.
+
+With ``prefix_caching``, every full block a request has computed is registered under its tokens and their
+prefix (``kv_cache.block_key``); a request being admitted shares the blocks of the longest cached prefix of
+its tokens instead of computing them, rounded down to a chunk boundary while it lies in the prompt (so the
+prompt's chunks stay on the grid and the cache never changes what is computed) and leaving at least its
+newest token to compute (its logits give the next token).
 
 A request's ``tokens`` are its prompt and the tokens it has generated so far; ``computed`` of them have their
 keys and values in the cache. A step runs ``tokens[computed : computed + n]`` for each scheduled request; the
@@ -22,7 +36,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from qinfer.errors import QinferError
-from qinfer.model.kv_cache import BlockTable, KVCache, OutOfBlocks
+from qinfer.model.kv_cache import BlockTable, KVCache, OutOfBlocks, block_key
 
 
 @dataclass(eq=False)
@@ -37,6 +51,8 @@ class Request:
     table: BlockTable = field(default_factory=BlockTable)
     preemptions: int = 0
     finished: bool = False
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache at the last admission
+    keys: list[tuple] = field(default_factory=list)  # prefix-cache keys of its full blocks so far
 
     @property
     def tokens(self) -> list[int]:
@@ -68,10 +84,13 @@ class Step:
 
 
 class Scheduler:
-    def __init__(self, cache: KVCache, max_step_tokens: int = 512, max_running: int = 64):
-        if max_step_tokens < 1 or max_running < 1:
-            raise QinferError("the engine needs a step budget of at least one token and one sequence")
+    def __init__(self, cache: KVCache, max_step_tokens: int = 512, max_running: int = 64, prefill_chunk: int = 256,
+                 prefix_caching: bool = True):
+        if max_running < 1 or prefill_chunk < 1 or max_step_tokens < max_running + prefill_chunk:
+            raise QinferError(f"the engine's step budget of {max_step_tokens} tokens must hold a token for each of "
+                              f"{max_running} running sequences and a prompt chunk of {prefill_chunk} (all >= 1)")
         self.cache, self.max_step_tokens, self.max_running = cache, max_step_tokens, max_running
+        self.prefill_chunk, self.prefix_caching = prefill_chunk, prefix_caching
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
 
@@ -89,32 +108,31 @@ class Scheduler:
 
     def schedule(self) -> Step:
         """The next step's tokens (see the module docstring)."""
-        budget, scheduled, preempted = self.max_step_tokens, [], []
-        for request in list(self.running):
-            if budget == 0:
-                break
-            if request not in self.running:  # preempted a moment ago, to make room for an older one
+        scheduled, preempted = [], []
+        for request in list(self.running):  # 1. decodes (the budget holds one for each: see __init__)
+            if request in self.running and self._decoding(request) and self._fit(request, 1, scheduled, preempted):
+                scheduled.append(Scheduled(request, request.computed, 1))
+        for request in list(self.running):  # 2. running requests still computing
+            if request not in self.running or self._decoding(request):
                 continue
-            count = min(len(request.tokens) - request.computed, budget)
-            while not self._reserve(request, request.computed + count):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
-            if request in self.running:
+            count = self._chunk(request, self._budget(scheduled))
+            if count == 0:
+                break
+            if self._fit(request, count, scheduled, preempted):
                 scheduled.append(Scheduled(request, request.computed, count))
-                budget -= count
-        while self.waiting and budget > 0 and len(self.running) < self.max_running and not preempted:
+        while self.waiting and len(self.running) < self.max_running and not preempted:  # 3. admissions
             request = self.waiting[0]
-            count = min(len(request.tokens) - request.computed, budget)
-            if not self._reserve(request, request.computed + count):
-                break  # it waits for blocks; so do the ones behind it
+            hit = self._cached_prefix(request)
+            count = self._chunk(request, self._budget(scheduled), start=hit)
+            if count == 0 or not self._admit(request, hit, count):
+                break  # it waits for tokens or blocks; so do the ones behind it
             self.waiting.popleft()
             self.running.append(request)
             scheduled.append(Scheduled(request, request.computed, count))
-            budget -= count
         return Step(scheduled, preempted)
+
+    def _budget(self, scheduled: list[Scheduled]) -> int:
+        return self.max_step_tokens - sum(s.count for s in scheduled)
 
     def advance(self, step: Step, sampled: dict[str, int]) -> list[Request]:
         """Record what ``step`` computed and the tokens sampled for the requests that sample (by id); returns the
@@ -124,6 +142,8 @@ class Scheduler:
         for s in step.scheduled:
             request = s.request
             request.computed = s.start + s.count
+            if self.prefix_caching:
+                self._register(request)
             if s.samples and request.id in sampled:
                 request.generated.append(sampled[request.id])
                 if len(request.generated) >= request.max_tokens:
@@ -142,6 +162,31 @@ class Scheduler:
             self.waiting.remove(request)
         self.cache.free(request.table)
 
+    def _decoding(self, request: Request) -> bool:
+        return request.computed >= len(request.prompt) and request.computed == len(request.tokens) - 1
+
+    def _chunk(self, request: Request, budget: int, start: int | None = None) -> int:
+        """How many tokens ``request`` runs next from ``start`` (default: ``computed``) within ``budget``: the rest
+        of its prompt chunk, whole or not at all; past its prompt, as many as the budget allows."""
+        start = request.computed if start is None else start
+        prompt = len(request.prompt)
+        if start < prompt:
+            count = min(prompt, (start // self.prefill_chunk + 1) * self.prefill_chunk) - start
+            return count if count <= budget else 0
+        return min(len(request.tokens) - start, budget)
+
+    def _fit(self, request: Request, count: int, scheduled: list[Scheduled], preempted: list[Request]) -> bool:
+        """Reserve blocks for ``count`` more of ``request``'s tokens, preempting the newest requests while none are
+        free (and taking back what this step had scheduled for them); False if ``request`` itself was preempted."""
+        while not self._reserve(request, request.computed + count):
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            scheduled[:] = [s for s in scheduled if s.request is not victim]
+            if victim is request:
+                return False
+        return True
+
     def _reserve(self, request: Request, length: int) -> bool:
         try:
             self.cache.reserve(request.table, length)
@@ -156,3 +201,45 @@ class Scheduler:
         request.computed = 0
         request.preemptions += 1
         self.waiting.appendleft(request)
+
+    # the prefix cache
+
+    def _keys(self, request: Request, blocks: int) -> list[tuple]:
+        """The keys of ``request``'s first ``blocks`` full blocks (extending the ones it has)."""
+        P, tokens = self.cache.block_size, request.tokens
+        while len(request.keys) < blocks:
+            i = len(request.keys)
+            request.keys.append(block_key(request.keys[-1] if i else None, tuple(tokens[i * P:(i + 1) * P])))
+        return request.keys[:blocks]
+
+    def _cached_prefix(self, request: Request) -> int:
+        """How many of ``request``'s tokens the prefix cache holds that it may take (see the module docstring)."""
+        if not self.prefix_caching:
+            return 0
+        P, pool = self.cache.block_size, self.cache.pool
+        hit = 0
+        for key in self._keys(request, (len(request.tokens) - 1) // P):  # its newest token is left to compute
+            if pool.lookup(key) is None:
+                break
+            hit += P
+        if hit < len(request.prompt):
+            hit -= hit % self.prefill_chunk
+        return hit
+
+    def _admit(self, request: Request, hit: int, count: int) -> bool:
+        """Give a waiting ``request`` the cached blocks of its first ``hit`` tokens and blocks for ``count`` more;
+        all or nothing."""
+        cached = [self.cache.pool.lookup(key) for key in request.keys[:hit // self.cache.block_size]]
+        self.cache.pool.share(cached)  # first: a cached free block must not be handed out as a new one
+        request.table.blocks = cached
+        if not self._reserve(request, hit + count):
+            self.cache.free(request.table)
+            return False
+        request.computed = request.cached_tokens = hit
+        return True
+
+    def _register(self, request: Request) -> None:
+        """Register ``request``'s full computed blocks in the prefix cache."""
+        full = request.computed // self.cache.block_size
+        for block, key in zip(request.table.blocks[:full], self._keys(request, full)):
+            self.cache.pool.register(block, key)
