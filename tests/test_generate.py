@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from qinfer.errors import QinferError
-from qinfer.engine.generate import GenerationStats, SamplingParams, generate, greedy, prefill, sample
+from qinfer.engine.generate import GenerationStats, generate, prefill
+from qinfer.engine.sampling import SamplingParams, greedy, sample
 from qinfer.model.kv_cache import KVCache, make_cache
 from qinfer.model.loader import load_model
 from qinfer.sources.tokenizer import Tokenizer
@@ -346,11 +347,12 @@ def test_a_ctrl_c_before_the_answer_begins_keeps_no_half_turn(tmp_path, monkeypa
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(generate_module, "make_cache", interrupted)
+    engine = generate_module.Engine
+    monkeypatch.setattr(generate_module, "Engine", interrupted)
     with pytest.raises(KeyboardInterrupt):
         "".join(session.reply("first"))
     assert session.messages == []
-    monkeypatch.setattr(generate_module, "make_cache", make_cache)
+    monkeypatch.setattr(generate_module, "Engine", engine)
     "".join(session.reply("second"))
     assert [(m["role"], m["content"]) for m in session.messages][0] == ("user", "second")
     assert [m["role"] for m in session.messages] == ["user", "assistant"]

@@ -9,7 +9,8 @@ import sys
 from collections.abc import Iterator
 
 from qinfer.errors import QinferError
-from qinfer.engine.generate import ContextFull, GenerationStats, SamplingParams, compile_failure_note, generate
+from qinfer.engine.generate import GenerationStats, compile_failure_note, generate
+from qinfer.engine.sampling import ContextFull, SamplingParams
 from qinfer.model.decoder import Transformer
 from qinfer.sources.tokenizer import StreamDecoder, Tokenizer
 

@@ -1,4 +1,5 @@
-"""Generation: ``prefill`` the prompt, then ``decode_step`` one token at a time, sampling as configured."""
+"""Generation of one request: on the engine, or (``compiled``) ``prefill`` the prompt, then a compiled
+``decode_step`` one token at a time, sampling as configured."""
 
 import functools
 import time
@@ -7,38 +8,16 @@ from dataclasses import dataclass
 
 import torch
 
-from qinfer.errors import check_seed, QinferError
-from qinfer.model.kv_cache import KVCache, make_cache
+from qinfer.engine.sampling import ContextFull, SamplingParams, sample
+from qinfer.errors import QinferError
+from qinfer.engine.engine import Engine, EngineConfig
+from qinfer.model.kv_cache import BLOCK_SIZE, KVCache, make_cache
 from qinfer.model.decoder import Transformer
 
 
 # Prompt positions per prefill forward: longer prompts run in chunks (at 32768 tokens a single forward's two
 # [T, T] masks were 1 GiB each); 4096 keeps every prompt the evals time in one forward.
 PREFILL_CHUNK = 4096
-
-
-class ContextFull(QinferError):
-    """A prompt and its --max-tokens past the model's context (a chat turn: the conversation has grown too long)."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 128
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = no top-k cut
-    seed: int | None = None
-
-    def __post_init__(self):
-        if self.max_tokens < 1:
-            raise QinferError(f"--max-tokens must be at least 1 (got {self.max_tokens})")
-        if not 0 <= self.temperature < float("inf"):  # NaN fails too
-            raise QinferError(f"--temperature must be a finite number >= 0 (got {self.temperature})")
-        if not 0 < self.top_p <= 1:
-            raise QinferError(f"--top-p must be in (0, 1] (got {self.top_p})")
-        if self.top_k < 0:
-            raise QinferError(f"--top-k must be >= 0 (got {self.top_k})")
-        check_seed(self.seed)
 
 
 @dataclass
@@ -66,33 +45,6 @@ class GenerationStats:
         rate = f"at {self.decode_tps:.1f} tok/s" if self.decode_tps else "(no decode step after prefill's to time)"
         prefill = f"prefill {self.prompt_tokens} tok at {self.prefill_tps:.1f} tok/s"
         return f"{prefill}, decode {self.generated_tokens} tok {rate}{compiled}"
-
-
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """[B, V] logits -> [B] ids of each row's largest logit (the first of a tie, a NaN's if any), as ``argmax``
-    gives them. Through ``torch.max``, whose CPU kernel reads a vocabulary row faster than argmax's
-    (gemma3's 262144 bf16 logits: docs/results.md, "Figures formerly in code comments")."""
-    return torch.max(logits, dim=-1).indices
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    # logits: [B, V] -> token ids [B]
-    if params.temperature < 1e-45:  # 0, or a temperature fp32 holds as 0 (under its least subnormal)
-        return greedy(logits)
-    # Less the row's largest first: a tiny temperature (1e-40) then sends the others to -inf, not inf/NaN.
-    logits = logits.float()
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
-    if params.top_k:
-        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cum - sorted_logits.softmax(dim=-1) >= params.top_p  # keep the smallest prefix reaching top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 @torch.no_grad()
@@ -177,11 +129,12 @@ def generate(
     kv_dtype: str = "bf16",
 ) -> Iterator[int]:
     """Generated token ids one by one (stop ids are not yielded), attending over a KV cache of ``kv_dtype``
-    (qinfer.model.kv_cache: "int8" and "fp8" use the scales ``qinfer quantize --kv-cache`` stored, if any).
-    ``compiled``: decode through :func:`compiled_decode_step` from the second step on (the first, eager, builds
-    the kernels' weight layouts, which must not be made inside a traced step). A request that cannot run (an
-    empty prompt, or one too long for the model's context) is refused here, before any token: the caller has
-    written nothing yet."""
+    (qinfer.model.kv_cache: "int8" and "fp8" use the scales ``qinfer quantize --kv-cache`` stored, if any): one
+    request on the engine (``qinfer.engine.engine``), with a KV cache the size of the request. ``compiled``:
+    instead, one sequence's ``prefill`` and then :func:`compiled_decode_step` from the second step on (the first,
+    eager, builds the kernels' weight layouts, which must not be made inside a traced step). A request that cannot
+    run (an empty prompt, or one too long for the model's context) is refused here, before any token: the caller
+    has written nothing yet."""
     if not prompt_ids:
         raise QinferError("the prompt is empty after tokenization")
     if len(prompt_ids) + params.max_tokens > model.config.max_position_embeddings:
@@ -189,9 +142,33 @@ def generate(
             f"prompt ({len(prompt_ids)} tokens) + --max-tokens ({params.max_tokens}) exceeds the model's context "
             f"of {model.config.max_position_embeddings} tokens: shorten the prompt or lower --max-tokens"
         )
+    stats = stats if stats is not None else GenerationStats()
+    if not compiled:
+        length = len(prompt_ids) + params.max_tokens
+        memory = KVCache.bytes_per_block(model.config, BLOCK_SIZE, kv_dtype, model.dtype) * -(-length // BLOCK_SIZE)
+        engine = Engine(model, config=EngineConfig(kv_dtype=kv_dtype, kv_memory=memory), eos_ids=stop_ids)
+        engine.add("generate", prompt_ids, params)
+        return _engine_tokens(engine, stats, should_stop)
     cache = make_cache(model, 1, len(prompt_ids) + params.max_tokens, kv_dtype)
-    return _tokens(model, prompt_ids, params, stop_ids, stats if stats is not None else GenerationStats(),
-                   should_stop, compiled, cache)
+    return _tokens(model, prompt_ids, params, stop_ids, stats, should_stop, compiled, cache)
+
+
+def _engine_tokens(engine: Engine, stats: GenerationStats, should_stop: Callable[[], bool]) -> Iterator[int]:
+    stats.prompt_tokens = len(engine.live["generate"].request.prompt)
+    start = time.perf_counter()
+    try:
+        while engine.has_work():
+            for out in engine.step():
+                times = out.timings.tokens
+                stats.prefill_seconds = times[0] - start
+                stats.decode_seconds, stats.decode_steps = times[-1] - times[0], len(times) - 1
+                for token in out.token_ids:
+                    stats.generated_tokens += 1
+                    yield token
+                if not out.finished and should_stop():
+                    engine.abort(out.id)
+    finally:  # also when the caller stops reading: the request's blocks go back (the cache is dropped anyway)
+        engine.abort("generate")
 
 
 def _tokens(model, prompt_ids, params, stop_ids, stats, should_stop, compiled, cache) -> Iterator[int]:
