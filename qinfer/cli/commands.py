@@ -1,5 +1,6 @@
 """The ``qinfer`` command line. Each command builds a dataclass and calls a library function."""
 
+import re
 import signal
 import sys
 from pathlib import Path
@@ -104,19 +105,50 @@ def list_models():
         click.echo(f"{'(qinfer demo)':24s} {q.parent}")
 
 
+def _size(text: str) -> int:
+    """Bytes in ``text``: a number with an optional unit (``512MiB``, ``2GiB``, ``1.5GB``, ``4096``)."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).upper() not in units:
+        raise click.BadParameter(f"{text!r} is not a size (a number of bytes, or with a unit: 512MiB, 2GiB, 1.5GB)")
+    return int(float(match.group(1)) * units[match.group(2).upper()])
+
+
+def _engine_options(f):
+    f = click.option("--max-running", type=int, default=64, show_default=True,
+                     help="Requests decoding at once (--prompts); more wait their turn.")(f)
+    f = click.option("--kv-memory", default="1GiB", show_default=True,
+                     help="Memory for the KV cache with --prompts (e.g. 512MiB, 2GiB): more holds more requests at "
+                          "once; too little preempts and recomputes, never fails.")(f)
+    return f
+
+
 @cli.command()
 @click.argument("model")
-@click.argument("prompt")
+@click.argument("prompt", required=False)
+@click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), default=None,
+              help="A JSON-lines file of requests ({\"prompt\": ...} or {\"messages\": [...]}, and any sampling "
+                   "field) to run together: one JSON result line each on stdout, in input order.")
 @_sampling_options
 @_kv_cache_option
 @_compile_option
-def generate(model, prompt, dtype, max_tokens, temperature, top_p, top_k, seed, kv_cache, compiled):
-    """Continue PROMPT with MODEL, streaming tokens to stdout; a timing line goes to stderr."""
-    from qinfer.engine.generate import GenerationStats, SamplingParams, compile_failure_note
+@_engine_options
+def generate(model, prompt, prompts_file, dtype, max_tokens, temperature, top_p, top_k, seed, kv_cache, compiled,
+             kv_memory, max_running):
+    """Continue PROMPT with MODEL, streaming tokens to stdout; a timing line goes to stderr. With --prompts FILE
+    instead, run every request in FILE together (continuous batching) and write one JSON line per request."""
+    from qinfer.engine.generate import GenerationStats, compile_failure_note
     from qinfer.engine.generate import generate as run
+    from qinfer.engine.sampling import SamplingParams
     from qinfer.sources.tokenizer import StreamDecoder
 
+    if (prompt is None) == (prompts_file is None):
+        raise QinferError("give a PROMPT or --prompts FILE (one of them)")
+    if prompts_file is not None and compiled:
+        raise QinferError("--compile runs one prompt; --prompts runs on the engine without it: drop --compile")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    if prompts_file is not None:
+        return _generate_batch(model, prompts_file, dtype, params, kv_cache, _size(kv_memory), max_running)
     lm, tok = _open(model, dtype)
     _kv_scales_note(lm, model, kv_cache)
     stats = GenerationStats()
@@ -145,6 +177,33 @@ def generate(model, prompt, dtype, max_tokens, temperature, top_p, top_k, seed, 
         click.echo(compile_failure_note(), err=True)
 
 
+def _generate_batch(model, prompts_file, dtype, params, kv_cache, kv_memory, max_running):
+    """``generate --prompts``: read and check every request, then run them together on the engine."""
+    import json
+    import time
+
+    from tqdm import tqdm
+
+    from qinfer.engine.batch import read_requests, run_requests
+    from qinfer.engine.engine import Engine, EngineConfig
+
+    lm, tok = _open(model, dtype)
+    requests = read_requests(prompts_file, tok, params)
+    _kv_scales_note(lm, model, kv_cache)
+    config = EngineConfig(kv_dtype=kv_cache, kv_memory=kv_memory, max_running=max_running,
+                          max_step_tokens=max(EngineConfig.max_step_tokens, max_running + EngineConfig.prefill_chunk))
+    engine = Engine(lm, tok, config)
+    start, tokens = time.perf_counter(), 0
+    with tqdm(total=len(requests), desc="requests", unit="req", file=sys.stderr) as bar:
+        for line in run_requests(engine, requests, on_end=lambda out: bar.update(1)):
+            tokens += line["completion_tokens"]
+            sys.stdout.write(json.dumps(line, ensure_ascii=False) + "\n")
+            sys.stdout.flush()
+    seconds = time.perf_counter() - start
+    click.echo(f"{len(requests)} requests, {tokens} tokens generated in {seconds:.1f} s ({tokens / seconds:.1f} "
+               f"tok/s), {engine.steps} steps, {engine.preemptions} preemptions", err=True)
+
+
 @cli.command()
 @click.argument("model")
 @click.option("--system", default=None, help="System prompt.")
@@ -154,7 +213,7 @@ def generate(model, prompt, dtype, max_tokens, temperature, top_p, top_k, seed, 
 def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed, kv_cache, compiled):
     """Chat with MODEL in the terminal using its chat template. /reset clears, /exit (or EOF) quits."""
     from qinfer.engine.chat import ChatSession, repl
-    from qinfer.engine.generate import SamplingParams
+    from qinfer.engine.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     lm, tok = _open(model, dtype)
