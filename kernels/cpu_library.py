@@ -85,9 +85,8 @@ def library() -> tuple[ctypes.CDLL | None, str]:
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"building the CPU GEMV kernels failed: {e}"
-    for kernel in (lib.qinfer_bf16_gemv, lib.qinfer_int4_gemv, lib.qinfer_int8_gemv, lib.qinfer_narrow_gemv,
-                   lib.qinfer_fp8_gemv):
-        kernel.argtypes, kernel.restype = [_P, _P, _P, _P, ctypes.c_int], ctypes.c_int
+    for kernel in (lib.qinfer_bf16_gemv, lib.qinfer_int_gemv, lib.qinfer_fp8_gemv):
+        kernel.argtypes, kernel.restype = [_P, _P, _P, _P, _I64, ctypes.c_int], ctypes.c_int
     lib.qinfer_rms_norm.argtypes = [_P, _P, _P, _I64, _I64, ctypes.c_float, ctypes.c_float] + [ctypes.c_int] * 3
     lib.qinfer_rms_norm.restype = None
     lib.qinfer_decode_attention.argtypes = ([_P] * 4 + [_I64] * 13 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]

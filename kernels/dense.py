@@ -1,7 +1,9 @@
 """Dense linears: ``y = x @ W^T + b`` for a plain tensor ``W`` on whatever device it lives.
 
-A single bf16 row on CPU (a decode step at batch 1) goes to ``gemv_cpu``'s C kernel where it is built; else
-it bypasses oneDNN: for ``M == 1`` its bf16 matmul streams a weight from memory at a fraction of the rate of
+A few bf16 rows on CPU (a decode step, or a batch of up to ``gemv_cpu.ROWS_MAX["bf16"]`` of them) go to
+``gemv_cpu``'s C kernel where it is built: each row's output the bits it has alone, and from a weight read once for
+all of them (past that many rows oneDNN's matmul is faster: ``gemv_cpu``). A single row without the kernel
+bypasses oneDNN: for ``M == 1`` its bf16 matmul streams a weight from memory at a fraction of the rate of
 ATen's own GEMV (also fp32 accumulation); at a few rows oneDNN is already faster (measured in
 ``docs/RESULTS-LOG.md``). The switch is the process-wide ``torch.backends.mkldnn.enabled``, restored after
 the call.
@@ -53,9 +55,9 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def _linear_2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if gemv_cpu.bf16_supported(x, weight):
+        return gemv_cpu.bf16_gemv(x, weight, bias)
     if x.shape[0] == 1 and x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu":
-        if gemv_cpu.bf16_supported(x, weight):
-            return gemv_cpu.bf16_gemv(x, weight, bias)
         return _without_onednn(x, weight, bias)
     dtype = product_dtype(x.dtype, x.device, x.shape[0])
     if dtype != x.dtype:

@@ -1,7 +1,7 @@
-/* One activation row times a weight matrix, y[n] = sum_k W[n, k] x[k], for a decode step on an x86-64 CPU
- * with AVX2, FMA and F16C; and a decode step's RMSNorm rows and attention. Built and loaded by cpu_library.py
- * (gemv_cpu.py, norm_cpu.py and attention_cpu.py document why); OpenMP splits the GEMVs' rows and the
- * attention's chunks of keys.
+/* M activation rows times a weight matrix, y[m, n] = sum_k W[n, k] x[m, k], for a decode step (M = 1) or a
+ * batch of them on an x86-64 CPU with AVX2, FMA and F16C; and a decode step's RMSNorm rows and attention.
+ * Built and loaded by cpu_library.py (gemv_cpu.py, norm_cpu.py and attention_cpu.py document why); OpenMP
+ * splits the GEMVs' weight rows and the attention's chunks of keys.
  *
  * Every product and sum is fp32 (the 4-bit VNNI loop's: exact integers, scaled once a group); each output is
  * rounded once to the activations' dtype.
@@ -50,9 +50,10 @@ static void store_one(void *y, int dtype, int64_t n, float v) {
     else ((float *)y)[n] = v;
 }
 
-/* output n of a GEMV: its fp32 sum plus bias n (b: [N] of dtype, or NULL), rounded once to dtype */
-static inline void store_out(void *y, const void *b, int dtype, int64_t n, float v) {
-    store_one(y, dtype, n, b ? v + load_one(b, dtype, n) : v);
+/* output (m, n) of a GEMV (y: [M, N] of dtype): its fp32 sum plus bias n (b: [N] of dtype, or NULL), rounded
+ * once to dtype */
+static inline void store_out(void *y, const void *b, int dtype, int64_t m, int64_t N, int64_t n, float v) {
+    store_one(y, dtype, m * N + n, b ? v + load_one(b, dtype, n) : v);
 }
 
 /* Each loop over a row's codes also asks for the bytes AHEAD past the ones it reads. A decode step reads a
@@ -421,117 +422,193 @@ int qinfer_paged_decode_attention(const void *q, const void *k, const void *v, v
                           k_scale, v_scale, k_pos, v_pos, 0, 0, table, tb, P, starts, ends);
 }
 
-/* W: bf16 [N, K], rows ld elements apart; x: [K], b: [N] or NULL (no bias) and y: [N] of dtype */
-int qinfer_bf16_gemv(const qinfer_weight *wt, const void *x, const void *b, void *y, int dtype) {
-    const uint16_t *W = wt->w;
-    int64_t N = wt->N, K = wt->K, ldw = wt->ld;
-    float *xf = malloc(sizeof(float) * (K > 0 ? K : 1));
-    if (!xf) return 1;
-    for (int64_t k = 0; k < K; k++) xf[k] = load_one(x, dtype, k);
-    int64_t k32 = K / 32 * 32, k8 = K / 8 * 8;
-    #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const uint16_t *w = W + n * ldw;
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-        int64_t k = 0;
-        for (; k < k32; k += 32) {  /* four independent sums: the FMA latency, not the loads, would bound one */
-            PREFETCH(w + k);
-            a0 = _mm256_fmadd_ps(bf16x8(w + k), _mm256_loadu_ps(xf + k), a0);
-            a1 = _mm256_fmadd_ps(bf16x8(w + k + 8), _mm256_loadu_ps(xf + k + 8), a1);
-            a2 = _mm256_fmadd_ps(bf16x8(w + k + 16), _mm256_loadu_ps(xf + k + 16), a2);
-            a3 = _mm256_fmadd_ps(bf16x8(w + k + 24), _mm256_loadu_ps(xf + k + 24), a3);
+/* The GEMVs: x [M, K], y [M, N] and b [N] (or NULL: no bias) of dtype, for M rows at once (a batch of decode
+ * steps). Each weight row is read from memory once for all M: its columns, a tile at a time, are widened to fp32
+ * (the 4-bit VNNI loop: unpacked to bytes) into a thread's scratch, and every row of x is summed against the tile
+ * there, in L1. Each row of x is prepared (an fp32 copy, group sums, the VNNI loop's fixed point) once per call.
+ * A row's sums take the same products in the same order whatever M is and whichever rows share the call, so
+ * its output has the bits it has alone: a batch's outputs do not depend on its other rows, and M = 1 is the
+ * one-row GEMV. */
+
+/* x [M, K] of dtype in fp32, row after row; NULL when out of memory */
+static float *rows_f32(const void *x, int dtype, int64_t M, int64_t K) {
+    float *xf = malloc(sizeof(float) * (M * K > 0 ? M * K : 1));
+    if (xf)
+        for (int64_t i = 0; i < M * K; i++) xf[i] = load_one(x, dtype, i);
+    return xf;
+}
+
+#define TILE 1024  /* columns of a weight row a dense GEMV widens at a time: 4 KiB of fp32, read from L1 */
+
+/* Columns k0..k1 of weight row n, bf16 (rows ld elements apart) or E4M3 (fp8: rows ld bytes apart, each code
+ * 2^-8 times its value: e4m3x8), widened to fp32 in w. k0 is a multiple of 32, k1 - k0 of 8. */
+static void widen_tile(const qinfer_weight *wt, int64_t n, int64_t k0, int64_t k1, float *w, int fp8) {
+    const uint16_t *h = (const uint16_t *)wt->w + n * wt->ld;
+    const uint8_t *c = (const uint8_t *)wt->w + n * wt->ld;
+    int64_t k = k0;
+    for (; k + 32 <= k1; k += 32) {
+        if (fp8) {
+            PREFETCH(c + k);
+            for (int j = 0; j < 32; j += 16) {  /* 16 codes a widening: fewer instructions than e4m3x8 twice */
+                __m256i p = e4m3x16(c + k + j);
+                _mm256_storeu_ps(w + k - k0 + j, _mm256_cvtph_ps(_mm256_castsi256_si128(p)));
+                _mm256_storeu_ps(w + k - k0 + j + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(p, 1)));
+            }
+        } else {
+            PREFETCH(h + k);
+            for (int j = 0; j < 32; j += 8) _mm256_storeu_ps(w + k - k0 + j, bf16x8(h + k + j));
         }
-        for (; k < k8; k += 8) a0 = _mm256_fmadd_ps(bf16x8(w + k), _mm256_loadu_ps(xf + k), a0);
-        float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-        for (; k < K; k++) s += bf16_to_f32(w[k]) * xf[k];
-        store_out(y, b, dtype, n, s);
+    }
+    for (; k < k1; k += 8) _mm256_storeu_ps(w + k - k0, fp8 ? e4m3x8(c + k) : bf16x8(h + k));
+}
+
+/* A weight row's columns k0..k1 (widened to fp32 in w) against each of the M rows of x (xf: [M, K]): each row's
+ * four sums over 32 columns at a time (acc: [M][4][8], carried from tile to tile), then 8 at a time into the
+ * first (only the last tile ends off a multiple of 32). Four independent sums: the FMA latency, not the loads,
+ * would bound one. */
+static void dense_tile(const float *w, const float *xf, int64_t M, int64_t K, int64_t k0, int64_t k1, float *acc) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *x = xf + m * K;
+        float *a = acc + m * 32;
+        __m256 a0 = _mm256_loadu_ps(a), a1 = _mm256_loadu_ps(a + 8), a2 = _mm256_loadu_ps(a + 16);
+        __m256 a3 = _mm256_loadu_ps(a + 24);
+        int64_t k = k0;
+        for (; k + 32 <= k1; k += 32) {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k - k0), _mm256_loadu_ps(x + k), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k - k0 + 8), _mm256_loadu_ps(x + k + 8), a1);
+            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k - k0 + 16), _mm256_loadu_ps(x + k + 16), a2);
+            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k - k0 + 24), _mm256_loadu_ps(x + k + 24), a3);
+        }
+        for (; k < k1; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k - k0), _mm256_loadu_ps(x + k), a0);
+        _mm256_storeu_ps(a, a0), _mm256_storeu_ps(a + 8, a1), _mm256_storeu_ps(a + 16, a2);
+        _mm256_storeu_ps(a + 24, a3);
+    }
+}
+
+/* y = x W^T (+ b) for a bf16 (fp8 = 0) or E4M3 (fp8 = 1: K % 8 == 0) weight [N, K]: per output row, the
+ * tiles of its weight row widened once and summed against every row of x (widen_tile, dense_tile); bf16
+ * columns past the last multiple of 8 one at a time; an E4M3 row's sum times 2^8 and its scale (one per row,
+ * group == N, or one in all). */
+static int dense_gemv(const qinfer_weight *wt, const void *x, const void *b, void *y, int64_t M, int dtype,
+                      int fp8) {
+    const int64_t N = wt->N, K = wt->K, k8 = K / 8 * 8;
+    float *xf = rows_f32(x, dtype, M, K);
+    if (!xf) return 1;
+    int failed = 0;
+    #pragma omp parallel
+    {
+        float *w = malloc(sizeof(float) * (TILE + 32 * M));  /* a tile of the weight row, then the rows' sums */
+        #pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            if (!w) {
+                #pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            float *acc = w + TILE;
+            memset(acc, 0, sizeof(float) * 32 * M);
+            for (int64_t k0 = 0; k0 < k8; k0 += TILE) {
+                const int64_t k1 = k0 + TILE < k8 ? k0 + TILE : k8;
+                widen_tile(wt, n, k0, k1, w, fp8);
+                dense_tile(w, xf, M, K, k0, k1, acc);
+            }
+            for (int64_t m = 0; m < M; m++) {
+                const float *a = acc + m * 32;
+                float s = hsum(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(a + 8)),
+                                             _mm256_add_ps(_mm256_loadu_ps(a + 16), _mm256_loadu_ps(a + 24))));
+                if (fp8) s = s * 256.f * ((const float *)wt->scale)[wt->group == N ? n : 0];
+                for (int64_t k = k8; k < K; k++)
+                    s += bf16_to_f32(((const uint16_t *)wt->w)[n * wt->ld + k]) * xf[m * K + k];
+                store_out(y, b, dtype, m, N, n, s);
+            }
+        }
+        free(w);
     }
     free(xf);
-    return 0;
+    return failed;
 }
 
-/* Row n of 4-bit codes (byte i of a row: code 2i in the low nibble, 2i+1 in the high one) against x, split
- * into its even (xe) and odd (xo) entries so a byte's two nibbles meet their own x without a shuffle. Per
- * group: s * (sum q x - z * sum x), the sums of x per group (xs) taken once per call; four sums over 16 bytes
- * at a time. One row at a time streams a weight from memory faster than interleaving rows. */
-static float int4_row(const uint8_t *Q, const uint16_t *S, const uint8_t *Z, const float *xe, const float *xo,
-                      const float *xs, int64_t n, int64_t ng, int64_t hb) {
-    const __m256i low = _mm256_set1_epi32(0xF);
-    const uint8_t *q = Q + n * ng * hb;
-    __m256 acc = _mm256_setzero_ps();
-    float zacc = 0.f;
-    for (int64_t g = 0; g < ng; g++) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-        int64_t i = g * hb, end = i + hb;
-        for (; i + 16 <= end; i += 16) {
-            PREFETCH(q + i);
-            __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + i)));
-            __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + i + 8)));
-            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b0, low)), _mm256_loadu_ps(xe + i), a0);
-            a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), _mm256_loadu_ps(xo + i), a1);
-            a2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b1, low)), _mm256_loadu_ps(xe + i + 8), a2);
-            a3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), _mm256_loadu_ps(xo + i + 8), a3);
-        }
-        for (; i < end; i += 8) {
-            __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + i)));
-            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, low)), _mm256_loadu_ps(xe + i), a0);
-            a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), _mm256_loadu_ps(xo + i), a1);
-        }
-        int64_t sg = n * ng + g;
-        float s = _cvtsh_ss(S[sg]);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)), acc);
-        zacc += s * (Z ? (float)Z[sg] : 8.f) * xs[g];
-    }
-    return hsum(acc) - zacc;
+/* W: bf16 [N, K], rows ld elements apart */
+int qinfer_bf16_gemv(const qinfer_weight *wt, const void *x, const void *b, void *y, int64_t M, int dtype) {
+    return dense_gemv(wt, x, b, y, M, dtype, 0);
 }
 
-/* The same row with integer dot products (VPDPBUSD: four u8 x s8 products summed into each int32 lane), for CPUs
- * that have them, as AVX-VNNI (VEX: Intel since Alder Lake and Sapphire Rapids) or AVX512-VNNI with AVX512VL
- * (EVEX on 256-bit registers: Intel since Cascade Lake, AMD since Zen 4): x in fixed point per group,
- * x[k] = step[g] * (256 h[k] + l[k]) with h and l signed bytes and |256 h + l| <= 16383 (so within step / 2 =
- * max|x in g| / 32766 of x, where bf16 keeps 2^-9 of x itself), and each group's codes summed against h and
- * against l as integers, exactly, then scaled once. Four codes' worth of multiply-adds an instruction instead of
- * the AVX2 loop's conversions to float. The zero-point term is the AVX2 loop's, on the exact x sums. 32 bytes
- * (64 codes) a step: groups of 64 or more. The two loops are one body, built for each instruction set. */
-#define INT4_ROW_VNNI(name, isa, dpbusd)                                                                           \
+/* codes: E4M3 [N, K], rows ld apart; scale: fp32, one per row (group == N) or one in all (group == 1); K % 8 == 0 */
+int qinfer_fp8_gemv(const qinfer_weight *wt, const void *x, const void *b, void *y, int64_t M, int dtype) {
+    return dense_gemv(wt, x, b, y, M, dtype, 1);
+}
+
+/* The M rows of x as the integer GEMV reads them, made once per call (prepare_rows): xf, fp32 x [M, K], for
+ * 4-bit codes each 16 entries' even ones, then their odd ones, the order a row's 8 bytes unpack in (low nibbles,
+ * then high), so each nibble meets its own x without a shuffle; xs, the sums of x over each group [M, K/G]; for
+ * the 4-bit VNNI loop, whether a row takes it (vnni [M]) and its x in fixed point per group (step, xh, xl). */
+typedef struct {
+    float *xf, *xs, *step;
+    int8_t *xh, *xl;
+    int *vnni;
+} x_rows;
+
+/* The 4-bit float loop's work with integer dot products (VPDPBUSD: four u8 x s8 products summed into each int32
+ * lane), for CPUs that have them, as AVX-VNNI (VEX: Intel since Alder Lake and Sapphire Rapids) or AVX512-VNNI
+ * with AVX512VL (EVEX on 256-bit registers: Intel since Cascade Lake, AMD since Zen 4): x in fixed point per
+ * group, x[k] = step[g] * (256 h[k] + l[k]) with h and l signed bytes and |256 h + l| <= 16383 (so within
+ * step / 2 = max|x in g| / 32766 of x, where bf16 keeps 2^-9 of x itself), and each group's codes summed against
+ * h and against l as integers, exactly, then scaled once. Four codes' worth of multiply-adds an instruction
+ * instead of the float loop's conversions to float. The zero-point term is the float loop's, on the exact x
+ * sums. For weight row n, each group's codes are unpacked to bytes once (u: 32 low nibbles, then 32 high ones,
+ * per 32 bytes) and summed against each row of x that takes this loop, into its acc and zacc (as
+ * int_float_rows). 32 bytes (64 codes) a step: groups of 64 or more. The two loops are one body, built for each
+ * instruction set. */
+#define INT4_ROWS_VNNI(name, isa, dpbusd)                                                                          \
 __attribute__((target(isa)))                                                                                       \
-static float name(const uint8_t *Q, const uint16_t *S, const uint8_t *Z, const int8_t *xh, const int8_t *xl,       \
-                  const float *step, const float *xs, int64_t n, int64_t ng, int64_t hb) {                        \
+static void name(const qinfer_weight *wt, const x_rows *x, int64_t M, int64_t n, uint8_t *u, float *acc,          \
+                 float *zacc) {                                                                                    \
     const __m256i low = _mm256_set1_epi8(0xF);                                                                     \
-    const uint8_t *q = Q + n * ng * hb;                                                                            \
-    int64_t half = ng * hb;  /* x's even entries first, then its odd ones: h[k] for even k at xh[k / 2] */         \
-    __m256 acc = _mm256_setzero_ps();                                                                              \
-    float zacc = 0.f;                                                                                              \
+    const uint8_t *Z = wt->zero;                                                                                   \
+    const uint16_t *S = wt->scale;                                                                                 \
+    const int64_t K = wt->K, hb = wt->group / 2, ng = K / wt->group;                                               \
+    const int64_t half = K / 2;  /* x's even entries first, then its odd ones: h[k] for even k at xh[k / 2] */     \
+    const uint8_t *q = (const uint8_t *)wt->w + n * half;                                                          \
     for (int64_t g = 0; g < ng; g++) {                                                                             \
-        __m256i eh = _mm256_setzero_si256(), oh = eh, el = eh, ol = eh;                                            \
-        for (int64_t i = g * hb, end = i + hb; i < end; i += 32) {                                                 \
-            PREFETCH(q + i);                                                                                       \
-            __m256i v = _mm256_loadu_si256((const __m256i *)(q + i));                                              \
-            __m256i e = _mm256_and_si256(v, low), o = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);              \
-            eh = dpbusd(eh, e, _mm256_loadu_si256((const __m256i *)(xh + i)));                                     \
-            oh = dpbusd(oh, o, _mm256_loadu_si256((const __m256i *)(xh + half + i)));                              \
-            el = dpbusd(el, e, _mm256_loadu_si256((const __m256i *)(xl + i)));                                     \
-            ol = dpbusd(ol, o, _mm256_loadu_si256((const __m256i *)(xl + half + i)));                              \
+        for (int64_t i = 0; i < hb; i += 32) {                                                                     \
+            PREFETCH(q + g * hb + i);                                                                              \
+            __m256i v = _mm256_loadu_si256((const __m256i *)(q + g * hb + i));                                     \
+            _mm256_storeu_si256((__m256i *)(u + 2 * i), _mm256_and_si256(v, low));                                 \
+            _mm256_storeu_si256((__m256i *)(u + 2 * i + 32), _mm256_and_si256(_mm256_srli_epi16(v, 4), low));      \
         }                                                                                                          \
-        __m256i t = _mm256_add_epi32(_mm256_slli_epi32(_mm256_add_epi32(eh, oh), 8), _mm256_add_epi32(el, ol));    \
-        int64_t sg = n * ng + g;                                                                                   \
-        float s = _cvtsh_ss(S[sg]);                                                                                \
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(s * step[g]), acc);                            \
-        zacc += s * (Z ? (float)Z[sg] : 8.f) * xs[g];                                                              \
+        const int64_t sg = n * ng + g;                                                                             \
+        const float s = _cvtsh_ss(S[sg]), z = Z ? (float)Z[sg] : 8.f;                                              \
+        for (int64_t m = 0; m < M; m++) {                                                                          \
+            if (!x->vnni[m]) continue;                                                                             \
+            const int8_t *xh = x->xh + m * K + g * hb, *xl = x->xl + m * K + g * hb;                               \
+            __m256i eh = _mm256_setzero_si256(), oh = eh, el = eh, ol = eh;                                        \
+            for (int64_t i = 0; i < hb; i += 32) {                                                                 \
+                __m256i e = _mm256_loadu_si256((const __m256i *)(u + 2 * i));                                      \
+                __m256i o = _mm256_loadu_si256((const __m256i *)(u + 2 * i + 32));                                 \
+                eh = dpbusd(eh, e, _mm256_loadu_si256((const __m256i *)(xh + i)));                                 \
+                oh = dpbusd(oh, o, _mm256_loadu_si256((const __m256i *)(xh + half + i)));                          \
+                el = dpbusd(el, e, _mm256_loadu_si256((const __m256i *)(xl + i)));                                 \
+                ol = dpbusd(ol, o, _mm256_loadu_si256((const __m256i *)(xl + half + i)));                          \
+            }                                                                                                      \
+            __m256i t = _mm256_add_epi32(_mm256_slli_epi32(_mm256_add_epi32(eh, oh), 8), _mm256_add_epi32(el, ol));\
+            __m256 a = _mm256_loadu_ps(acc + 8 * m);                                                               \
+            a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(s * x->step[m * ng + g]), a);                \
+            _mm256_storeu_ps(acc + 8 * m, a);                                                                      \
+            zacc[m] += s * z * x->xs[m * ng + g];                                                                  \
+        }                                                                                                          \
     }                                                                                                              \
-    return hsum(acc) - zacc;                                                                                       \
 }
 
-typedef float (*int4_row_vnni_fn)(const uint8_t *, const uint16_t *, const uint8_t *, const int8_t *, const int8_t *,
-                                  const float *, const float *, int64_t, int64_t, int64_t);
+typedef void (*int4_rows_vnni_fn)(const qinfer_weight *, const x_rows *, int64_t, int64_t, uint8_t *, float *,
+                                  float *);
 #if defined(__clang__) ? __clang_major__ >= 13 : __GNUC__ >= 11  /* compilers that know AVX-VNNI */
 #define QINFER_VNNI 1
-INT4_ROW_VNNI(int4_row_avxvnni, "avx2,fma,f16c,avxvnni", _mm256_dpbusd_avx_epi32)
-INT4_ROW_VNNI(int4_row_avx512vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", _mm256_dpbusd_epi32)
-static const int4_row_vnni_fn int4_rows_vnni[3] = {NULL, int4_row_avxvnni, int4_row_avx512vnni};
+INT4_ROWS_VNNI(int4_rows_avxvnni, "avx2,fma,f16c,avxvnni", _mm256_dpbusd_avx_epi32)
+INT4_ROWS_VNNI(int4_rows_avx512vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", _mm256_dpbusd_epi32)
+static const int4_rows_vnni_fn int4_rows_vnni[3] = {NULL, int4_rows_avxvnni, int4_rows_avx512vnni};
 #else
 #define QINFER_VNNI 0
-static const int4_row_vnni_fn int4_rows_vnni[3] = {NULL, NULL, NULL};  /* never called: qinfer_int4_vnni says 0 */
+static const int4_rows_vnni_fn int4_rows_vnni[3] = {NULL, NULL, NULL};  /* never called: qinfer_int4_vnni says 0 */
 #endif
 
 /* Whether the CPU has VPDPBUSD as AVX-VNNI (1) or as AVX512-VNNI (2), and the compiler knew them */
@@ -543,12 +620,13 @@ static int vnni_on_cpu(int loop) {
     return 0;
 }
 
-/* -1: not asked yet; then which VNNI loop qinfer_int4_gemv takes (0: none, the AVX2 float loop) */
+/* -1: not asked yet; then which VNNI loop qinfer_int_gemv takes for 4-bit codes (0: none, the AVX2 float loop) */
 static int int4_vnni = -1;
 
-/* Which VNNI loop qinfer_int4_gemv takes where a weight allows one: 0 none, 1 AVX-VNNI, 2 AVX512-VNNI (at first
- * AVX-VNNI where the CPU has it, else AVX512-VNNI where it has that). loop = 0 turns them off, 1 or 2 takes that
- * loop where the CPU has it (else leaves the setting), any other value only asks. Returns the setting before. */
+/* Which VNNI loop qinfer_int_gemv takes for 4-bit codes where a weight allows one: 0 none, 1 AVX-VNNI, 2
+ * AVX512-VNNI (at first AVX-VNNI where the CPU has it, else AVX512-VNNI where it has that). loop = 0 turns them
+ * off, 1 or 2 takes that loop where the CPU has it (else leaves the setting), any other value only asks. Returns
+ * the setting before. */
 int qinfer_int4_vnni(int loop) {
     if (int4_vnni < 0) int4_vnni = vnni_on_cpu(1) ? 1 : vnni_on_cpu(2) ? 2 : 0;
     int before = int4_vnni;
@@ -688,93 +766,164 @@ int qinfer_attention_i8_vnni(int on) {
     return before;
 }
 
-/* codes: uint8 [N, K/2]; scale: fp16 [N, K/G]; zero: uint8 [N, K/G] or NULL (symmetric: 8); x: [K], b: [N] or
- * NULL and y: [N] of dtype. K % G == 0 and G % 16 == 0. */
-int qinfer_int4_gemv(const qinfer_weight *wt, const void *x, const void *b, void *y, int dtype) {
-    const uint8_t *Q = wt->w, *Z = wt->zero;
-    const uint16_t *S = wt->scale;
-    int64_t N = wt->N, K = wt->K, G = wt->group;
-    int64_t ng = K / G, hb = G / 2;
-    /* a group's int32 lanes reach at most (G / 64) * 2 * 4 * 15 * 64 * 256 (+ the low bytes' far smaller sums):
-     * below 2^31 for G up to 2^16. An fp32 row takes the float loop: x in 15-bit fixed point is finer than
-     * bf16 but not fp32 (relative errors near 1e-4 where the float loop's are near 1e-6) */
-    int loop = dtype != 0 && hb % 32 == 0 && G <= 65536 ? qinfer_int4_vnni(-1) : 0, vnni = loop != 0;
-    float *xe = malloc(sizeof(float) * (K + 2 * ng + 1) + 2 * K), *xo = xe + K / 2, *xs = xe + K, *step = xs + ng;
-    if (!xe) return 1;
-    int8_t *xh = (int8_t *)(step + ng), *xl = xh + K;  /* even entries, then odd ones, as xe and xo */
-    for (int64_t g = 0; g < ng; g++) {
-        float s = 0.f, m = 0.f;
-        for (int64_t k = g * G; k < (g + 1) * G; k += 2) {
-            float a = load_one(x, dtype, k), b = load_one(x, dtype, k + 1);
-            xe[k / 2] = a, xo[k / 2] = b, s += a + b;
-            m = fmaxf(m, fmaxf(fabsf(a), fabsf(b)));
-        }
-        xs[g] = s;
-        step[g] = m / 16383.f;
-        /* a NaN or infinity in x: the float loop, which carries it to y; so too a group whose step would be
-         * subnormal (x near 1e-34 at most), whose steps would lose their precision */
-        vnni &= isfinite(s) && isfinite(m) && (m == 0.f || m >= 16383.f * FLT_MIN);
-    }
-    for (int64_t g = 0; g < ng && vnni; g++) {
-        const float to_int = step[g] > 0.f ? 1.f / step[g] : 0.f;
-        for (int64_t k = g * G / 2; k < (g + 1) * G / 2; k++) {
-            for (int odd = 0; odd < 2; odd++) {
-                int32_t i = (int32_t)lrintf((odd ? xo[k] : xe[k]) * to_int), h = (i + 128) >> 8;
-                xh[odd * (K / 2) + k] = (int8_t)h, xl[odd * (K / 2) + k] = (int8_t)(i - 256 * h);
-            }
-        }
-    }
-    int4_row_vnni_fn row_vnni = vnni ? int4_rows_vnni[loop] : NULL;
-    #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++)
-        store_out(y, b, dtype, n, row_vnni ? row_vnni(Q, S, Z, xh, xl, step, xs, n, ng, hb)
-                                        : int4_row(Q, S, Z, xe, xo, xs, n, ng, hb));
-    free(xe);
-    return 0;
-}
-
-/* x [K] in fp32, then its sum over each group of G (K / G of them) after it; NULL when out of memory */
-static float *row_and_group_sums(const void *x, int dtype, int64_t K, int64_t G) {
-    float *xf = malloc(sizeof(float) * (K + K / G));
-    if (!xf) return NULL;
-    for (int64_t g = 0; g < K / G; g++) {
-        float s = 0.f;
-        for (int64_t k = g * G; k < (g + 1) * G; k++) s += (xf[k] = load_one(x, dtype, k));
-        xf[K + g] = s;
-    }
-    return xf;
-}
-
 static inline __m256 u8x8(const uint8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
-/* Row n of 8-bit codes against x: per group, s * (sum q x - z * sum x), four sums over 32 codes at a time. */
-static float int8_row(const uint8_t *Q, const uint16_t *S, const uint8_t *Z, const float *xf, const float *xs,
-                      int64_t n, int64_t ng, int64_t G) {
-    const uint8_t *q = Q + n * ng * G;
-    __m256 acc = _mm256_setzero_ps();
-    float zacc = 0.f;
-    for (int64_t g = 0; g < ng; g++) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-        int64_t i = g * G, end = i + G;
-        for (; i + 32 <= end; i += 32) {
-            PREFETCH(q + i);
-            a0 = _mm256_fmadd_ps(u8x8(q + i), _mm256_loadu_ps(xf + i), a0);
-            a1 = _mm256_fmadd_ps(u8x8(q + i + 8), _mm256_loadu_ps(xf + i + 8), a1);
-            a2 = _mm256_fmadd_ps(u8x8(q + i + 16), _mm256_loadu_ps(xf + i + 16), a2);
-            a3 = _mm256_fmadd_ps(u8x8(q + i + 24), _mm256_loadu_ps(xf + i + 24), a3);
-        }
-        for (; i < end; i += 8) a0 = _mm256_fmadd_ps(u8x8(q + i), _mm256_loadu_ps(xf + i), a0);
-        int64_t sg = n * ng + g;
-        float s = _cvtsh_ss(S[sg]);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)), acc);
-        zacc += s * (Z ? (float)Z[sg] : 128.f) * xs[g];
-    }
-    return hsum(acc) - zacc;
+/* 8 codes of B bits (2 or 3) from the B bytes they fill (code j at bits B*j of the little-endian word),
+ * widened to fp32: the word in every lane, each lane shifted by its own B*j and masked. */
+static inline __attribute__((always_inline)) __m256 narrow8(const uint8_t *p, const int B) {
+    uint32_t w = B == 2 ? (uint32_t)p[0] | (uint32_t)p[1] << 8
+                        : (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16;
+    const __m256i shifts = _mm256_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B);
+    __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), shifts), _mm256_set1_epi32((1 << B) - 1));
+    return _mm256_cvtepi32_ps(q);
 }
 
-/* A prefill's other half: 4-bit codes [N, K/2] (as qinfer_int4_gemv reads them) to the dense W [N, K] of dtype
+/* x_rows of x [M, K] for codes of B bits in groups of G; loop: the VNNI loop 4-bit rows may take (0: none).
+ * NULL when out of memory. */
+static x_rows *prepare_rows(const void *x, int dtype, int64_t M, int64_t K, int64_t G, int B, int loop) {
+    const int64_t ng = K / G;
+    x_rows *r = malloc(sizeof(x_rows) + sizeof(float) * M * (K + 2 * ng) + sizeof(int) * M + 2 * M * K);
+    if (!r) return NULL;
+    r->xf = (float *)(r + 1), r->xs = r->xf + M * K, r->step = r->xs + M * ng;
+    r->vnni = (int *)(r->step + M * ng), r->xh = (int8_t *)(r->vnni + M), r->xl = r->xh + M * K;
+    for (int64_t m = 0; m < M; m++) {
+        const char *xm = (const char *)x + m * K * esize(dtype);
+        float *xf = r->xf + m * K, *xs = r->xs + m * ng, *step = r->step + m * ng;
+        int8_t *xh = r->xh + m * K, *xl = r->xl + m * K;
+        int vnni = loop != 0;
+        for (int64_t g = 0; g < ng; g++) {
+            float s = 0.f, top = 0.f;
+            for (int64_t k = g * G; k < (g + 1) * G && B == 4; k += 2) {
+                float a = load_one(xm, dtype, k), c = load_one(xm, dtype, k + 1);
+                const int64_t at = k / 16 * 16 + k % 16 / 2;
+                xf[at] = a, xf[at + 8] = c, s += a + c;
+                top = fmaxf(top, fmaxf(fabsf(a), fabsf(c)));
+            }
+            for (int64_t k = g * G; k < (g + 1) * G && B != 4; k++) s += (xf[k] = load_one(xm, dtype, k));
+            xs[g] = s;
+            step[g] = top / 16383.f;
+            /* a NaN or infinity in x: the float loop, which carries it to y; so too a group whose step would be
+             * subnormal (x near 1e-34 at most), whose steps would lose their precision */
+            vnni &= isfinite(s) && isfinite(top) && (top == 0.f || top >= 16383.f * FLT_MIN);
+        }
+        r->vnni[m] = vnni;
+        for (int64_t g = 0; g < ng && vnni; g++) {
+            const float to_int = step[g] > 0.f ? 1.f / step[g] : 0.f;
+            for (int64_t k = g * G; k < (g + 1) * G; k++) {  /* even k at xh[k / 2], odd k at xh[K / 2 + k / 2] */
+                int32_t i = (int32_t)lrintf(load_one(xm, dtype, k) * to_int), h = (i + 128) >> 8;
+                xh[k % 2 * (K / 2) + k / 2] = (int8_t)h, xl[k % 2 * (K / 2) + k / 2] = (int8_t)(i - 256 * h);
+            }
+        }
+    }
+    return r;
+}
+
+/* A group's G codes of B bits at p to fp32 in w, in x_rows' order (4 bits: each 8 bytes' low nibbles, then their
+ * high ones) */
+static inline __attribute__((always_inline)) void widen_group(const uint8_t *p, int64_t G, float *w, const int B) {
+    for (int64_t k = 0; k < G; k += B == 4 ? 16 : 8) {
+        if (k % 32 == 0) PREFETCH(p + k * B / 8);
+        if (B == 4) {
+            __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + k / 2)));
+            _mm256_storeu_ps(w + k, _mm256_cvtepi32_ps(_mm256_and_si256(c, _mm256_set1_epi32(0xF))));
+            _mm256_storeu_ps(w + k + 8, _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4)));
+        } else {
+            _mm256_storeu_ps(w + k, B == 8 ? u8x8(p + k) : narrow8(p + k * B / 8, B));
+        }
+    }
+}
+
+/* A group's sum of G codes (widened to fp32 in w) against x in the same order: four sums over 32 codes at a
+ * time, then 8 at a time into the first (pairs = 1: alternately the first and second, as 4-bit codes' last 16
+ * split into their even and odd ones) */
+static inline __m256 group_dot(const float *w, const float *x, int64_t G, int pairs) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= G; k += 32) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);
+    }
+    for (; k < G; k += 8) {
+        if (pairs && k % 16) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a1);
+        else a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
+    }
+    return _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+}
+
+/* Weight row n of B-bit codes against the rows of x that take the float loop: per group, its codes widened to
+ * fp32 once (w: G floats), then for each row s * (sum q x - z * sum x), the first term into the row's acc [8],
+ * the zero term into its zacc, summed apart */
+static void int_float_rows(const qinfer_weight *wt, const x_rows *x, int64_t M, int64_t n, float *w, float *acc,
+                           float *zacc) {
+    const uint8_t *Z = wt->zero;
+    const uint16_t *S = wt->scale;
+    const int64_t K = wt->K, G = wt->group, ng = K / G, B = wt->bits;
+    const uint8_t *q = (const uint8_t *)wt->w + n * (K * B / 8);
+    for (int64_t g = 0; g < ng; g++) {
+        const uint8_t *p = q + g * G * B / 8;
+        switch (B) {  /* the loop built for each width */
+            case 2: widen_group(p, G, w, 2); break;
+            case 3: widen_group(p, G, w, 3); break;
+            case 4: widen_group(p, G, w, 4); break;
+            default: widen_group(p, G, w, 8);
+        }
+        const int64_t sg = n * ng + g;
+        const float s = _cvtsh_ss(S[sg]), z = Z ? (float)Z[sg] : (float)(1 << (B - 1));
+        for (int64_t m = 0; m < M; m++) {
+            if (x->vnni[m]) continue;
+            __m256 d = group_dot(w, x->xf + m * K + g * G, G, B == 4);
+            _mm256_storeu_ps(acc + 8 * m, _mm256_fmadd_ps(_mm256_set1_ps(s), d, _mm256_loadu_ps(acc + 8 * m)));
+            zacc[m] += s * z * x->xs[m * ng + g];
+        }
+    }
+}
+
+/* codes: uint8 [N, K*bits/8], bits 2, 3, 4 or 8 (4 bits: byte i of a row holds code 2i in its low nibble, 2i+1
+ * in its high one; 2 and 3 bits: as narrow8 reads them); scale: fp16 [N, K/G]; zero: uint8 [N, K/G] or NULL
+ * (symmetric: 2^(bits-1)). K % G == 0 and G % 16 == 0 (2, 3 and 8 bits: G % 8 == 0). Per weight row, the float
+ * loop (int_float_rows) for rows of x that take it, the VNNI loop (INT4_ROWS_VNNI) for the others; then each
+ * row's sums, less its zero term. */
+int qinfer_int_gemv(const qinfer_weight *wt, const void *x, const void *b, void *y, int64_t M, int dtype) {
+    const int64_t N = wt->N, K = wt->K, G = wt->group;
+    /* a group's int32 lanes reach at most (G / 64) * 2 * 4 * 15 * 64 * 256 (+ the low bytes' far smaller sums):
+     * below 2^31 for G up to 2^16. An fp32 row takes the float loop: x in 15-bit fixed point is finer than
+     * bf16 but not fp32 (relative errors near 1e-4 where the float loop's are near 1e-6) */
+    const int loop = wt->bits == 4 && dtype != 0 && G / 2 % 32 == 0 && G <= 65536 ? qinfer_int4_vnni(-1) : 0;
+    x_rows *r = prepare_rows(x, dtype, M, K, G, (int)wt->bits, loop);
+    if (!r) return 1;
+    int floats = 0, vnnis = 0;
+    for (int64_t m = 0; m < M; m++) vnnis += r->vnni[m], floats += !r->vnni[m];
+    const int4_rows_vnni_fn rows_vnni = vnnis ? int4_rows_vnni[loop] : NULL;
+    int failed = 0;
+    #pragma omp parallel
+    {
+        /* a group widened (the float loop) or unpacked (the VNNI loop); each row's acc [8] and zacc */
+        float *w = malloc(sizeof(float) * (G + 9 * M) + G);
+        #pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            if (!w) {
+                #pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            float *acc = w + G, *zacc = acc + 8 * M;
+            memset(acc, 0, sizeof(float) * 9 * M);
+            if (floats) int_float_rows(wt, r, M, n, w, acc, zacc);
+            if (rows_vnni) rows_vnni(wt, r, M, n, (uint8_t *)(zacc + M), acc, zacc);
+            for (int64_t m = 0; m < M; m++)
+                store_out(y, b, dtype, m, N, n, hsum(_mm256_loadu_ps(acc + 8 * m)) - zacc[m]);
+        }
+        free(w);
+    }
+    free(r);
+    return failed;
+}
+
+/* A prefill's other half: 4-bit codes [N, K/2] (as qinfer_int_gemv reads them) to the dense W [N, K] of dtype
  * that a GEMM takes, w = (q - z) * s computed in fp32 (q - z exact, one rounding for the product) and rounded
  * once to dtype (to nearest even), as qinfer.format.dequantize_codes and a cast compute it: the same bits.
  * One pass over the codes, 16 at a time (their nibbles back in column order), rows split over the threads.
@@ -804,77 +953,7 @@ int qinfer_int4_dequantize(const qinfer_weight *wt, void *out, int dtype) {
     return 0;
 }
 
-/* codes: uint8 [N, K]; scale: fp16 [N, K/G]; zero: uint8 [N, K/G] or NULL (symmetric: 128); x: [K], b: [N] or
- * NULL and y: [N] of dtype. K % G == 0 and G % 16 == 0. */
-int qinfer_int8_gemv(const qinfer_weight *wt, const void *x, const void *b, void *y, int dtype) {
-    const uint8_t *Q = wt->w, *Z = wt->zero;
-    const uint16_t *S = wt->scale;
-    int64_t N = wt->N, K = wt->K, G = wt->group, ng = K / G;
-    float *xf = row_and_group_sums(x, dtype, K, G), *xs = xf + K;
-    if (!xf) return 1;
-    #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) store_out(y, b, dtype, n, int8_row(Q, S, Z, xf, xs, n, ng, G));
-    free(xf);
-    return 0;
-}
-
-/* 8 codes of B bits (2 or 3) from the B bytes they fill (code j at bits B*j of the little-endian word),
- * widened to fp32: the word in every lane, each lane shifted by its own B*j and masked. */
-static inline __attribute__((always_inline)) __m256 narrow8(const uint8_t *p, const int B) {
-    uint32_t w = B == 2 ? (uint32_t)p[0] | (uint32_t)p[1] << 8
-                        : (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16;
-    const __m256i shifts = _mm256_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B);
-    __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), shifts), _mm256_set1_epi32((1 << B) - 1));
-    return _mm256_cvtepi32_ps(q);
-}
-
-/* Row n of B-bit codes (2 or 3) against x: per group, s * (sum q x - z * sum x), four sums over 32 codes. */
-static inline __attribute__((always_inline)) float narrow_row(
-        const uint8_t *Q, const uint16_t *S, const uint8_t *Z, const float *xf, const float *xs, int64_t n,
-        int64_t ng, int64_t G, const int B) {
-    const uint8_t *q = Q + n * ng * G * B / 8;
-    __m256 acc = _mm256_setzero_ps();
-    float zacc = 0.f;
-    for (int64_t g = 0; g < ng; g++) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-        int64_t k = g * G, end = k + G;
-        for (; k + 32 <= end; k += 32) {
-            const uint8_t *p = q + k * B / 8;
-            PREFETCH(p);
-            a0 = _mm256_fmadd_ps(narrow8(p, B), _mm256_loadu_ps(xf + k), a0);
-            a1 = _mm256_fmadd_ps(narrow8(p + B, B), _mm256_loadu_ps(xf + k + 8), a1);
-            a2 = _mm256_fmadd_ps(narrow8(p + 2 * B, B), _mm256_loadu_ps(xf + k + 16), a2);
-            a3 = _mm256_fmadd_ps(narrow8(p + 3 * B, B), _mm256_loadu_ps(xf + k + 24), a3);
-        }
-        for (; k < end; k += 8) a0 = _mm256_fmadd_ps(narrow8(q + k * B / 8, B), _mm256_loadu_ps(xf + k), a0);
-        int64_t sg = n * ng + g;
-        float s = _cvtsh_ss(S[sg]);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)), acc);
-        zacc += s * (Z ? (float)Z[sg] : (float)(1 << (B - 1))) * xs[g];
-    }
-    return hsum(acc) - zacc;
-}
-
-/* codes: uint8 [N, K*bits/8] (bits 2 or 3); scale: fp16 [N, K/G]; zero: uint8 [N, K/G] or NULL (symmetric:
- * 2^(bits-1)); x: [K], b: [N] or NULL and y: [N] of dtype. K % G == 0 and G % 8 == 0. */
-int qinfer_narrow_gemv(const qinfer_weight *wt, const void *x, const void *b, void *y, int dtype) {
-    const uint8_t *Q = wt->w, *Z = wt->zero;
-    const uint16_t *S = wt->scale;
-    int64_t N = wt->N, K = wt->K, G = wt->group, ng = K / G;
-    float *xf = row_and_group_sums(x, dtype, K, G), *xs = xf + K;
-    if (!xf) return 1;
-    if (wt->bits == 2) {
-        #pragma omp parallel for schedule(static)
-        for (int64_t n = 0; n < N; n++) store_out(y, b, dtype, n, narrow_row(Q, S, Z, xf, xs, n, ng, G, 2));
-    } else {
-        #pragma omp parallel for schedule(static)
-        for (int64_t n = 0; n < N; n++) store_out(y, b, dtype, n, narrow_row(Q, S, Z, xf, xs, n, ng, G, 3));
-    }
-    free(xf);
-    return 0;
-}
-
-/* 2-, 3- or 8-bit codes (as qinfer_narrow_gemv and qinfer_int8_gemv read them) to W [N, K] of dtype, as
+/* 2-, 3- or 8-bit codes (as qinfer_int_gemv reads them) to W [N, K] of dtype, as
  * qinfer_int4_dequantize computes it (the format's numbers bit for bit), 8 codes at a time. G % 8 == 0. */
 int qinfer_int_dequantize(const qinfer_weight *wt, void *out, int dtype) {
     const uint8_t *Q = wt->w, *Z = wt->zero;
@@ -892,36 +971,6 @@ int qinfer_int_dequantize(const qinfer_weight *wt, void *out, int dtype) {
             }
         }
     }
-    return 0;
-}
-
-/* codes: E4M3 [N, K], rows ld apart; scale: fp32, one per row (group == N) or one in all (group == 1);
- * x: [K], b: [N] or NULL and y: [N] of dtype; K % 8 == 0. */
-int qinfer_fp8_gemv(const qinfer_weight *wt, const void *x, const void *b, void *y, int dtype) {
-    const uint8_t *W = wt->w;
-    const float *scale = wt->scale;
-    int64_t N = wt->N, K = wt->K, ldw = wt->ld, per_row = wt->group == N, k32 = K / 32 * 32;
-    float *xf = malloc(sizeof(float) * K);
-    if (!xf) return 1;
-    for (int64_t k = 0; k < K; k++) xf[k] = load_one(x, dtype, k);
-    #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *w = W + n * ldw;
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-        int64_t k = 0;
-        for (; k < k32; k += 32) {  /* 16 codes a widening: fewer instructions than e4m3x8 twice */
-            PREFETCH(w + k);
-            __m256i h0 = e4m3x16(w + k), h1 = e4m3x16(w + k + 16);
-            a0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h0)), _mm256_loadu_ps(xf + k), a0);
-            a1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h0, 1)), _mm256_loadu_ps(xf + k + 8), a1);
-            a2 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h1)), _mm256_loadu_ps(xf + k + 16), a2);
-            a3 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h1, 1)), _mm256_loadu_ps(xf + k + 24), a3);
-        }
-        for (; k < K; k += 8) a0 = _mm256_fmadd_ps(e4m3x8(w + k), _mm256_loadu_ps(xf + k), a0);
-        float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-        store_out(y, b, dtype, n, s * 256.f * scale[per_row ? n : 0]);
-    }
-    free(xf);
     return 0;
 }
 

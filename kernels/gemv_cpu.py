@@ -1,5 +1,6 @@
-"""One activation row times a bf16, integer (2, 3, 4, 8 bits) or FP8 weight on an x86-64 CPU: a decode step's
-GEMV, in C (``gemv_cpu.c``, built and loaded by ``cpu_library``); and a prompt's packed weights dequantized in C.
+"""A few activation rows times a bf16, integer (2, 3, 4, 8 bits) or FP8 weight on an x86-64 CPU: a decode step's
+GEMV (or a batch of decode steps'), in C (``gemv_cpu.c``, built and loaded by ``cpu_library``); and a prompt's packed
+weights dequantized in C.
 
 Decode at batch 1 reads every weight once per token, so its linears should stream at the memory bandwidth.
 PyTorch's own one-row kernels do not on a CPU with AVX2 only: ATen's bf16 GEMV widens and sums well below the
@@ -24,6 +25,19 @@ zero term cancels most of ``sum q x`` (x far from zero mean over a long group: f
 reference by up to ~1e-4 of the output where the reference's own error is ~1e-7).
 ``python -m qinfer.evals.diagnostics.gemv_bench MODEL`` times each against PyTorch's path side by side.
 
+Several rows (a serving engine's batch of decode steps, M = ``x.numel() // K``) go through the same kernels in one
+call: each weight row is read once for all M rows, widened (or unpacked to bytes for the VNNI loop) a tile at a time
+and summed against every row from L1; each row is prepared (fp32 copy, group sums, its own fixed point) once per
+call. A row's output is bit for bit what it gives alone (the same products summed in the same order, the same
+fixed point, the same rounding and bias), whichever rows share the call: a sequence's outputs do not depend on its
+batch, and one row is just M = 1. ``ROWS_MAX`` bounds M per format where the kernels are not slower than the path
+the callers took before for M rows (oneDNN's bf16 matmul; PyTorch's int4 kernel, ``int4_cpu``; a dense matmul after
+the C dequantize), as ``gemv_bench --rows`` measured it on gemma3-270m's linears (docs/RESULTS-LOG.md, 2026-12-07):
+bf16 and FP8 take up to 4 rows (from 8 the matmuls are faster); 4-bit codes 1 (``int4_cpu``'s AVX-512 kernel is
+faster from 2 rows: these loops sum each row's groups apart, ``int4_cpu`` several rows' at once); 2-, 3- and 8-bit
+codes up to 4 (before, a dense matmul after dequantizing the whole weight each call). Past ``ROWS_MAX`` a batch's
+rows take those paths, whose sums depend on the batch.
+
 A prompt's GEMM needs its packed weights dense: ``dequantize`` and ``fp8_dequantize`` write an integer or FP8
 weight out in the activations' dtype, the format's own numbers bit for bit, in one pass, several times as fast as
 its PyTorch ops (``python -m qinfer.evals.diagnostics.prefill_bench MODEL``; figures in docs/results.md, "The main
@@ -37,6 +51,7 @@ skip their dispatch. A weight's pointers and layout are read once (``Weight``, k
 ``_PREPARED``) and read again only when its data moves.
 """
 
+import contextlib
 import ctypes
 
 import torch
@@ -49,27 +64,44 @@ from qinfer.kernels.prepared import per_weight, zero_groups
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _PREPARED: dict[str, dict] = {"bf16": {}, "int": {}, "fp8": {}}  # per_weight stores: (data pointers, Weight)
+# The most rows of x a call takes, per format (4-bit codes apart from 2, 3 and 8 bits): measured, see the docstring
+ROWS_MAX = {"bf16": 4, "int4": 1, "int": 4, "fp8": 4}
 
 
-def _one_row(x: torch.Tensor, K: int) -> bool:
-    return x.is_cpu and x.numel() == x.shape[-1] == K and x.dtype in DTYPE_CODES
+def _rows(x: torch.Tensor, K: int, kind: str) -> bool:
+    """x is [..., K] on CPU, of a dtype the kernels take, with 1 to ``ROWS_MAX[kind]`` rows."""
+    return x.is_cpu and x.dim() > 0 and x.shape[-1] == K > 0 and 1 <= x.numel() // K <= ROWS_MAX[kind] \
+        and x.dtype in DTYPE_CODES
 
 
 def bf16_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """One bf16 row against a bf16 weight [N, K] whose rows are contiguous."""
+    """Up to ``ROWS_MAX["bf16"]`` bf16 rows against a bf16 weight [N, K] whose rows are contiguous."""
     return (
-        weight.dim() == 2 and _one_row(x, weight.shape[1]) and x.dtype == weight.dtype == torch.bfloat16
+        weight.dim() == 2 and _rows(x, weight.shape[1], "bf16") and x.dtype == weight.dtype == torch.bfloat16
         and weight.is_cpu and weight.stride(1) == 1 and cpu_library.available()
     )
 
 
 def int_supported(x: torch.Tensor, weight: QuantizedWeight) -> bool:
-    """One row against 2-, 3-, 4- or 8-bit codes whose groups (or rows, per channel) are a multiple of 16 long."""
+    """Up to ``ROWS_MAX["int4"]`` rows (other widths: ``ROWS_MAX["int"]``) against 2-, 3-, 4- or 8-bit codes whose
+    groups (or rows, per channel) are a multiple of 16 long."""
     group = weight.shape[1] if weight.group_size == -1 else weight.group_size
     return (
-        _one_row(x, weight.shape[1]) and weight.bits in (2, 3, 4, 8) and group % 16 == 0
-        and weight.qweight.is_cpu and cpu_library.available()
+        _rows(x, weight.shape[1], "int4" if weight.bits == 4 else "int") and weight.bits in (2, 3, 4, 8)
+        and group % 16 == 0 and weight.qweight.is_cpu and cpu_library.available()
     )
+
+
+@contextlib.contextmanager
+def one_row_only():
+    """Inside it, the kernels take one row at a time (``ROWS_MAX`` 1 for every format): several rows take the paths
+    they took before the kernels took rows (a side-by-side timing: ``gemv_bench --rows``)."""
+    prior = dict(ROWS_MAX)
+    ROWS_MAX.update(dict.fromkeys(ROWS_MAX, 1))
+    try:
+        yield
+    finally:
+        ROWS_MAX.update(prior)
 
 
 class Weight(ctypes.Structure):
@@ -88,10 +120,10 @@ def bf16_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
 
 
 def fp8_supported(x: torch.Tensor, weight: Fp8Weight) -> bool:
-    """One row against E4M3 codes [N, K], K a multiple of 8, rows contiguous."""
+    """Up to ``ROWS_MAX["fp8"]`` rows against E4M3 codes [N, K], K a multiple of 8, rows contiguous."""
     codes = weight.weight
     return (
-        _one_row(x, weight.shape[1]) and weight.shape[1] % 8 == 0 and codes.is_cpu
+        _rows(x, weight.shape[1], "fp8") and weight.shape[1] % 8 == 0 and codes.is_cpu
         and codes.stride(1) == 1 and cpu_library.available()
     )
 
@@ -127,8 +159,7 @@ def _int_op(x, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | 
         # contiguous copies, prepared for this call only
         return _int_op(x, qweight, scale, zero, bits, group_size, bias)
     lib = cpu_library.library()[0]
-    kernel = lib.qinfer_int4_gemv if bits == 4 else lib.qinfer_int8_gemv if bits == 8 else lib.qinfer_narrow_gemv
-    return _run(kernel, x, _int_weight(qweight, scale, zero, bits, group_size), bias)
+    return _run(lib.qinfer_int_gemv, x, _int_weight(qweight, scale, zero, bits, group_size), bias)
 
 
 def _int_weight(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
@@ -234,8 +265,8 @@ def _run(kernel, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> 
     y = torch.empty(*x.shape[:-1], weight.N, dtype=x.dtype)
     b = None if bias is None else bias.to(x.dtype).contiguous()  # added in fp32 before y's one rounding
     if kernel(ctypes.byref(weight), x.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
-              DTYPE_CODES[x.dtype]):
-        raise MemoryError("out of memory for a decode row's fp32 copy")
+              x.numel() // weight.K, DTYPE_CODES[x.dtype]):
+        raise MemoryError("out of memory for the rows' fp32 copies")
     return y
 
 

@@ -3,7 +3,8 @@
 ``dequant_linear_ref`` dequantizes the whole weight, then runs a dense matmul: correct for every format
 and device, and the definition the fast kernels are tested against, but it materialises the dense weight
 on every call. ``quant_linear`` is the entry point: on a GPU the Triton dequant-matmul (``triton_matmul``);
-on CPU, for one row (a decode step) of integer weights, ``gemv_cpu``'s C kernel where it is built; else
+on CPU, for a decode step's row (or up to ``gemv_cpu.ROWS_MAX`` of them) of integer weights, ``gemv_cpu``'s C
+kernel where it is built; else
 the int4 kernel where it applies (fewer than ``int4_cpu.max_rows`` rows), else for one bf16 row the int8
 kernel (other bit widths), else the reference, which is also a long prefill's fast path: a GEMM in the
 activations' dtype (in fp32 on a CPU without native bf16 GEMMs: ``qinfer.kernels.dense``), after
@@ -11,9 +12,9 @@ dequantizing the codes in ``gemv_cpu``'s C loops where they are built (the same 
 as the reference's PyTorch ops per gemma3 linear, 3-bit codes the most: ``python -m
 qinfer.evals.diagnostics.prefill_bench MODEL``, figures in docs/results.md, "The main job"; FP8 codes likewise);
 ``quant_linear_dtype`` says which dtype the chosen kernel multiplies in. ``fp8_linear`` is FP8's: on a GPU
-the same Triton kernel; on CPU for one row ``gemv_cpu``'s, else ``fp8_cpu``'s one-row path where it applies,
-else the reference. A
-weight with permuted columns (``perm``: an imported act-order checkpoint) hands the fast kernels ``x[..., perm]``.
+the same Triton kernel; on CPU for up to ``gemv_cpu.ROWS_MAX["fp8"]`` rows ``gemv_cpu``'s, else ``fp8_cpu``'s
+one-row path where it applies, else the reference. A weight with permuted columns (``perm``: an imported act-order
+checkpoint) hands the fast kernels ``x[..., perm]``.
 """
 
 import torch

@@ -2,6 +2,7 @@
 RMSNorm, attention) against PyTorch's, side by side on one model.
 
     python -m qinfer.evals.diagnostics.gemv_bench MODEL [--prompt-tokens 512] [--steps 8] [--rounds 5] [--calls 50]
+    python -m qinfer.evals.diagnostics.gemv_bench MODEL --rows 1,4,16,64 [--rounds 5] [--calls 50]
 
 Two parts, each alternating the two paths so a machine that slows down for a while slows both:
 1. every distinct linear of the model (kind, shape), one bf16 row through ``qinfer.kernels.linear``: the
@@ -16,6 +17,13 @@ Two parts, each alternating the two paths so a machine that slows down for a whi
    gate/up multiplied one linear at a time (``qinfer.model.decoder.separate_linears``) instead of fused; and, on a CPU
    with AVX-VNNI or AVX512-VNNI, the C kernels with 4-bit rows through the AVX2 float loop
    (``cpu_library.without_vnni``) instead of the VNNI one.
+
+With ``--rows``, instead: every distinct linear against M rows of x for each M given (a batch of decode steps),
+three paths side by side in alternating rounds: the path ``qinfer.kernels.linear`` took before the C GEMVs took
+several rows (``gemv_cpu.one_row_only``: for M > 1 oneDNN's bf16 matmul, PyTorch's int4 kernel ``int4_cpu``, or a
+dense matmul after the C dequantize; named in the table), the C GEMV on the M rows in one call, and M one-row
+calls of it. Each path's time is the median of up to ``--calls`` calls per round (fewer where a call is slow: about
+a quarter second of them per path and round), then the median over rounds; ``ratio`` is before / C rows.
 
 Diagnostic only, CPU only: nothing is written, nothing cached.
 """
@@ -33,7 +41,7 @@ from qinfer.evals.diagnostics.decode_profile import alternating_rounds, check_co
 from qinfer.evals.roofline import threads_text
 from qinfer.format import Fp8Weight, QuantizedWeight
 from qinfer.engine.generate import decode_step
-from qinfer.kernels import cpu_library
+from qinfer.kernels import cpu_library, fp8_cpu, gemv_cpu, int4_cpu, int8_cpu
 from qinfer.kernels.linear import linear
 from qinfer.model.loader import huge_pages_reason, load_model
 from qinfer.model.decoder import QLinear, fuse_linears, separate_linears
@@ -46,12 +54,28 @@ from qinfer.sources.resolve import resolve_model
 @click.option("--steps", type=int, default=8, show_default=True, help="Decode steps of each path per round.")
 @click.option("--rounds", type=int, default=5, show_default=True)
 @click.option("--calls", type=int, default=50, show_default=True, help="Calls of each linear per path and round.")
-def main(model, prompt_tokens, steps, rounds, calls):
+@click.option("--rows", default=None, help="Row counts M, comma-separated (e.g. 1,4,16,64): time each linear's M-row "
+              "C GEMV against the path taken before and M one-row calls, instead of the one-row table and the steps.")
+def main(model, prompt_tokens, steps, rounds, calls, rows):
     if min(prompt_tokens, steps, rounds, calls) < 1:
         raise QinferError("--prompt-tokens, --steps, --rounds and --calls must be at least 1")
+    counts = _row_counts(rows) if rows is not None else None
     if not cpu_library.available():
         raise QinferError(f"the C GEMV kernels are not in use here ({cpu_library.unavailable_reason()})")
-    _report(model, prompt_tokens, steps, rounds, calls)
+    if counts:
+        _rows_report(model, counts, rounds, calls)
+    else:
+        _report(model, prompt_tokens, steps, rounds, calls)
+
+
+def _row_counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise QinferError(f"--rows takes row counts of 1 or more, comma-separated (e.g. 1,4,16,64); got {text!r}")
+    return counts
 
 
 def _weight_bytes(w) -> int:
@@ -77,15 +101,76 @@ def _timed(fn, calls: int) -> float:
     return statistics.median(times)
 
 
+def _linears(model) -> dict:
+    """(kind, (N, K)) -> [one such weight, how many the model has]"""
+    weights = {}
+    for module in model.modules():
+        if isinstance(module, QLinear):
+            weights.setdefault((_kind(module.weight), tuple(module.weight.shape)), [module.weight, 0])[1] += 1
+    return weights
+
+
+def _c_gemv(w):
+    """The C GEMV for weight w, called directly (whatever its row limit)"""
+    if isinstance(w, QuantizedWeight):
+        return lambda x: gemv_cpu.int_gemv(x, w)
+    return (lambda x: gemv_cpu.fp8_gemv(x, w)) if isinstance(w, Fp8Weight) else lambda x: gemv_cpu.bf16_gemv(x, w)
+
+
+def _path_before(w, x: torch.Tensor) -> str:
+    """What ``linear(x, w)`` ran before the C GEMVs took several rows, as ``qinfer.kernels.quant_linear`` and
+    ``dense`` choose it"""
+    with gemv_cpu.one_row_only():
+        if isinstance(w, QuantizedWeight):
+            if gemv_cpu.int_supported(x, w):
+                return "C GEMV"
+            if int4_cpu.supported(x, w):
+                return "aten int4pack mm"
+            return "int8 mm per group" if int8_cpu.supported(x, w) else "C dequant + matmul"
+        if isinstance(w, Fp8Weight):
+            if gemv_cpu.fp8_supported(x, w):
+                return "C GEMV"
+            return "fp16 move" if fp8_cpu.supported(x, w) else "C dequant + matmul"
+        return "C GEMV" if gemv_cpu.bf16_supported(x, w) else "oneDNN matmul"
+
+
+def _timed_budget(fn, calls: int, budget: float = 0.25) -> float:
+    """The median time of up to ``calls`` calls of fn, fewer (at least 3) where they would take past ``budget`` s"""
+    t0 = time.perf_counter()
+    fn()
+    first = time.perf_counter() - t0
+    return _timed(fn, max(3, min(calls, int(budget / max(first, 1e-9)))))
+
+
+@torch.no_grad()
+def _rows_report(model_name: str, counts: list[int], rounds: int, calls: int) -> None:
+    model = load_model(resolve_model(model_name), run=True)
+    print(f"{model_name}: {threads_text(torch.get_num_threads())}; medians over {rounds} alternating rounds; "
+          f"C rows: one call of M rows, C 1-row x M: M calls")
+    print(f"{'weight':>12} {'N x K':>13} {'M':>3} {'before':>18} {'before us':>10} {'C rows us':>10} "
+          f"{'C 1-row x M us':>14} {'ratio':>6}")
+    for (kind, (N, K)), (w, _) in _linears(model).items():
+        gemv = _c_gemv(w)
+        for M in counts:
+            x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(model.dtype)
+            paths = {"before": lambda: linear(x, w), "rows": lambda: gemv(x),
+                     "ones": lambda: [gemv(x[m : m + 1]) for m in range(M)]}
+            times: dict[str, list[float]] = {name: [] for name in paths}
+            for r in range(rounds):
+                for name in list(paths) if r % 2 == 0 else list(paths)[::-1]:
+                    with gemv_cpu.one_row_only() if name == "before" else contextlib.nullcontext():
+                        times[name].append(_timed_budget(paths[name], calls))
+            b, c, o = (statistics.median(times[name]) * 1e6 for name in paths)
+            print(f"{kind:>12} {f'{N} x {K}':>13} {M:3d} {_path_before(w, x):>18} {b:10.1f} {c:10.1f} {o:14.1f} "
+                  f"{b / c:6.2f}")
+
+
 @torch.no_grad()
 def _report(model_name: str, prompt_tokens: int, steps: int, rounds: int, calls: int) -> None:
     model = load_model(resolve_model(model_name), run=True)
     check_context(model, prompt_tokens, rounds * steps, {"--steps": steps, "--rounds": rounds})  # before part 1
     print(f"{model_name}: {threads_text(torch.get_num_threads())}; medians over {rounds} alternating rounds")
-    weights = {}
-    for module in model.modules():
-        if isinstance(module, QLinear):
-            weights.setdefault((_kind(module.weight), tuple(module.weight.shape)), [module.weight, 0])[1] += 1
+    weights = _linears(model)
     print(f"{'weight':>12} {'N x K':>13} {'count':>5} {'torch us':>9} {'C us':>8} {'torch GB/s':>10} {'C GB/s':>7} "
           f"{'ratio':>6}")
     for (kind, (N, K)), (w, count) in weights.items():

@@ -56,3 +56,22 @@ def test_gemv_bench_refuses_a_long_prompt_before_timing_the_linears(tiny):
     assert len(result.output.strip().splitlines()) == 1, result.output
     assert ("--prompt-tokens 250 with --steps 8, --rounds 1 runs past the model's context of 256 tokens (12 decode "
             "steps follow the prompt, 4 of them warm-up): use --prompt-tokens 244 or fewer") in result.output
+
+
+ROWS = re.compile(r"^\s*(\S+)\s+(\d+) x (\d+)\s+(\d+)\s+(.+?)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)$", re.M)
+
+
+@pytest.mark.skipif(not cpu_library.available(), reason=f"no C GEMV here: {cpu_library.unavailable_reason()}")
+def test_gemv_bench_rows_times_each_linear_at_each_row_count(tiny):
+    result = CliRunner().invoke(main, [str(tiny), "--rows", "1,3", "--rounds", "1", "--calls", "2"])
+    assert result.exit_code == 0, result.output
+    rows = ROWS.findall(result.stdout)
+    assert {int(r[3]) for r in rows} == {1, 3} and all(float(r[5]) > 0 and float(r[6]) > 0 for r in rows)
+    assert all(r[4] == "C GEMV" for r in rows if r[3] == "1")  # one row took the C kernel before too
+    assert "decode step" not in result.stdout
+
+
+def test_gemv_bench_refuses_bad_row_counts(tmp_path):
+    for bad in ("0,4", "x", ""):
+        result = CliRunner().invoke(main, [str(tmp_path / "missing"), "--rows", bad])
+        assert result.exit_code == 1 and "--rows takes row counts" in result.output, result.output

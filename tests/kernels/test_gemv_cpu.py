@@ -81,7 +81,8 @@ def test_bf16_rows_apart_bias_and_leading_dimensions():
     _check(with_bias, x.double() @ weight.double().T + bias.double(),
            x.double().abs() @ weight.double().abs().T + bias.double().abs(), torch.bfloat16)
     assert not gemv_cpu.bf16_supported(x, table.T)  # columns apart: PyTorch's kernel
-    assert not gemv_cpu.bf16_supported(torch.randn(2, 640).bfloat16(), weight)  # rows: PyTorch's GEMM
+    past = gemv_cpu.ROWS_MAX["bf16"] + 1
+    assert not gemv_cpu.bf16_supported(torch.randn(past, 640).bfloat16(), weight)  # more rows: PyTorch's GEMM
     assert not gemv_cpu.bf16_supported(torch.randn(1, 639).bfloat16(), weight)  # a mismatch: torch's own error
     with pytest.raises(RuntimeError):
         linear(torch.randn(1, 639).bfloat16(), weight)
@@ -236,7 +237,7 @@ def test_int4_entry_point_dispatch_bias_and_permuted_columns():
         torch.testing.assert_close(linear(x, w, bias).double(), exact, rtol=2e-2, atol=2e-2)
         with cpu_library.disabled():  # PyTorch's int4 kernel, for the same row
             torch.testing.assert_close(linear(x, w, bias).double(), exact, rtol=2e-2, atol=2e-2)
-    rows = torch.randn(3, 256).bfloat16()
+    rows = torch.randn(gemv_cpu.ROWS_MAX["int4"] + 1, 256).bfloat16()
     assert not gemv_cpu.int_supported(rows, weight)
     rows_of_264 = rtn_quantize(torch.randn(40, 264), QuantScheme(method="rtn", bits=3, group_size=-1))
     assert not gemv_cpu.int_supported(torch.randn(1, 264).bfloat16(), rows_of_264)  # not a multiple of 16 long
@@ -308,7 +309,7 @@ def test_one_row_goes_to_the_c_kernels_unless_disabled(monkeypatch):
     monkeypatch.setattr(gemv_cpu, "_run", lambda *a: calls.append(a[0].__name__) or run(*a))
     weights = (torch.randn(64, 128).bfloat16(), _int(64, 128, 32, True), _int(64, 128, 32, True, bits=8),
                _int(64, 128, 32, False, bits=3), _fp8(64, 128, "channel"))
-    kernels = ["qinfer_bf16_gemv", "qinfer_int4_gemv", "qinfer_int8_gemv", "qinfer_narrow_gemv", "qinfer_fp8_gemv"]
+    kernels = ["qinfer_bf16_gemv", "qinfer_int_gemv", "qinfer_int_gemv", "qinfer_int_gemv", "qinfer_fp8_gemv"]
     x = torch.randn(1, 128).bfloat16()
     for w in weights:
         linear(x, w)

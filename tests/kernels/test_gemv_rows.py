@@ -1,0 +1,151 @@
+"""The C GEMVs on M rows at once: each row's output has the bits of that row alone (batch invariance), and the
+reference's numbers within the one-row tests' bounds."""
+
+import pytest
+import torch
+
+from qinfer.format import Fp8Weight, QuantizedWeight, unpack
+from qinfer.kernels import gemv_cpu
+from qinfer.kernels.linear import linear
+from qinfer.kernels.quant_linear import dequant_linear_ref
+from tests.kernels.test_gemv_cpu import _check, _fixed_point_error, _fp8, _int, _int4_loops, needs_kernels
+
+ROWS = [1, 2, 3, 7, 16, 64]
+
+
+def _rows(M: int, K: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    x[:, 5] *= 40  # outliers, as in the one-row tests: they set the VNNI loop's steps
+    x[::3, :] *= 2.0**-5  # rows of other magnitudes beside them: each row's fixed point is its own
+    return x
+
+
+def _same_as_alone(gemv, x: torch.Tensor, *args) -> torch.Tensor:
+    # the M-row call, and each row's equality with its one-row call, bit for bit (NaNs and zeros' signs too)
+    got = gemv(x, *args)
+    assert got.shape == (*x.shape[:-1], got.shape[-1])
+    flat = got.reshape(-1, got.shape[-1])
+    alone = torch.cat([gemv(row[None], *args) for row in x.reshape(-1, x.shape[-1])])
+    bits = torch.int32 if flat.element_size() == 4 else torch.int16
+    assert torch.equal(flat.view(bits), alone.view(bits))
+    return got
+
+
+def _bias(N: int, dtype: torch.dtype, with_bias: bool) -> torch.Tensor | None:
+    return torch.randn(N, generator=torch.Generator().manual_seed(9)).to(dtype) if with_bias else None
+
+
+def _exact(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    b = 0.0 if bias is None else bias.double()
+    magnitude = x.double().abs() @ w.abs().T + (0.0 if bias is None else bias.double().abs())
+    return x.double() @ w.T + b, magnitude
+
+
+def _factored(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """The size of the two terms the integer loops sum per group, s (sum q x - z sum x), [M, N]: their fp32 error
+    scales with these (where the zero term cancels most of sum q x, more than with sum |w x|)."""
+    (N, K), bits = weight.shape, weight.bits
+    G = K if weight.group_size == -1 else weight.group_size
+    q = unpack(weight.qweight, bits, K).double().reshape(N, K // G, G)
+    s = weight.scale.double().abs()
+    z = torch.full_like(s, 2 ** (bits - 1)) if weight.zero is None else weight.zero.double()
+    xg = x.double().reshape(-1, K // G, G)
+    qx = (xg.abs()[:, None] * q[None]).sum(-1)  # [M, N, K/G]
+    return ((qx + z[None] * xg.sum(-1).abs()[:, None]) * s[None]).sum(-1)
+
+
+@needs_kernels
+@pytest.mark.parametrize("M", ROWS)
+@pytest.mark.parametrize("K", [77, 640, 2100])  # a scalar tail; tiles of 1024 columns and a part one
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_rows_are_each_row_alone(M, K, with_bias):
+    g = torch.Generator().manual_seed(M * K)
+    weight, x = torch.randn(37, K, generator=g).bfloat16(), _rows(M, K, torch.bfloat16, seed=M)
+    bias = _bias(37, torch.bfloat16, with_bias)
+    assert gemv_cpu.bf16_supported(x, weight) == (M <= gemv_cpu.ROWS_MAX["bf16"])
+    got = _same_as_alone(gemv_cpu.bf16_gemv, x, weight, bias)
+    _check(got, *_exact(x, weight.double(), bias), torch.bfloat16)
+
+
+@needs_kernels
+@pytest.mark.parametrize("M", ROWS)
+@pytest.mark.parametrize("K,group_size", [(256, 32), (640, 128), (512, -1), (2048, 64)])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_int_rows_are_each_row_alone(M, K, group_size, symmetric, dtype, bits):
+    weight = _int(19, K, group_size, symmetric, seed=K + bits, bits=bits)
+    x = _rows(M, K, dtype, seed=M)
+    bias = _bias(19, dtype, M % 2 == 1)
+    w = weight.dequantize(torch.float32).double()
+    group = K if group_size == -1 else group_size
+    vnni = bits == 4 and group % 64 == 0 and dtype != torch.float32
+    for path, is_vnni in _int4_loops():
+        with path():
+            got = _same_as_alone(gemv_cpu.int_gemv, x, weight, bias)
+        fixed = torch.cat([_fixed_point_error(row, w, group) for row in x]) if vnni and is_vnni else 0.0
+        exact, magnitude = _exact(x, w, bias)
+        _check(got, exact, magnitude + _factored(x, weight), dtype, fixed)
+        # and the reference, within the one-row dispatch test's tolerance
+        torch.testing.assert_close(got, dequant_linear_ref(x, weight, bias), rtol=2e-2, atol=2e-2)
+
+
+@needs_kernels
+def test_int4_rows_each_choose_their_own_loop():
+    # a row with a NaN takes the float loop, its neighbours the VNNI one: each still has its bits alone
+    weight = _int(16, 256, 128, False)
+    x = _rows(5, 256, torch.bfloat16, seed=3)
+    x[2, 7] = float("nan")
+    for path, _ in _int4_loops():
+        with path():
+            got = _same_as_alone(gemv_cpu.int_gemv, x, weight)
+        assert torch.isnan(got[2]).all() and torch.isfinite(got[[0, 1, 3, 4]]).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("M", ROWS)
+@pytest.mark.parametrize("K", [72, 640, 2080])
+@pytest.mark.parametrize("granularity", ["channel", "tensor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp8_rows_are_each_row_alone(M, K, granularity, dtype):
+    weight = _fp8(29, K, granularity, seed=M)
+    x, bias = _rows(M, K, dtype, seed=M), _bias(29, dtype, M % 2 == 0)
+    got = _same_as_alone(gemv_cpu.fp8_gemv, x, weight, bias)
+    w = weight.weight.double() * weight.scale.double()
+    _check(got, *_exact(x, w, bias), dtype)
+
+
+@needs_kernels
+def test_rows_keep_their_leading_dimensions_and_the_operators_take_them():
+    weight, packed, fp8 = torch.randn(48, 128).bfloat16(), _int(40, 128, 32, False), _fp8(24, 128, "tensor")
+    x = torch.randn(2, 3, 128).bfloat16()
+    assert gemv_cpu.bf16_gemv(x, weight).shape == (2, 3, 48)
+    torch.library.opcheck(torch.ops.qinfer.bf16_gemv, (x, weight, None))
+    torch.library.opcheck(torch.ops.qinfer.int_gemv, (x, packed.qweight, packed.scale, packed.zero, 4, 32, None))
+    torch.library.opcheck(torch.ops.qinfer.fp8_gemv, (x, fp8.weight, fp8.scale, None),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+@needs_kernels
+def test_linear_on_rows_gives_each_row_alone():
+    # the serving engine's batched decode step: a sequence's outputs do not depend on the others in its batch
+    g = torch.Generator().manual_seed(11)
+    weights = {"bf16": torch.randn(96, 256, generator=g).bfloat16(), "int4": _int(96, 256, 64, False),
+               "int": _int(96, 256, 64, True, bits=3), "fp8": _fp8(96, 256, "channel")}
+    bias = torch.randn(96, generator=g).bfloat16()
+    for kind, w in weights.items():
+        rows = gemv_cpu.ROWS_MAX[kind]
+        for M in sorted(m for m in {1, 2, 5, rows} if m <= rows):
+            x = _rows(M, 256, torch.bfloat16, seed=M)
+            got = linear(x, w, bias)
+            alone = torch.cat([linear(row[None], w, bias) for row in x])
+            assert torch.equal(got, alone), (kind, M)
+        assert not gemv_cpu.int_supported(torch.randn(rows + 1, 256), w) if kind.startswith("int") else True
+
+
+def test_rows_max_bounds_the_calls():
+    assert all(1 <= rows for rows in gemv_cpu.ROWS_MAX.values())
+    weight = torch.randn(8, 64).bfloat16()
+    assert not gemv_cpu.bf16_supported(torch.randn(gemv_cpu.ROWS_MAX["bf16"] + 1, 64).bfloat16(), weight)
+    assert not gemv_cpu.bf16_supported(torch.randn(0, 64).bfloat16(), weight)
+    assert not isinstance(weight, Fp8Weight)
