@@ -8,6 +8,7 @@ to ``quant_linear``, which picks the Triton kernel on a GPU, a CPU fast path on 
 import torch
 
 from qinfer.format import Fp8Weight, QuantizedWeight
+from qinfer.kernels import gemv_cpu
 from qinfer.kernels.dense import dense_linear, product_dtype
 from qinfer.kernels.quant_linear import fp8_linear, fp8_linear_dtype, quant_linear, quant_linear_dtype
 
@@ -26,6 +27,18 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
     lead = x.shape[:-1]
     y = kernel(x.reshape(-1, x.shape[-1]), weight, bias)  # [M, N]
     return y.view(*lead, y.shape[-1])
+
+
+def rowwise(x: torch.Tensor, weight) -> bool:
+    """Whether ``linear(x, weight)`` sums each output of each row on its own, the same whatever the other rows and
+    output rows are: one row, or rows the C GEMVs take (``gemv_cpu``: each row bit for bit what it gives alone)."""
+    if x.numel() == x.shape[-1]:
+        return True
+    if isinstance(weight, torch.Tensor):
+        return gemv_cpu.bf16_supported(x, weight)
+    if isinstance(weight, QuantizedWeight):
+        return gemv_cpu.int_supported(x, weight)
+    return isinstance(weight, Fp8Weight) and gemv_cpu.fp8_supported(x, weight)
 
 
 def matmul_dtype(weight, x_dtype: torch.dtype, device: torch.device, rows: int) -> torch.dtype:

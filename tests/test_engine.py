@@ -58,16 +58,13 @@ def test_batched_logits_are_each_requests_alone(tiny):
     model, _ = tiny
     engine = Engine(model, config=EngineConfig(kv_memory=memory(model, 64), **SMALL), eos_ids=())
     alone = Engine(model, config=EngineConfig(kv_memory=memory(model, 64), **SMALL), eos_ids=())
-    seen = {}
-    for e in (engine, alone):
-        e._sample = lambda hidden, e=e, out=seen.setdefault(id(e), {}): {  # greedy, keeping the logits
-            i: int(out.setdefault(i, []).append(model.lm_head(h)) or out[i][-1].argmax()) for i, h in hidden.items()}
+    batched, single = greedy_keeping_logits(engine, model), greedy_keeping_logits(alone, model)
     requests = [(str(i), p, SamplingParams(max_tokens=8)) for i, p in enumerate(prompts(5))]
     engine.run(requests)
     for request in requests:
         alone.run([request])
     for request_id, *_ in requests:
-        for a, b in zip(seen[id(engine)][request_id], seen[id(alone)][request_id], strict=True):
+        for a, b in zip(batched[request_id], single[request_id], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
@@ -82,16 +79,37 @@ def test_under_a_small_kv_budget_requests_are_preempted_and_give_the_same_tokens
     assert engine.cache.pool.num_free == 12 and not engine.live
 
 
-def test_the_prefix_cache_skips_a_shared_prefix_and_changes_no_token(tiny):
+def greedy_keeping_logits(engine: Engine, model) -> dict[str, list[torch.Tensor]]:
+    """Make ``engine`` sample greedily and keep each request's logits at every token: {id: [logits, ...]}."""
+    kept: dict[str, list[torch.Tensor]] = {}
+
+    def sample(hidden):
+        logits = {i: model.lm_head(h) for i, h in hidden.items()}
+        for i, row in logits.items():
+            kept.setdefault(i, []).append(row)
+        return {i: int(row.argmax()) for i, row in logits.items()}
+
+    engine._sample = sample
+    return kept
+
+
+def test_the_prefix_cache_skips_the_full_blocks_of_a_shared_prefix(tiny):
     model, _ = tiny
-    system = prompts(8)[4]  # 40 tokens
+    system = prompts(8)[4]  # 40 tokens: 5 full blocks
     turns = [(str(i), system + [5 + i] * (3 + i), SamplingParams(max_tokens=6)) for i in range(3)]
-    engine, cached = run(model, turns[:1], kv_memory=memory(model, 64), **SMALL)
+    engine = Engine(model, config=EngineConfig(kv_memory=memory(model, 64), **SMALL), eos_ids=())
+    cached = greedy_keeping_logits(engine, model)
+    engine.run(turns[:1])
     later = engine.run(turns[1:])  # after the first finished: its blocks are free, still cached
-    assert [later[i][-1].cached_tokens for i in ("1", "2")] == [32, 32]  # 5 full blocks, on the 16-token grid
-    _, plain = run(model, turns, kv_memory=memory(model, 64), prefix_caching=False, **SMALL)
-    assert token_ids({**cached, **later}) == token_ids(plain)
-    assert all(outs[-1].cached_tokens == 0 for outs in plain.values())
+    assert [later[i][-1].cached_tokens for i in ("1", "2")] == [40, 40]
+    plain_engine = Engine(model, config=EngineConfig(kv_memory=memory(model, 64), prefix_caching=False, **SMALL),
+                          eos_ids=())
+    plain = greedy_keeping_logits(plain_engine, model)
+    outputs = plain_engine.run(turns)
+    assert all(outs[-1].cached_tokens == 0 for outs in outputs.values())
+    for request_id in plain:  # the same numbers, up to the order of sums (other chunks after the prefix)
+        for a, b in zip(cached[request_id], plain[request_id], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_a_seeded_request_samples_the_same_tokens_whatever_else_runs(tiny):

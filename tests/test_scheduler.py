@@ -134,24 +134,38 @@ def test_a_preempted_request_computes_its_generated_tokens_again_past_the_chunk_
     assert [(x.start, x.count, x.samples) for x in step.scheduled] == [(8, 11, True)]  # all generated, one step
 
 
-def test_a_request_reuses_the_cached_blocks_of_a_shared_prefix_rounded_to_the_chunk_grid():
+def test_a_request_reuses_every_cached_block_of_a_shared_prefix_and_chunks_from_there():
     s = scheduler(blocks=16, prefill_chunk=16)  # blocks of 8
     first = Request("first", list(range(40)), max_tokens=2)
     s.add(first)
     run(s)  # finished: its blocks are free, and cached
     assert s.cache.pool.num_free == 16 and s.cache.pool.cached_blocks == 5  # 41 computed tokens: 5 full blocks
-    same32 = Request("same32", list(range(32)) + [99] * 9, max_tokens=1)
-    s.add(same32)
+    shared = Request("shared", list(range(24)) + [99] * 30, max_tokens=1)
+    s.add(shared)
     step = s.schedule()
-    assert same32.cached_tokens == 32 and [(x.start, x.count) for x in step.scheduled] == [(32, 9)]
     cached = [s.cache.pool.lookup(key) for key in first.keys]
-    assert same32.table.blocks[:4] == cached[:4] and s.cache.pool.refs[cached[0]] == 1
-    s.advance(step, {"same32": 7})  # finished: its blocks are free again, the first four still cached
-    same24 = Request("same24", list(range(24)) + [99] * 9, max_tokens=1)  # 3 blocks cached: 16 (the grid) reused
-    s.add(same24)
+    assert shared.cached_tokens == 24 and shared.table.blocks[:3] == cached[:3]
+    assert [(x.start, x.count) for x in step.scheduled] == [(24, 16)]  # its grid starts at 24: 24, 40, 54
+    s.advance(step, {})
+    assert [(x.start, x.count) for x in s.schedule().scheduled] == [(40, 14)]
+
+
+def test_a_preempted_request_takes_back_only_the_cached_prefix_that_keeps_its_chunks():
+    s = scheduler(blocks=16, prefill_chunk=12, max_running=4)  # blocks of 8; its grid: 0, 12, 24, 36, 40
+    r = Request("r", list(range(40)), max_tokens=4)
+    s.add(r)
+    s.advance(s.schedule(), {})  # chunk 0..12: one full block registered
+    s._preempt(r)
     step = s.schedule()
-    assert same24.cached_tokens == 16 and [(x.start, x.count) for x in step.scheduled] == [(16, 16), ]
-    assert same24.table.blocks[:2] == cached[:2] and s.cache.pool.lookup(first.keys[4]) == cached[4]
+    assert r.cached_tokens == 0 and [(x.start, x.count) for x in step.scheduled] == [(0, 12)]  # 8 is off its grid
+    s.advance(step, {})
+    for _ in range(3):
+        step = s.schedule()
+        s.advance(step, {"r": 7} if step.scheduled[0].samples else {})
+    assert r.computed == 40 and r.generated == [7]
+    s._preempt(r)  # the whole prompt is cached: taken back whole, the generated token computed again as a row
+    step = s.schedule()
+    assert r.cached_tokens == 40 and [(x.start, x.count) for x in step.scheduled] == [(40, 1)]
 
 
 def test_an_identical_prompt_leaves_its_newest_token_to_compute():
@@ -162,6 +176,7 @@ def test_an_identical_prompt_leaves_its_newest_token_to_compute():
     s.add(b)
     step = s.schedule()
     assert b.cached_tokens == 24 and [(x.start, x.count, x.samples) for x in step.scheduled] == [(24, 8, True)]
+    # (31 tokens are cached, in 3 full blocks and one of 7: only full blocks are shared)
 
 
 def test_cached_free_blocks_are_evicted_least_recently_released_first():

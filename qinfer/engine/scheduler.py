@@ -10,11 +10,12 @@ it in this order:
 3. waiting requests in arrival order, each with a first chunk, while tokens, sequences and free blocks allow
    (a request that does not fit waits; the ones behind it wait too, so arrival order holds).
 
-Prompt chunks lie on a fixed grid: they end at multiples of ``prefill_chunk`` positions (or at the prompt's end)
-and are never cut by the budget (a chunk that does not fit waits for the next step), so a prompt is computed in
-the same pieces whatever else runs. With kernels that sum each row on its own, a request's tokens then do not
-depend on the other requests (the engine's batch invariance). The generated tokens of a preempted request are
-computed again as decode rows, any number per step.
+Prompt chunks lie on a fixed grid: they end at multiples of ``prefill_chunk`` positions past the request's grid
+origin (0, or where the cached prefix it started from ends), or at the prompt's end, and are never cut by the
+budget (a chunk that does not fit waits for the next step), so a prompt is computed in the same pieces whatever
+else runs. With kernels that sum each row on its own, a request's tokens then do not depend on the other
+requests (the engine's batch invariance). The generated tokens of a preempted request are computed again as
+decode rows, any number per step.
 
 A running request that needs a block when none is free takes one from the most recently admitted request:
 that request is preempted (its blocks freed, its computed tokens forgotten) and goes back to the front of the
@@ -23,9 +24,11 @@ dropped, and the cache never runs out: only a request too long for the whole cac
 
 With ``prefix_caching``, every full block a request has computed is registered under its tokens and their
 prefix (``kv_cache.block_key``); a request being admitted shares the blocks of the longest cached prefix of
-its tokens instead of computing them, rounded down to a chunk boundary while it lies in the prompt (so the
-prompt's chunks stay on the grid and the cache never changes what is computed) and leaving at least its
-newest token to compute (its logits give the next token).
+its tokens instead of computing them, leaving at least its newest token to compute (its logits give the next
+token), and its chunks start where that prefix ends. A preempted request admitted again takes only as much of
+its cached prefix as ends on its grid, so its chunks are the ones it had: computed again, it gives the same
+tokens. (A prompt that starts from another request's cached blocks is computed in other chunks than without
+them, so its logits may differ in their last bits from an uncached run's, as in any engine.)
 
 A request's ``tokens`` are its prompt and the tokens it has generated so far; ``computed`` of them have their
 keys and values in the cache. A step runs ``tokens[computed : computed + n]`` for each scheduled request; the
@@ -52,6 +55,7 @@ class Request:
     preemptions: int = 0
     finished: bool = False
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache at the last admission
+    origin: int = 0  # where its prompt's chunk grid starts: the cached prefix of its first admission
     keys: list[tuple] = field(default_factory=list)  # prefix-cache keys of its full blocks so far
 
     @property
@@ -123,6 +127,8 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_running and not preempted:  # 3. admissions
             request = self.waiting[0]
             hit = self._cached_prefix(request)
+            if not request.preemptions:  # its first admission: its grid starts where the cached prefix ends
+                request.origin = min(hit, len(request.prompt))
             count = self._chunk(request, self._budget(scheduled), start=hit)
             if count == 0 or not self._admit(request, hit, count):
                 break  # it waits for tokens or blocks; so do the ones behind it
@@ -171,9 +177,22 @@ class Scheduler:
         start = request.computed if start is None else start
         prompt = len(request.prompt)
         if start < prompt:
-            count = min(prompt, (start // self.prefill_chunk + 1) * self.prefill_chunk) - start
+            count = min(prompt, self._boundary(request, start)) - start
             return count if count <= budget else 0
         return min(len(request.tokens) - start, budget)
+
+    def _boundary(self, request: Request, position: int) -> int:
+        """The first chunk boundary of ``request``'s grid past ``position``: multiples of ``prefill_chunk`` from
+        its origin on (before the origin, from 0 up to the origin)."""
+        C, origin = self.prefill_chunk, request.origin
+        if position < origin:
+            return min(origin, (position // C + 1) * C)
+        return origin + ((position - origin) // C + 1) * C
+
+    def _on_grid(self, request: Request, position: int) -> int:
+        """The last boundary of ``request``'s grid at or before ``position``."""
+        C, origin = self.prefill_chunk, request.origin
+        return position // C * C if position < origin else origin + (position - origin) // C * C
 
     def _fit(self, request: Request, count: int, scheduled: list[Scheduled], preempted: list[Request]) -> bool:
         """Reserve blocks for ``count`` more of ``request``'s tokens, preempting the newest requests while none are
@@ -222,8 +241,8 @@ class Scheduler:
             if pool.lookup(key) is None:
                 break
             hit += P
-        if hit < len(request.prompt):
-            hit -= hit % self.prefill_chunk
+        if request.preemptions and hit < len(request.prompt):  # computed again: in the chunks it had
+            hit = self._on_grid(request, hit)
         return hit
 
     def _admit(self, request: Request, hit: int, count: int) -> bool:

@@ -17,7 +17,7 @@ from torch import nn
 from qinfer.model.arch import ModelConfig, RopeConfig
 from qinfer.format import Fp8Weight, QuantizedWeight
 from qinfer.kernels.attention import attention
-from qinfer.kernels.linear import linear, matmul_dtype
+from qinfer.kernels.linear import linear, matmul_dtype, rowwise
 from qinfer.kernels.norm import rms_norm
 from qinfer.model.kv_cache import DecodeRows, KVCache
 
@@ -50,10 +50,10 @@ class FusedLinear(nn.Module):
     """Linears that read one input, run as one: their weights stacked along the output rows (``stacked``).
 
     Built by :func:`fuse_linears`, which makes each member's weight (and bias) a view of its rows here, so
-    nothing is stored twice. One call multiplies a decode step's row by all of them (q/k/v: one kernel call
-    instead of three; gemma3-270m's decode step: 72 calls into its blocks' linears instead of 126); prompts,
-    and members that no longer hold the weights they were fused from (one replaced after fusing), run member
-    by member.
+    nothing is stored twice. One call multiplies a decode step's rows by all of them (q/k/v: one kernel call
+    instead of three; gemma3-270m's decode step: 72 calls into its blocks' linears instead of 126), where each
+    row's outputs are their own sums (:meth:`runs`); prompts, and members that no longer hold the weights they
+    were fused from (one replaced after fusing), run member by member.
     Not a ``QLinear``: walks over a model's linears (bytes, FLOPs, calibration hooks) see the members only;
     not in the state dict.
     """
@@ -77,11 +77,12 @@ class FusedLinear(nn.Module):
         self.members, self.parts = tuple(members), tuple((m.weight, m.bias) for m in members)
 
     def runs(self, x: torch.Tensor) -> bool:
-        """Whether to multiply ``x`` here: one row (a decode step at batch 1; each output row is then its own
-        sum, the members' outputs bit for bit, where a prompt's GEMM may sum in another order for another N),
-        fusing on, and every member still holding the weight and bias it was fused with."""
+        """Whether to multiply ``x`` here: rows whose every output is its own sum (one row, or rows the C GEMVs
+        take: ``kernels.linear.rowwise``; then the members' outputs bit for bit, where a prompt's GEMM may sum in
+        another order for another N), fusing on, and every member still holding the weight and bias it was fused
+        with."""
         return (
-            FusedLinear.enabled and x.numel() == x.shape[-1]
+            FusedLinear.enabled and rowwise(x, self.weight)
             and all(m.weight is w and m.bias is b for m, (w, b) in zip(self.members, self.parts))
         )
 
