@@ -26,7 +26,6 @@ Timings on a shared VM vary between runs: compare figures from one run.
 """
 
 import random
-import statistics
 import time
 
 import click

@@ -336,7 +336,7 @@ def test_an_empty_system_message_is_sent_as_one(tmp_path):
 
 
 def test_a_ctrl_c_before_the_answer_begins_keeps_no_half_turn(tmp_path, monkeypatch):
-    # a Ctrl-C while the turn's KV cache is allocated: the question is dropped, so the next turn's history still
+    # a Ctrl-C while the turn's request is being queued: the question is dropped, so the next turn's history still
     # alternates (Gemma's, Mistral's and Llama 2's templates refuse two user messages in a row)
     from qinfer.engine.chat import ChatSession
 
@@ -347,15 +347,28 @@ def test_a_ctrl_c_before_the_answer_begins_keeps_no_half_turn(tmp_path, monkeypa
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    engine = generate_module.Engine
-    monkeypatch.setattr(generate_module, "Engine", interrupted)
+    monkeypatch.setattr(session.engine, "add", interrupted)
     with pytest.raises(KeyboardInterrupt):
         "".join(session.reply("first"))
     assert session.messages == []
-    monkeypatch.setattr(generate_module, "Engine", engine)
+    monkeypatch.undo()
     "".join(session.reply("second"))
     assert [(m["role"], m["content"]) for m in session.messages][0] == ("user", "second")
     assert [m["role"] for m in session.messages] == ["user", "assistant"]
+
+
+def test_a_chat_turn_reuses_the_conversation_the_engine_holds(tmp_path):
+    from qinfer.engine.chat import ChatSession
+
+    make_model("llama", tmp_path)
+    session = ChatSession(load_model(tmp_path, dtype=torch.float32), Tokenizer.from_folder(tmp_path),
+                          SamplingParams(max_tokens=12))
+    first, second = GenerationStats(), GenerationStats()
+    "".join(session.reply("It is a truth universally acknowledged, that a single man", first))
+    "".join(session.reply("However little known the feelings", second))
+    assert first.cached_tokens == 0
+    assert 16 <= second.cached_tokens < second.prompt_tokens  # whole blocks of the first turn, prompt and answer
+    assert "cached)" in second.summary()
 
 
 def test_chat_says_reset_only_when_there_is_a_conversation_to_clear(tmp_path):

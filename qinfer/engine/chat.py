@@ -9,7 +9,8 @@ import sys
 from collections.abc import Iterator
 
 from qinfer.errors import QinferError
-from qinfer.engine.generate import GenerationStats, compile_failure_note, generate
+from qinfer.engine.engine import Engine, EngineConfig
+from qinfer.engine.generate import GenerationStats, compile_failure_note, generate, kv_memory_for
 from qinfer.engine.sampling import ContextFull, SamplingParams
 from qinfer.model.decoder import Transformer
 from qinfer.sources.tokenizer import StreamDecoder, Tokenizer
@@ -55,6 +56,11 @@ class ChatSession:
         self.model, self.tokenizer, self.params, self.system = model, tokenizer, params, system
         self.compiled = compiled  # decode through torch.compile (qinfer.engine.generate.generate)
         self.kv_dtype = kv_dtype
+        # one engine for the session: each turn's prompt starts with the conversation so far, whose full blocks
+        # the prefix cache still holds, so a turn computes only what is new (blocks for the whole context, or
+        # the engine's default memory if that is less)
+        self.engine = None if compiled else Engine(model, config=EngineConfig(kv_dtype=kv_dtype, kv_memory=min(
+            EngineConfig.kv_memory, kv_memory_for(model, context, kv_dtype))), eos_ids=())
         self.messages: list[dict] = []
         self.reset()
 
@@ -77,7 +83,7 @@ class ChatSession:
         try:
             ids = _encoded(self.tokenizer, self.messages)
             tokens = generate(self.model, ids, self.params, stop_ids=self.tokenizer.eos_ids, stats=stats,
-                              compiled=self.compiled, kv_dtype=self.kv_dtype)
+                              compiled=self.compiled, kv_dtype=self.kv_dtype, engine=self.engine)
         except BaseException as e:  # the template refused the turn, the conversation no longer fits, or Ctrl-C
             self.messages.pop()  # before the answer began: the turn is not kept (nor two user turns in a row)
             if not isinstance(e, QinferError) or isinstance(e, ContextFull):

@@ -2,9 +2,10 @@
 ``decode_step`` one token at a time, sampling as configured."""
 
 import functools
+import itertools
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -23,6 +24,7 @@ PREFILL_CHUNK = 4096
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the engine's prefix cache held (not computed)
     generated_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -32,7 +34,9 @@ class GenerationStats:
 
     @property
     def prefill_tps(self) -> float:
-        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+        """Prompt tokens computed (not cached) per second."""
+        computed = self.prompt_tokens - self.cached_tokens
+        return computed / self.prefill_seconds if self.prefill_seconds else 0.0
 
     @property
     def decode_tps(self) -> float:
@@ -43,7 +47,8 @@ class GenerationStats:
     def summary(self) -> str:
         compiled = f", compiling the decode step {self.compile_seconds:.0f} s" if self.compile_steps else ""
         rate = f"at {self.decode_tps:.1f} tok/s" if self.decode_tps else "(no decode step after prefill's to time)"
-        prefill = f"prefill {self.prompt_tokens} tok at {self.prefill_tps:.1f} tok/s"
+        cached = f" ({self.cached_tokens} cached)" if self.cached_tokens else ""
+        prefill = f"prefill {self.prompt_tokens} tok{cached} at {self.prefill_tps:.1f} tok/s"
         return f"{prefill}, decode {self.generated_tokens} tok {rate}{compiled}"
 
 
@@ -127,10 +132,12 @@ def generate(
     should_stop: Callable[[], bool] = lambda: False,
     compiled: bool = False,
     kv_dtype: str = "bf16",
+    engine: Engine | None = None,
 ) -> Iterator[int]:
     """Generated token ids one by one (stop ids are not yielded), attending over a KV cache of ``kv_dtype``
     (qinfer.model.kv_cache: "int8" and "fp8" use the scales ``qinfer quantize --kv-cache`` stored, if any): one
-    request on the engine (``qinfer.engine.engine``), with a KV cache the size of the request. ``compiled``:
+    request on ``engine`` (``qinfer.engine.engine``; default: a new one with a KV cache the size of the request,
+    of ``kv_dtype``; a chat keeps one, so each turn reuses the cached conversation before it). ``compiled``:
     instead, one sequence's ``prefill`` and then :func:`compiled_decode_step` from the second step on (the first,
     eager, builds the kernels' weight layouts, which must not be made inside a traced step). A request that cannot
     run (an empty prompt, or one too long for the model's context) is refused here, before any token: the caller
@@ -144,31 +151,47 @@ def generate(
         )
     stats = stats if stats is not None else GenerationStats()
     if not compiled:
-        length = len(prompt_ids) + params.max_tokens
-        memory = KVCache.bytes_per_block(model.config, BLOCK_SIZE, kv_dtype, model.dtype) * -(-length // BLOCK_SIZE)
-        engine = Engine(model, config=EngineConfig(kv_dtype=kv_dtype, kv_memory=memory), eos_ids=stop_ids)
-        engine.add("generate", prompt_ids, params)
-        return _engine_tokens(engine, stats, should_stop)
+        if engine is None:
+            engine = Engine(model, config=EngineConfig(kv_dtype=kv_dtype, kv_memory=kv_memory_for(
+                model, len(prompt_ids) + params.max_tokens, kv_dtype)), eos_ids=())
+        request_id = f"generate-{next(_REQUESTS)}"
+        engine.add(request_id, prompt_ids, replace(params, stop_ids=tuple(params.stop_ids) + tuple(stop_ids)))
+        return _engine_tokens(engine, request_id, stats, should_stop)
     cache = make_cache(model, 1, len(prompt_ids) + params.max_tokens, kv_dtype)
     return _tokens(model, prompt_ids, params, stop_ids, stats, should_stop, compiled, cache)
 
 
-def _engine_tokens(engine: Engine, stats: GenerationStats, should_stop: Callable[[], bool]) -> Iterator[int]:
-    stats.prompt_tokens = len(engine.live["generate"].request.prompt)
+_REQUESTS = itertools.count()
+
+
+def kv_memory_for(model: Transformer, positions: int, kv_dtype: str = "bf16") -> int:
+    """Bytes of KV-cache blocks that hold ``positions`` positions of ``model``."""
+    return KVCache.bytes_per_block(model.config, BLOCK_SIZE, kv_dtype, model.dtype) * -(-positions // BLOCK_SIZE)
+
+
+def _engine_tokens(engine: Engine, request_id: str, stats: GenerationStats,
+                   should_stop: Callable[[], bool]) -> Iterator[int]:
+    stats.prompt_tokens = len(engine.live[request_id].request.prompt)
     start = time.perf_counter()
     try:
         while engine.has_work():
             for out in engine.step():
+                if out.id != request_id:
+                    continue
                 times = out.timings.tokens
+                stats.cached_tokens = out.cached_tokens
                 stats.prefill_seconds = times[0] - start
                 stats.decode_seconds, stats.decode_steps = times[-1] - times[0], len(times) - 1
                 for token in out.token_ids:
                     stats.generated_tokens += 1
                     yield token
-                if not out.finished and should_stop():
-                    engine.abort(out.id)
-    finally:  # also when the caller stops reading: the request's blocks go back (the cache is dropped anyway)
-        engine.abort("generate")
+                if out.finished:
+                    return
+                if should_stop():
+                    engine.abort(request_id)
+                    return
+    finally:  # also when the caller stops reading: the request's blocks go back
+        engine.abort(request_id)
 
 
 def _tokens(model, prompt_ids, params, stop_ids, stats, should_stop, compiled, cache) -> Iterator[int]:
