@@ -33,10 +33,17 @@ fixed point, the same rounding and bias), whichever rows share the call: a seque
 batch, and one row is just M = 1. ``ROWS_MAX`` bounds M per format where the kernels are not slower than the path
 the callers took before for M rows (oneDNN's bf16 matmul; PyTorch's int4 kernel, ``int4_cpu``; a dense matmul after
 the C dequantize), as ``gemv_bench --rows`` measured it on gemma3-270m's linears (docs/RESULTS-LOG.md, 2026-12-07):
-bf16 and FP8 take up to 4 rows (from 8 the matmuls are faster); 4-bit codes 1 (``int4_cpu``'s AVX-512 kernel is
-faster from 2 rows: these loops sum each row's groups apart, ``int4_cpu`` several rows' at once); 2-, 3- and 8-bit
-codes up to 4 (before, a dense matmul after dequantizing the whole weight each call). Past ``ROWS_MAX`` a batch's
-rows take those paths, whose sums depend on the batch.
+bf16 and FP8 take up to 4 rows (from 8 the matmuls are faster); 4-bit codes up to 64 where the AVX512-VNNI loop
+over tiles applies (below), else 1 (the one-row loops sum each row's groups apart, and ``int4_cpu``'s AVX-512
+kernel is faster from 2 rows); 2-, 3- and 8-bit codes up to 4 (before, a dense matmul after dequantizing the whole
+weight each call). Past ``ROWS_MAX`` a batch's rows take those paths, whose sums depend on the batch.
+
+4-bit codes on a CPU with AVX512-VNNI (bf16 or fp16 rows, groups of 64 or more) take a loop of their own for any M,
+one row included: each weight's codes are repacked once (``int4_tiles``: 16 output rows x 8 columns per 64-byte
+vector, kept beside the prepared Weight), a vector's nibbles unpacked once for up to 8 rows of x, whose fixed-point
+bytes (the same 15-bit x per group as the one-row VNNI loop) are broadcast into VPDPBUSD; exact int32 sums per row
+and output over a group, then one vector ``s * (t * step - z * sum x)`` per group into fp32 sums, no horizontal
+ones. Its cost grows little per row, and each output's arithmetic does not depend on the rows beside it.
 
 A prompt's GEMM needs its packed weights dense: ``dequantize`` and ``fp8_dequantize`` write an integer or FP8
 weight out in the activations' dtype, the format's own numbers bit for bit, in one pass, several times as fast as
@@ -65,8 +72,9 @@ from qinfer.kernels.prepared import per_weight, zero_groups
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _PREPARED: dict[str, dict] = {"bf16": {}, "int": {}, "fp8": {}}  # per_weight stores: (data pointers, Weight)
-# The most rows of x a call takes, per format (4-bit codes apart from 2, 3 and 8 bits): measured, see the docstring
-ROWS_MAX = {"bf16": 4, "int4": 1, "int": 4, "fp8": 4}
+# The most rows of x a call takes, per format (4-bit codes apart from 2, 3 and 8 bits): measured, see the docstring.
+# 4-bit codes take that many only through the loop over tiles (_tiled); elsewhere one row.
+ROWS_MAX = {"bf16": 4, "int4": 64, "int": 4, "fp8": 4}
 
 
 def _rows(x: torch.Tensor, K: int, kind: str, most: int | None = None) -> bool:
