@@ -45,8 +45,8 @@ from tqdm import tqdm
 from qinfer.errors import QinferError
 from qinfer.evals.costs import decode_bytes, decode_flops, prefill_bytes, prefill_flops, prefill_flops_by_dtype
 from qinfer.evals.roofline import DTYPES, Roofline, mbu, mfu
-from qinfer.engine.generate import (compile_failure_reason, compiled_decode_step, compiled_graphs, decode_step, greedy,
-                             prefill)
+from qinfer.engine.generate import compile_failure_reason, compiled_decode_step, compiled_graphs, decode_step, prefill
+from qinfer.engine.sampling import greedy
 from qinfer.model.kv_cache import KVCache, make_cache
 from qinfer.model.decoder import Transformer
 

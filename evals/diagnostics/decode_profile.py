@@ -34,7 +34,8 @@ from qinfer.cli.command import Command
 from qinfer.errors import QinferError
 from qinfer.evals.roofline import threads_text
 from qinfer.evals.speed import checked_prompt
-from qinfer.engine.generate import compiled_decode_step, decode_step, greedy, prefill
+from qinfer.engine.generate import compiled_decode_step, decode_step, prefill
+from qinfer.engine.sampling import greedy
 from qinfer.model.kv_cache import KVCache, make_cache
 from qinfer.model.loader import load_model
 from qinfer.sources.resolve import resolve_model
