@@ -103,7 +103,9 @@ def int_supported(x: torch.Tensor, weight: QuantizedWeight) -> bool:
     """Up to ``ROWS_MAX["int4"]`` rows (other widths: ``ROWS_MAX["int"]``) against 2-, 3-, 4- or 8-bit codes whose
     groups (or rows, per channel) are a multiple of 16 long."""
     group = weight.shape[1] if weight.group_size == -1 else weight.group_size
-    most = (ROWS_MAX["int4"] if _tiled(x.dtype, group) else 1) if weight.bits == 4 else None
+    # a gradient wanted through the scales (C has none): one row, as before the tiles, batches the PyTorch paths
+    grad = torch.is_grad_enabled() and weight.scale.requires_grad
+    most = (ROWS_MAX["int4"] if _tiled(x.dtype, group) and not grad else 1) if weight.bits == 4 else None
     return (
         _rows(x, weight.shape[1], "int4" if weight.bits == 4 else "int", most) and weight.bits in (2, 3, 4, 8)
         and group % 16 == 0 and weight.qweight.is_cpu and cpu_library.available()

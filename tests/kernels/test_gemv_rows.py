@@ -126,6 +126,10 @@ def test_int4_rows_up_to_rows_max_where_the_tiles_apply():
         assert not gemv_cpu.int_supported(torch.zeros(2, 256, dtype=torch.bfloat16), weight)
     with gemv_cpu.one_row_only():
         assert not gemv_cpu.int_supported(torch.zeros(2, 256, dtype=torch.bfloat16), weight)
+    tuned = QuantizedWeight(weight.qweight, weight.scale.clone().requires_grad_(), weight.zero, 4, 128, weight.shape)
+    assert not gemv_cpu.int_supported(torch.zeros(2, 256, dtype=torch.bfloat16), tuned)  # C has no gradients
+    with torch.no_grad():
+        assert gemv_cpu.int_supported(torch.zeros(2, 256, dtype=torch.bfloat16), tuned) == tiled
 
 
 @needs_kernels
