@@ -113,6 +113,8 @@ void qinfer_rms_norm(const void *x, const void *w, void *y, int64_t M, int64_t D
 typedef struct {
     const void *w, *scale, *zero;
     int64_t N, K, ld, group, bits;
+    const uint8_t *tiles;  /* 4-bit codes in int4_tiles.py's layout (NULL: none built), and their scales and */
+    const float *tile_sz;  /* zero points, for the AVX512-VNNI loop over 16 output rows at a time */
 } qinfer_weight;
 
 static inline __m256 bf16x8(const uint16_t *p) { /* 8 bf16 -> fp32: the bits move up by 16 */
@@ -634,6 +636,74 @@ int qinfer_int4_vnni(int loop) {
     return before;
 }
 
+/* The AVX512-VNNI loop over 16 output rows at a time (a tile, in int4_tiles.py's layout): each 64-byte vector holds
+ * 16 output rows x 8 columns of codes; its low nibbles (16 rows x 4 columns as bytes) and its high ones (the next
+ * 4) meet a row of x's 4 entries broadcast, one VPDPBUSD each, against x's high and low fixed-point bytes (the
+ * same x as INT4_ROWS_VNNI's, in column order: row m's high bytes at xc + 2 m K, its low ones K on). Each (row
+ * of x, output row) keeps two int32 lanes over a group, exact; at the group's end its sum t = 256 sum q h +
+ * sum q l becomes s (t step - z sum x) in fp32, added to the output's fp32 sum: no horizontal sums, and each
+ * output's arithmetic is the same whatever rows share its block. R (1-8, a constant where inlined) rows of x a
+ * pass: the tile's codes, unpacked once a vector, serve R rows from registers (8 rows: 24 accumulators of the 32
+ * registers). */
+#if QINFER_VNNI
+#define TILE_TARGET "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
+static inline __attribute__((always_inline, target(TILE_TARGET))) void int4_tile_m(
+        const qinfer_weight *wt, const x_rows *x, const int *rows, const int8_t *xc, int64_t t, float *out,
+        const int R) {
+    const int64_t K = wt->K, G = wt->group, ng = K / G;
+    const uint8_t *q = wt->tiles + t * 8 * K;
+    const float *sz = wt->tile_sz + t * ng * 32;
+    const __m512i low = _mm512_set1_epi8(0xF);
+    __m512 acc[8];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        __m512i h[8], l[8];
+        for (int r = 0; r < R; r++) h[r] = _mm512_setzero_si512(), l[r] = _mm512_setzero_si512();
+        for (int64_t k = g * G; k < (g + 1) * G; k += 8) {
+            const uint8_t *p = q + 8 * k;
+            PREFETCH(p);
+            __m512i v = _mm512_loadu_si512((const void *)p);
+            __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), low);
+            for (int r = 0; r < R; r++) {
+                const int8_t *xh = xc + 2 * rows[r] * K + k, *xl = xh + K;
+                int32_t h0, h1, l0, l1;
+                memcpy(&h0, xh, 4), memcpy(&h1, xh + 4, 4), memcpy(&l0, xl, 4), memcpy(&l1, xl + 4, 4);
+                h[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(h[r], lo, _mm512_set1_epi32(h0)), hi,
+                                           _mm512_set1_epi32(h1));
+                l[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(l[r], lo, _mm512_set1_epi32(l0)), hi,
+                                           _mm512_set1_epi32(l1));
+            }
+        }
+        const __m512 s = _mm512_loadu_ps(sz + g * 32), z = _mm512_loadu_ps(sz + g * 32 + 16);
+        for (int r = 0; r < R; r++) {
+            const int64_t mg = rows[r] * ng + g;
+            __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(h[r], 8), l[r]);
+            __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(x->step[mg]));
+            f = _mm512_fnmadd_ps(z, _mm512_set1_ps(x->xs[mg]), f);
+            acc[r] = _mm512_fmadd_ps(f, s, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
+}
+
+static __attribute__((target(TILE_TARGET))) void int4_tile(const qinfer_weight *wt, const x_rows *x, const int *rows,
+                                                           const int8_t *xc, int64_t t, float *out, int R) {
+    switch (R) {  /* the loop built for each count of rows */
+        case 8: int4_tile_m(wt, x, rows, xc, t, out, 8); break;
+        case 7: int4_tile_m(wt, x, rows, xc, t, out, 7); break;
+        case 6: int4_tile_m(wt, x, rows, xc, t, out, 6); break;
+        case 5: int4_tile_m(wt, x, rows, xc, t, out, 5); break;
+        case 4: int4_tile_m(wt, x, rows, xc, t, out, 4); break;
+        case 3: int4_tile_m(wt, x, rows, xc, t, out, 3); break;
+        case 2: int4_tile_m(wt, x, rows, xc, t, out, 2); break;
+        default: int4_tile_m(wt, x, rows, xc, t, out, 1);
+    }
+}
+#else
+static void int4_tile(const qinfer_weight *wt, const x_rows *x, const int *rows, const int8_t *xc, int64_t t,
+                      float *out, int R) {}  /* never called: no VNNI loop here */
+#endif
+
 /* Attention over int8 codes by integer dot products (AVX512-VNNI): the fp32 loops above do 4 FMAs per query
  * head, position and channel on codes of one byte, which on a 2-core CPU binds before the memory does. Each query
  * head (already times the channel scales) is put in 15-bit fixed point with its own step sq = max |q| / 32767
@@ -882,22 +952,15 @@ static void int_float_rows(const qinfer_weight *wt, const x_rows *x, int64_t M, 
     }
 }
 
-/* codes: uint8 [N, K*bits/8], bits 2, 3, 4 or 8 (4 bits: byte i of a row holds code 2i in its low nibble, 2i+1
- * in its high one; 2 and 3 bits: as narrow8 reads them); scale: fp16 [N, K/G]; zero: uint8 [N, K/G] or NULL
- * (symmetric: 2^(bits-1)). K % G == 0 and G % 16 == 0 (2, 3 and 8 bits: G % 8 == 0). Per weight row, the float
- * loop (int_float_rows) for rows of x that take it, the VNNI loop (INT4_ROWS_VNNI) for the others; then each
- * row's sums, less its zero term. */
-int qinfer_int_gemv(const qinfer_weight *wt, const void *x, const void *b, void *y, int64_t M, int dtype) {
-    const int64_t N = wt->N, K = wt->K, G = wt->group;
-    /* a group's int32 lanes reach at most (G / 64) * 2 * 4 * 15 * 64 * 256 (+ the low bytes' far smaller sums):
-     * below 2^31 for G up to 2^16. An fp32 row takes the float loop: x in 15-bit fixed point is finer than
-     * bf16 but not fp32 (relative errors near 1e-4 where the float loop's are near 1e-6) */
-    const int loop = wt->bits == 4 && dtype != 0 && G / 2 % 32 == 0 && G <= 65536 ? qinfer_int4_vnni(-1) : 0;
-    x_rows *r = prepare_rows(x, dtype, M, K, G, (int)wt->bits, loop);
-    if (!r) return 1;
+/* Weight row after weight row (split over the threads): the float loop (int_float_rows) for the rows of x (r) that
+ * take it, the VNNI loop (INT4_ROWS_VNNI, loop 1 or 2; 0: none) for the others, or none for them where skip (the
+ * loop over tiles has stored theirs); then each row's sums, less its zero term, stored. */
+static int int_rows_gemv(const qinfer_weight *wt, const x_rows *r, const void *b, void *y, int64_t M, int dtype,
+                         int loop, int skip) {
+    const int64_t N = wt->N, G = wt->group;
     int floats = 0, vnnis = 0;
     for (int64_t m = 0; m < M; m++) vnnis += r->vnni[m], floats += !r->vnni[m];
-    const int4_rows_vnni_fn rows_vnni = vnnis ? int4_rows_vnni[loop] : NULL;
+    const int4_rows_vnni_fn rows_vnni = vnnis && !skip ? int4_rows_vnni[loop] : NULL;
     int failed = 0;
     #pragma omp parallel
     {
@@ -915,10 +978,113 @@ int qinfer_int_gemv(const qinfer_weight *wt, const void *x, const void *b, void 
             if (floats) int_float_rows(wt, r, M, n, w, acc, zacc);
             if (rows_vnni) rows_vnni(wt, r, M, n, (uint8_t *)(zacc + M), acc, zacc);
             for (int64_t m = 0; m < M; m++)
-                store_out(y, b, dtype, m, N, n, hsum(_mm256_loadu_ps(acc + 8 * m)) - zacc[m]);
+                if (!(skip && r->vnni[m]))
+                    store_out(y, b, dtype, m, N, n, hsum(_mm256_loadu_ps(acc + 8 * m)) - zacc[m]);
         }
         free(w);
     }
+    return failed;
+}
+
+/* x [M, K] (bf16 or fp16) as the loop over tiles reads it: per row m and group g, xs (sum of x), step (max |x| /
+ * 16383: INT4_ROWS_VNNI's fixed point) and each x's high and low bytes in column order (xc: row m's at 2 m K, then K
+ * on); ok[m] where the row takes the loop (as prepare_rows decides: its x and steps finite, no step subnormal).
+ * 16 entries at a time. */
+#if QINFER_VNNI
+static __attribute__((target(TILE_TARGET))) void prepare_tiled(const void *x, int dtype, int64_t M, int64_t K,
+                                                               int64_t G, int *ok, float *xs, float *step, int8_t *xc) {
+    const int64_t ng = K / G;
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t *xm = (const uint16_t *)x + m * K;
+        int good = 1;
+        for (int64_t g = 0; g < ng; g++) {
+            __m512 s = _mm512_setzero_ps(), top = s;
+            for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+                __m256i h = _mm256_loadu_si256((const __m256i *)(xm + k));
+                __m512 v = dtype == 1 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+                                      : _mm512_cvtph_ps(h);
+                s = _mm512_add_ps(s, v), top = _mm512_max_ps(top, _mm512_abs_ps(v));
+            }
+            /* a NaN in x: s is NaN (max would drop it); an infinity: s infinite or NaN */
+            const float sum = _mm512_reduce_add_ps(s), mx = _mm512_reduce_max_ps(top);
+            xs[m * ng + g] = sum, step[m * ng + g] = mx / 16383.f;
+            good &= isfinite(sum) && isfinite(mx) && (mx == 0.f || mx >= 16383.f * FLT_MIN);
+        }
+        ok[m] = good;
+        for (int64_t g = 0; g < ng && good; g++) {
+            const float st = step[m * ng + g];
+            const __m512 to_int = _mm512_set1_ps(st > 0.f ? 1.f / st : 0.f);
+            for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+                __m256i h = _mm256_loadu_si256((const __m256i *)(xm + k));
+                __m512 v = dtype == 1 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+                                      : _mm512_cvtph_ps(h);
+                __m512i i = _mm512_cvtps_epi32(_mm512_mul_ps(v, to_int));  /* to nearest even, as lrintf */
+                __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(i, _mm512_set1_epi32(128)), 8);
+                __m512i lo = _mm512_sub_epi32(i, _mm512_slli_epi32(hi, 8));
+                _mm_storeu_si128((__m128i *)(xc + 2 * m * K + k), _mm512_cvtepi32_epi8(hi));
+                _mm_storeu_si128((__m128i *)(xc + 2 * m * K + K + k), _mm512_cvtepi32_epi8(lo));
+            }
+        }
+    }
+}
+#else
+static void prepare_tiled(const void *x, int dtype, int64_t M, int64_t K, int64_t G, int *ok, float *xs, float *step,
+                          int8_t *xc) {}  /* never called: no VNNI loop here */
+#endif
+
+/* M rows of x (bf16 or fp16) against 4-bit codes with tiles built, groups of 64 or more: the rows that take the VNNI
+ * loop through int4_tile, tile after tile split over the threads, 8 rows a pass, their outputs stored (with the
+ * bias); any others (a NaN or infinity) through the float loop (int_rows_gemv). */
+static int int4_tiles_gemv(const qinfer_weight *wt, const void *x, const void *b, void *y, int64_t M, int dtype) {
+    const int64_t N = wt->N, K = wt->K, G = wt->group, T = (N + 15) / 16, ng = K / G;
+    x_rows *r = malloc(sizeof(x_rows) + sizeof(float) * 2 * M * ng + sizeof(int) * 2 * M + 2 * M * K);
+    if (!r) return 1;
+    r->xs = (float *)(r + 1), r->step = r->xs + M * ng, r->vnni = (int *)(r->step + M * ng);
+    int *rows = r->vnni + M;
+    int8_t *xc = (int8_t *)(rows + M);
+    prepare_tiled(x, dtype, M, K, G, r->vnni, r->xs, r->step, xc);
+    int64_t nv = 0, failed = 0;
+    for (int64_t m = 0; m < M; m++)
+        if (r->vnni[m]) rows[nv++] = (int)m;
+    #pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        float out[8 * 16];
+        for (int64_t i = 0; i < nv; i += 8) {
+            const int R = nv - i < 8 ? (int)(nv - i) : 8;
+            int4_tile(wt, r, rows + i, xc, t, out, R);
+            for (int q = 0; q < R; q++)
+                for (int64_t j = 0; j < 16 && 16 * t + j < N; j++)
+                    store_out(y, b, dtype, rows[i + q], N, 16 * t + j, out[16 * q + j]);
+        }
+    }
+    if (nv < M) {  /* the float loop's rows, prepared as it reads them */
+        x_rows *f = prepare_rows(x, dtype, M, K, G, 4, 0);
+        if (!f) failed = 1;
+        else {
+            memcpy(f->vnni, r->vnni, sizeof(int) * M);
+            failed = int_rows_gemv(wt, f, b, y, M, dtype, 0, 1);
+            free(f);
+        }
+    }
+    free(r);
+    return (int)failed;
+}
+
+/* codes: uint8 [N, K*bits/8], bits 2, 3, 4 or 8 (4 bits: byte i of a row holds code 2i in its low nibble, 2i+1
+ * in its high one; 2 and 3 bits: as narrow8 reads them); scale: fp16 [N, K/G]; zero: uint8 [N, K/G] or NULL
+ * (symmetric: 2^(bits-1)). K % G == 0 and G % 16 == 0 (2, 3 and 8 bits: G % 8 == 0). Per weight row, the float
+ * loop (int_float_rows) for rows of x that take it, the VNNI loop (INT4_ROWS_VNNI) for the others; then each
+ * row's sums, less its zero term. */
+int qinfer_int_gemv(const qinfer_weight *wt, const void *x, const void *b, void *y, int64_t M, int dtype) {
+    const int64_t K = wt->K, G = wt->group;
+    /* a group's int32 lanes reach at most (G / 64) * 2 * 4 * 15 * 64 * 256 (+ the low bytes' far smaller sums):
+     * below 2^31 for G up to 2^16. An fp32 row takes the float loop: x in 15-bit fixed point is finer than
+     * bf16 but not fp32 (relative errors near 1e-4 where the float loop's are near 1e-6) */
+    const int loop = wt->bits == 4 && dtype != 0 && G / 2 % 32 == 0 && G <= 65536 ? qinfer_int4_vnni(-1) : 0;
+    if (loop == 2 && wt->tiles) return int4_tiles_gemv(wt, x, b, y, M, dtype);
+    x_rows *r = prepare_rows(x, dtype, M, K, G, (int)wt->bits, loop);
+    if (!r) return 1;
+    int failed = int_rows_gemv(wt, r, b, y, M, dtype, loop, 0);
     free(r);
     return failed;
 }

@@ -33,10 +33,17 @@ fixed point, the same rounding and bias), whichever rows share the call: a seque
 batch, and one row is just M = 1. ``ROWS_MAX`` bounds M per format where the kernels are not slower than the path
 the callers took before for M rows (oneDNN's bf16 matmul; PyTorch's int4 kernel, ``int4_cpu``; a dense matmul after
 the C dequantize), as ``gemv_bench --rows`` measured it on gemma3-270m's linears (docs/RESULTS-LOG.md, 2026-12-07):
-bf16 and FP8 take up to 4 rows (from 8 the matmuls are faster); 4-bit codes 1 (``int4_cpu``'s AVX-512 kernel is
-faster from 2 rows: these loops sum each row's groups apart, ``int4_cpu`` several rows' at once); 2-, 3- and 8-bit
-codes up to 4 (before, a dense matmul after dequantizing the whole weight each call). Past ``ROWS_MAX`` a batch's
-rows take those paths, whose sums depend on the batch.
+bf16 and FP8 take up to 4 rows (from 8 the matmuls are faster); 4-bit codes up to 64 where the AVX512-VNNI loop
+over tiles applies (below), else 1 (the one-row loops sum each row's groups apart, and ``int4_cpu``'s AVX-512
+kernel is faster from 2 rows); 2-, 3- and 8-bit codes up to 4 (before, a dense matmul after dequantizing the whole
+weight each call). Past ``ROWS_MAX`` a batch's rows take those paths, whose sums depend on the batch.
+
+4-bit codes on a CPU with AVX512-VNNI (bf16 or fp16 rows, groups of 64 or more) take a loop of their own for any M,
+one row included: each weight's codes are repacked once (``int4_tiles``: 16 output rows x 8 columns per 64-byte
+vector, kept beside the prepared Weight), a vector's nibbles unpacked once for up to 8 rows of x, whose fixed-point
+bytes (the same 15-bit x per group as the one-row VNNI loop) are broadcast into VPDPBUSD; exact int32 sums per row
+and output over a group, then one vector ``s * (t * step - z * sum x)`` per group into fp32 sums, no horizontal
+ones. Its cost grows little per row, and each output's arithmetic does not depend on the rows beside it.
 
 A prompt's GEMM needs its packed weights dense: ``dequantize`` and ``fp8_dequantize`` write an integer or FP8
 weight out in the activations' dtype, the format's own numbers bit for bit, in one pass, several times as fast as
@@ -60,18 +67,28 @@ from torch.autograd import profiler
 from qinfer.format import Fp8Weight, QuantizedWeight
 from qinfer.kernels import cpu_library
 from qinfer.kernels.cpu_library import DTYPE_CODES, OPS
+from qinfer.kernels.int4_tiles import tile_int4
 from qinfer.kernels.prepared import per_weight, zero_groups
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _PREPARED: dict[str, dict] = {"bf16": {}, "int": {}, "fp8": {}}  # per_weight stores: (data pointers, Weight)
-# The most rows of x a call takes, per format (4-bit codes apart from 2, 3 and 8 bits): measured, see the docstring
-ROWS_MAX = {"bf16": 4, "int4": 1, "int": 4, "fp8": 4}
+# The most rows of x a call takes, per format (4-bit codes apart from 2, 3 and 8 bits): measured, see the docstring.
+# 4-bit codes take that many only through the loop over tiles (_tiled); elsewhere one row.
+ROWS_MAX = {"bf16": 4, "int4": 64, "int": 4, "fp8": 4}
 
 
-def _rows(x: torch.Tensor, K: int, kind: str) -> bool:
-    """x is [..., K] on CPU, of a dtype the kernels take, with 1 to ``ROWS_MAX[kind]`` rows."""
-    return x.is_cpu and x.dim() > 0 and x.shape[-1] == K > 0 and 1 <= x.numel() // K <= ROWS_MAX[kind] \
+def _rows(x: torch.Tensor, K: int, kind: str, most: int | None = None) -> bool:
+    """x is [..., K] on CPU, of a dtype the kernels take, with 1 to ``ROWS_MAX[kind]`` (or ``most``) rows."""
+    most = ROWS_MAX[kind] if most is None else most
+    return x.is_cpu and x.dim() > 0 and x.shape[-1] == K > 0 and 1 <= x.numel() // K <= most \
         and x.dtype in DTYPE_CODES
+
+
+def _tiled(x_dtype: torch.dtype, group: int) -> bool:
+    """Whether 4-bit rows of ``x_dtype`` against groups of ``group`` take the AVX512-VNNI loop over tiles of 16
+    output rows (bf16 or fp16 rows, groups of 64 or more, the CPU and the switches on that loop): the loop whose
+    cost grows little per row. Elsewhere the 4-bit loops sum each row's groups apart, and take one row."""
+    return x_dtype != torch.float32 and group % 64 == 0 and group <= 65536 and cpu_library.int4_vnni() == "AVX512-VNNI"
 
 
 def bf16_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -86,8 +103,11 @@ def int_supported(x: torch.Tensor, weight: QuantizedWeight) -> bool:
     """Up to ``ROWS_MAX["int4"]`` rows (other widths: ``ROWS_MAX["int"]``) against 2-, 3-, 4- or 8-bit codes whose
     groups (or rows, per channel) are a multiple of 16 long."""
     group = weight.shape[1] if weight.group_size == -1 else weight.group_size
+    # a gradient wanted through the scales (C has none): one row, as before the tiles, batches the PyTorch paths
+    grad = torch.is_grad_enabled() and weight.scale.requires_grad
+    most = (ROWS_MAX["int4"] if _tiled(x.dtype, group) and not grad else 1) if weight.bits == 4 else None
     return (
-        _rows(x, weight.shape[1], "int4" if weight.bits == 4 else "int") and weight.bits in (2, 3, 4, 8)
+        _rows(x, weight.shape[1], "int4" if weight.bits == 4 else "int", most) and weight.bits in (2, 3, 4, 8)
         and group % 16 == 0 and weight.qweight.is_cpu and cpu_library.available()
     )
 
@@ -109,7 +129,7 @@ class Weight(ctypes.Structure):
     elsewhere (by the model), built once per weight (:func:`_prepared`)."""
 
     _fields_ = [("w", _P), ("scale", _P), ("zero", _P), ("N", _I64), ("K", _I64), ("ld", _I64), ("group", _I64),
-                ("bits", _I64)]
+                ("bits", _I64), ("tiles", _P), ("tile_sz", _P)]
 
 
 def bf16_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -173,6 +193,9 @@ def _int_weight(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor |
         weight = Weight(qweight.data_ptr(), scales.data_ptr(), None if zero is None else zero.data_ptr(), N, K,
                         qweight.stride(0), G, bits)
         weight.scales = scales  # kept alive while the Weight is: it may be a copy
+        if bits == 4 and _tiled(torch.bfloat16, G):  # the layout of the loop over tiles (int4_tiles), on its CPUs
+            weight.tiled = tile_int4(qweight, scales, zero, G)  # kept alive, as scales
+            weight.tiles, weight.tile_sz = (t.data_ptr() for t in weight.tiled)
         return weight
 
     return _prepared(_PREPARED["int"], qweight, (qweight, scale, zero), build)

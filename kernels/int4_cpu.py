@@ -1,6 +1,7 @@
 """CPU fast path for 4-bit weights: PyTorch's int4 weight-only matmul for CPU (AVX-512/AVX2 kernels). A
-single row goes to ``gemv_cpu``'s C kernel instead where it is built; this one takes 2-255 rows (and one where
-the C kernel is not built).
+single row goes to ``gemv_cpu``'s C kernel instead where it is built, and so do up to ``gemv_cpu.ROWS_MAX["int4"]``
+rows where its AVX512-VNNI loop over tiles applies (batch-invariant, where this kernel's sums depend on M); this one
+takes the other calls of fewer than ``max_rows`` rows.
 
 ``torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, G, scales_and_zeros)`` computes ``x @ W^T`` with
 ``W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n]`` (``g = k // G``), reading 4-bit codes and unpacking

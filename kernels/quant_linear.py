@@ -3,8 +3,8 @@
 ``dequant_linear_ref`` dequantizes the whole weight, then runs a dense matmul: correct for every format
 and device, and the definition the fast kernels are tested against, but it materialises the dense weight
 on every call. ``quant_linear`` is the entry point: on a GPU the Triton dequant-matmul (``triton_matmul``);
-on CPU, for a decode step's row (or up to ``gemv_cpu.ROWS_MAX`` of them) of integer weights, ``gemv_cpu``'s C
-kernel where it is built; else
+on CPU, for a decode step's row (or up to ``gemv_cpu.ROWS_MAX`` of them: 4-bit batches where its AVX512-VNNI
+loop over tiles applies) of integer weights, ``gemv_cpu``'s C kernel where it is built; else
 the int4 kernel where it applies (fewer than ``int4_cpu.max_rows`` rows), else for one bf16 row the int8
 kernel (other bit widths), else the reference, which is also a long prefill's fast path: a GEMM in the
 activations' dtype (in fp32 on a CPU without native bf16 GEMMs: ``qinfer.kernels.dense``), after

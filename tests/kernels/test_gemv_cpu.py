@@ -111,8 +111,8 @@ def test_int_row_matches_the_exact_product(N, K, group_size, symmetric, dtype, b
         _check(outs[-1], x.double() @ w.T, x.double().abs() @ w.abs().T, dtype, fixed)
     if not vnni:  # no VNNI loop takes this row: whichever is selected, the float loop runs, the same bits
         assert all(torch.equal(out, outs[-1]) for out in outs)
-    elif len(outs) == 3:  # AVX-VNNI and AVX512-VNNI: one body, the same exact integer sums
-        assert torch.equal(outs[0], outs[1])
+    # (AVX-VNNI's loop and AVX512-VNNI's over tiles of 16 outputs take the same exact integer sums per group but
+    # scale them in other fp32 orders: each within the bound above, not bit for bit the same)
 
 
 @needs_kernels

@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from qinfer.format import Fp8Weight, QuantizedWeight, unpack
-from qinfer.kernels import gemv_cpu
+from qinfer.kernels import cpu_library, gemv_cpu
 from qinfer.kernels.linear import linear
 from qinfer.kernels.quant_linear import dequant_linear_ref
 from tests.kernels.test_gemv_cpu import _check, _fixed_point_error, _fp8, _int, _int4_loops, needs_kernels
 
-ROWS = [1, 2, 3, 7, 16, 64]
+ROWS = [1, 2, 3, 5, 7, 16, 33, 64]  # the 4-bit tiles' blocks of 8 rows, whole and in part
 
 
 def _rows(M: int, K: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -74,6 +74,7 @@ def test_bf16_rows_are_each_row_alone(M, K, with_bias):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_int_rows_are_each_row_alone(M, K, group_size, symmetric, dtype, bits):
+    # 19 outputs: a tile of 16 (the 4-bit AVX512-VNNI loop's) and 3 of a padded one
     weight = _int(19, K, group_size, symmetric, seed=K + bits, bits=bits)
     x = _rows(M, K, dtype, seed=M)
     bias = _bias(19, dtype, M % 2 == 1)
@@ -91,15 +92,44 @@ def test_int_rows_are_each_row_alone(M, K, group_size, symmetric, dtype, bits):
 
 
 @needs_kernels
-def test_int4_rows_each_choose_their_own_loop():
-    # a row with a NaN takes the float loop, its neighbours the VNNI one: each still has its bits alone
-    weight = _int(16, 256, 128, False)
-    x = _rows(5, 256, torch.bfloat16, seed=3)
-    x[2, 7] = float("nan")
+@pytest.mark.parametrize("M", [5, 33])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int4_rows_each_choose_their_own_loop(M, dtype):
+    # a row with a NaN (or an infinity) takes the float loop, its neighbours the VNNI one: each still has its bits
+    # alone, and the other rows' outputs are the ones they have without it
+    weight = _int(40, 256, 128, False)
+    x = _rows(M, 256, dtype, seed=3)
+    clean = x.clone()
+    x[2, 7], x[M - 1, 0] = float("nan"), float("inf")
+    others = [m for m in range(M) if m not in (2, M - 1)]
     for path, _ in _int4_loops():
         with path():
             got = _same_as_alone(gemv_cpu.int_gemv, x, weight)
-        assert torch.isnan(got[2]).all() and torch.isfinite(got[[0, 1, 3, 4]]).all()
+            assert torch.equal(got[others], gemv_cpu.int_gemv(clean, weight)[others])
+        assert torch.isnan(got[2]).all() and not torch.isfinite(got[M - 1]).any()
+        assert torch.isfinite(got[others]).all()
+
+
+@needs_kernels
+def test_int4_rows_up_to_rows_max_where_the_tiles_apply():
+    # the AVX512-VNNI loop over tiles takes bf16 and fp16 batches of up to ROWS_MAX["int4"] rows, groups of 64 or
+    # more; elsewhere (fp32 rows, groups of 32, no AVX512-VNNI, or switched off) 4-bit calls take one row
+    weight, small = _int(40, 256, 128, False), _int(40, 256, 32, False)
+    most = gemv_cpu.ROWS_MAX["int4"]
+    tiled = cpu_library.int4_vnni() == "AVX512-VNNI"
+    for M, dtype, w in [(2, torch.bfloat16, weight), (most, torch.float16, weight), (2, torch.float32, weight),
+                        (2, torch.bfloat16, small)]:
+        want = tiled and dtype != torch.float32 and w is weight
+        assert gemv_cpu.int_supported(torch.zeros(M, 256, dtype=dtype), weight if w is weight else small) == want
+    assert not gemv_cpu.int_supported(torch.zeros(most + 1, 256, dtype=torch.bfloat16), weight)
+    with cpu_library.without_vnni():
+        assert not gemv_cpu.int_supported(torch.zeros(2, 256, dtype=torch.bfloat16), weight)
+    with gemv_cpu.one_row_only():
+        assert not gemv_cpu.int_supported(torch.zeros(2, 256, dtype=torch.bfloat16), weight)
+    tuned = QuantizedWeight(weight.qweight, weight.scale.clone().requires_grad_(), weight.zero, 4, 128, weight.shape)
+    assert not gemv_cpu.int_supported(torch.zeros(2, 256, dtype=torch.bfloat16), tuned)  # C has no gradients
+    with torch.no_grad():
+        assert gemv_cpu.int_supported(torch.zeros(2, 256, dtype=torch.bfloat16), tuned) == tiled
 
 
 @needs_kernels
