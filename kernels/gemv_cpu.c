@@ -270,6 +270,14 @@ static void scores_i8(const rows_t *kr, const rows_t *vr, const float *qf, int64
                       int64_t j1, float *sc, int64_t n, float scale, const rows_t *kp, float *top);
 static void weighted_i8(const rows_t *vr, const float *p, int64_t n, int64_t j0, int64_t D, float *acc, int64_t G);
 
+/* How many chunks of keys a sequence of S positions is split into: one per 1024 positions, at least one per
+ * thread (at most S). */
+static int64_t key_chunks(int64_t S) {
+    int64_t chunks = (S + 1023) / 1024;
+    if (chunks < omp_get_max_threads()) chunks = S < omp_get_max_threads() ? S : omp_get_max_threads();
+    return chunks;
+}
+
 static int attention_rows(const void *q, const void *k, const void *v, void *out, int64_t B, int64_t H,
                           int64_t Hkv, int64_t S, int64_t D, int64_t qb, int64_t qh, int64_t kb, int64_t kh,
                           int64_t ks, int64_t vb, int64_t vh, int64_t vs, float scale, int dtype, int kv_dtype,
@@ -280,9 +288,9 @@ static int attention_rows(const void *q, const void *k, const void *v, void *out
     int shift_p = 0;
     while (table && ((int64_t)1 << shift_p) < P) shift_p++;
     const size_t esz = esize(dtype), kvsz = esize(kv_dtype);
-    int64_t chunks = (S + 1023) / 1024;
-    if (chunks < omp_get_max_threads()) chunks = S < omp_get_max_threads() ? S : omp_get_max_threads();
-    const int64_t tasks = B * Hkv * chunks, len = (S + chunks - 1) / chunks;
+    /* every sequence's keys split by its own range alone (key_chunks), so its sums do not depend on the others';
+     * chunks is the most any sequence has, the rest of a shorter one's chunks empty (weight 0 in the combine) */
+    const int64_t chunks = key_chunks(S), tasks = B * Hkv * chunks;
     float *part = malloc(sizeof(float) * tasks * per_task);
     if (!part) return 1;
     int failed = 0;
@@ -292,7 +300,8 @@ static int attention_rows(const void *q, const void *k, const void *v, void *out
     for (int64_t t = 0; t < tasks; t++) {
         int64_t b = t / (Hkv * chunks), g = t / chunks % Hkv;
         const int64_t lo = table ? starts[b] : 0, hi = table ? ends[b] : S;  /* this sequence's keys */
-        int64_t j0 = lo + t % chunks * len, j1 = j0 + len < hi ? j0 + len : hi;
+        const int64_t own = key_chunks(hi - lo), len = (hi - lo + own - 1) / own;
+        int64_t j0 = t % chunks < own ? lo + t % chunks * len : hi, j1 = j0 + len < hi ? j0 + len : hi;
         if (j0 > hi) j0 = hi;
         float *acc = part + t * per_task, *top = acc + G * D, *total = top + G;
         float *buf = malloc(sizeof(float) * (G * D + G * (j1 > j0 ? j1 - j0 : 1)));
@@ -410,8 +419,8 @@ int qinfer_decode_attention(const void *q, const void *k, const void *v, void *o
 
 /* The same over a paged cache (qinfer.format, "The paged KV cache"): k, v: [N, Hkv, P, D] pools of kv_dtype
  * (P a power of two), k_pos, v_pos: [N, Hkv, P] fp32 or NULL; sequence b's keys starts[b]..ends[b]-1 through its
- * block table, table + b * tb ([B, tb] int64). Chunks of keys split as above, over the longest range: where
- * every sequence has the same range, the sums are those of qinfer_decode_attention over the same keys. */
+ * block table, table + b * tb ([B, tb] int64). Each sequence's keys are split as above by its own range: its sums
+ * are the same whatever other sequences share the call, and those of qinfer_decode_attention over the same keys. */
 int qinfer_paged_decode_attention(const void *q, const void *k, const void *v, void *out, int64_t B, int64_t H,
                                   int64_t Hkv, int64_t D, int64_t qb, int64_t qh, float scale, int dtype,
                                   int kv_dtype, const float *k_scale, const float *v_scale, const float *k_pos,

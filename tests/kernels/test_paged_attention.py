@@ -147,6 +147,26 @@ def test_c_paged_decode_sums_as_the_slice_loop_over_the_same_keys():
     assert torch.equal(paged, sliced)
 
 
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "fp8"])
+def test_c_paged_decode_gives_each_sequence_what_it_gets_alone(kv_dtype):
+    # a sequence's chunks of keys follow its own range, so its sums do not depend on the others in the call
+    from qinfer.kernels.attention_cpu import paged_decode_attention
+
+    _c_loop()
+    Hkv, D, P, lengths = 1, 256, 16, [1, 7, 300, 2500, 40, 1025]
+    k_pages, v_pages, scales, tables, _ = _fill(lengths, Hkv, D, P, kv_dtype)
+    if kv_dtype == "bf16":
+        k_pages, v_pages = k_pages.bfloat16(), v_pages.bfloat16()
+    q = torch.randn(len(lengths), 4, 1, D, dtype=torch.bfloat16)
+    ends = torch.tensor(lengths)
+    starts = (ends - 512).clamp_min(0) * (ends > 1000)  # a window for the long ones
+    together = paged_decode_attention(q, k_pages, v_pages, tables, starts, ends, 0.0625, **scales)
+    for b in range(len(lengths)):
+        alone = paged_decode_attention(q[b:b + 1], k_pages, v_pages, tables[b:b + 1], starts[b:b + 1],
+                                       ends[b:b + 1], 0.0625, **scales)
+        assert torch.equal(together[b:b + 1], alone), b
+
+
 @pytest.mark.parametrize("D, group", [(64, 1), (128, 4), (256, 8), (256, 3)])
 def test_int8_codes_through_integer_dot_products_stay_close_to_the_fp32_loop(D, group):
     # the queries quantized to int8 per head: scores within a few thousandths of their range, the output
