@@ -172,7 +172,9 @@ def test_act_order_checkpoint_without_static_groups(bits, symmetric):
     assert qw.perm is not None
     assert torch.equal(qw.dequantize(torch.float32), _reference_dequant(t, "p", bits))
     x = torch.randn(3, K)
-    assert torch.allclose(linear(x, qw), x @ _reference_dequant(t, "p", bits).T, atol=1e-4)
+    expected = x @ _reference_dequant(t, "p", bits).T
+    # (fp32 rows through the C kernels: within 1e-4 of the output's scale, as qinfer.kernels.gemv_cpu states)
+    assert torch.allclose(linear(x, qw), expected, atol=1e-4 * float(expected.abs().max()))
     back = to_gptq_tensors(qw, "p")  # written back as it was read
     assert set(back) == set(t) and all(torch.equal(back[k], t[k]) for k in t)
 
