@@ -111,7 +111,9 @@ def _blocks(requests, block_size: int = 16) -> int:
 def main(model, concurrency, per_client, check, seed):
     """Throughput, latency, prefix caching and batch invariance of the engine on this CPU."""
     from qinfer.calib.austen import heldout_text
-    from qinfer.cli.commands import _open
+    from qinfer.model.loader import load_model
+    from qinfer.sources.resolve import resolve_model
+    from qinfer.sources.tokenizer import Tokenizer
     from qinfer.evals.main_job import quantized_dir
 
     if model is None:
@@ -120,7 +122,8 @@ def main(model, concurrency, per_client, check, seed):
             raise QinferError(f"no model given and {folder} is not there: run `qinfer demo` first, or pass MODEL")
         model = str(folder)
     levels = [int(c) for c in concurrency.split(",")]
-    lm, tokenizer = _open(model, "bf16")
+    folder = resolve_model(model)
+    lm, tokenizer = load_model(folder, dtype=torch.bfloat16, run=True), Tokenizer.from_folder(folder)
     text = tokenizer.encode(heldout_text(), add_bos=False)
     bench = Bench(lm, tokenizer, text, seed)
     print(f"model {model}; {torch.get_num_threads()} threads; {EngineConfig()}")
