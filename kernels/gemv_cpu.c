@@ -563,18 +563,17 @@ static inline __attribute__((always_inline, target(BF16_TARGET))) __m256 sums8(c
     return _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
 }
 
-/* w: the block's 8 weight rows; x: R rows K apart; pf: where to prefetch (row j at pf + j ld), or NULL; out: the
- * R rows' 8 sums */
+/* w: the block's 8 weight rows; x: R rows K apart; pf: npf rows to prefetch (row j at pf + j ld); out: the R
+ * rows' 8 sums */
 static inline __attribute__((always_inline, target(BF16_TARGET))) void bf16_pass_m(
-        const uint16_t *const *w, const uint16_t *x, int64_t K, const uint16_t *pf, int64_t ld, float *out,
+        const uint16_t *const *w, const uint16_t *x, int64_t K, const uint16_t *pf, int npf, int64_t ld, float *out,
         const int R) {
     __m512 acc[3][BF16_BLOCK];
     for (int r = 0; r < R; r++)
         for (int j = 0; j < BF16_BLOCK; j++) acc[r][j] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
-        if (pf)
-            for (int j = 0; j < BF16_BLOCK; j++) _mm_prefetch((const char *)(pf + j * ld + k), _MM_HINT_T1);
+        for (int j = 0; j < npf; j++) _mm_prefetch((const char *)(pf + j * ld + k), _MM_HINT_T1);
         __m512bh xv[3];
         for (int r = 0; r < R; r++) xv[r] = (__m512bh)_mm512_loadu_si512((const void *)(x + r * K + k));
         for (int j = 0; j < BF16_BLOCK; j++) {
@@ -595,38 +594,40 @@ static inline __attribute__((always_inline, target(BF16_TARGET))) void bf16_pass
 }
 
 static __attribute__((target(BF16_TARGET))) void bf16_pass(const uint16_t *const *w, const uint16_t *x, int64_t K,
-                                                          const uint16_t *pf, int64_t ld, float *out, int R) {
+                                                          const uint16_t *pf, int npf, int64_t ld, float *out, int R) {
     switch (R) {  /* the loop built for each count of rows */
-        case 3: bf16_pass_m(w, x, K, pf, ld, out, 3); break;
-        case 2: bf16_pass_m(w, x, K, pf, ld, out, 2); break;
-        default: bf16_pass_m(w, x, K, pf, ld, out, 1);
+        case 3: bf16_pass_m(w, x, K, pf, npf, ld, out, 3); break;
+        case 2: bf16_pass_m(w, x, K, pf, npf, ld, out, 2); break;
+        default: bf16_pass_m(w, x, K, pf, npf, ld, out, 1);
     }
 }
 
 /* y = x W^T (+ b), x: bf16 [M, K], W: bf16 [N, K] rows ld apart. The threads split groups of BF16_GROUP blocks
  * (32 weight rows, 40 KiB at K = 640: held in L2 while they serve every row of x); within a group, BF16_CHUNK rows
  * of x at a time (15 KiB at K = 640) meet each block in turn, so that chunk and the block (10 KiB) are read from
- * L1 by the chunk's passes, where 64 rows of x (80 KiB) would push the block out of it. The last chunk's first pass
- * over each block prefetches the same block of the next group (into L2: the hardware prefetchers stop at each
- * 4 KiB page). */
+ * L1 by the chunk's passes, where 64 rows of x (80 KiB) would push the block out of it. The passes over a block
+ * prefetch the same block of the next group into L2 (the hardware prefetchers stop at each 4 KiB page), its 8 rows
+ * shared out over the passes so that no pass asks for many lines at once. */
 #define BF16_GROUP 4
 #define BF16_CHUNK 12
 static int bf16_dot_gemv(const qinfer_weight *wt, const void *x, const void *b, void *y, int64_t M) {
     const int64_t N = wt->N, K = wt->K, ld = wt->ld, rows = BF16_GROUP * BF16_BLOCK;
     const uint16_t *W = (const uint16_t *)wt->w, *xs = (const uint16_t *)x;
+    const int64_t passes = M / BF16_CHUNK * ((BF16_CHUNK + 2) / 3) + (M % BF16_CHUNK + 2) / 3;  /* per block */
     #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < (N + rows - 1) / rows; g++) {
-        for (int64_t c = 0; c < M; c += BF16_CHUNK) {
+        for (int64_t c = 0, p = 0; c < M; c += BF16_CHUNK, p += (BF16_CHUNK + 2) / 3) {
             const int64_t c1 = c + BF16_CHUNK < M ? c + BF16_CHUNK : M;
             for (int64_t n0 = g * rows; n0 < (g + 1) * rows && n0 < N; n0 += BF16_BLOCK) {
                 const uint16_t *w[BF16_BLOCK];
                 for (int j = 0; j < BF16_BLOCK; j++)  /* rows past N: summed, never stored */
                     w[j] = W + (n0 + j < N ? n0 + j : N - 1) * ld;
-                const uint16_t *pf = c1 == M ? W + (n0 + rows) * ld : NULL;
                 float out[3 * BF16_BLOCK];
-                for (int64_t m = c; m < c1; m += 3) {
+                for (int64_t m = c, q = p; m < c1; m += 3, q++) {  /* q: the pass's number over this block */
                     const int R = c1 - m < 3 ? (int)(c1 - m) : 3;
-                    bf16_pass(w, xs + m * K, K, m == c ? pf : NULL, ld, out, R);
+                    const int64_t lo = (BF16_BLOCK * q + passes - 1) / passes;  /* its rows of the next group */
+                    const int64_t hi = (BF16_BLOCK * (q + 1) + passes - 1) / passes;
+                    bf16_pass(w, xs + m * K, K, W + (n0 + rows + lo) * ld, (int)(hi - lo), ld, out, R);
                     for (int r = 0; r < R; r++) {
                         if (n0 + BF16_BLOCK <= N) {  /* the bias added in fp32, then one rounding, as store_out */
                             __m256 v = _mm256_loadu_ps(out + 8 * r);
