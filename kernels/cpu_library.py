@@ -261,6 +261,9 @@ def bf16_dot() -> bool:
     return available() and library()[0].qinfer_bf16_dot(-1) == 1
 
 
+bf16_dot._dynamo_marked_constant = True  # as available(): a traced graph keeps the loop's row bound it was traced with
+
+
 @contextlib.contextmanager
 def bf16_without_dot():
     """Inside it, bf16 rows take the fp32 loop even where the CPU has AVX512-BF16 (a side-by-side timing, or a
