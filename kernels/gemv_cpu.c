@@ -593,7 +593,7 @@ static inline __attribute__((always_inline, target(BF16_TARGET))) void bf16_pass
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, sums8(acc[r]));
 }
 
-static __attribute__((target(BF16_TARGET))) void bf16_pass(const uint16_t *const *w, const uint16_t *x, int64_t K,
+static inline __attribute__((always_inline, target(BF16_TARGET))) void bf16_pass(const uint16_t *const *w, const uint16_t *x, int64_t K,
                                                           const uint16_t *pf, int npf, int64_t ld, float *out, int R) {
     switch (R) {  /* the loop built for each count of rows */
         case 3: bf16_pass_m(w, x, K, pf, npf, ld, out, 3); break;
@@ -610,7 +610,7 @@ static __attribute__((target(BF16_TARGET))) void bf16_pass(const uint16_t *const
  * shared out over the passes so that no pass asks for many lines at once. */
 #define BF16_GROUP 4
 #define BF16_CHUNK 12
-static int bf16_dot_gemv(const qinfer_weight *wt, const void *x, const void *b, void *y, int64_t M) {
+static __attribute__((target(BF16_TARGET))) int bf16_dot_gemv(const qinfer_weight *wt, const void *x, const void *b, void *y, int64_t M) {
     const int64_t N = wt->N, K = wt->K, ld = wt->ld, rows = BF16_GROUP * BF16_BLOCK;
     const uint16_t *W = (const uint16_t *)wt->w, *xs = (const uint16_t *)x;
     const int64_t passes = M / BF16_CHUNK * ((BF16_CHUNK + 2) / 3) + (M % BF16_CHUNK + 2) / 3;  /* per block */
