@@ -3,8 +3,8 @@
  * Built and loaded by cpu_library.py (gemv_cpu.py, norm_cpu.py and attention_cpu.py document why); OpenMP
  * splits the GEMVs' weight rows and the attention's chunks of keys.
  *
- * Every product and sum is fp32 (the 4-bit VNNI loop's: exact integers, scaled once a group); each output is
- * rounded once to the activations' dtype.
+ * Every product and sum is fp32 (the 4-bit VNNI loop's: exact integers, scaled once a group; the AVX512-BF16 loop's:
+ * exact products, each lane's two rounded once into its sum); each output is rounded once to the activations' dtype.
  * dtype codes: 0 = fp32, 1 = bf16, 2 = fp16; a quantized KV cache's keys and values also 3 = int8, 4 = E4M3
  * (read as 2^-8 times their value: e4m3x8). Each entry point but the norm (which allocates nothing) returns
  * 0, or 1 when it could not allocate its fp32 scratch (a row's copy, a head's scores).
