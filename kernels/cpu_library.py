@@ -99,6 +99,7 @@ def library() -> tuple[ctypes.CDLL | None, str]:
         kernel.argtypes, kernel.restype = [_P, _P, ctypes.c_int], ctypes.c_int
     lib.qinfer_int4_vnni.argtypes, lib.qinfer_int4_vnni.restype = [ctypes.c_int], ctypes.c_int
     lib.qinfer_attention_i8_vnni.argtypes, lib.qinfer_attention_i8_vnni.restype = [ctypes.c_int], ctypes.c_int
+    lib.qinfer_bf16_dot.argtypes, lib.qinfer_bf16_dot.restype = [ctypes.c_int], ctypes.c_int
     return lib, ""
 
 
@@ -251,6 +252,29 @@ def attention_without_vnni():
     finally:
         if lib is not None:
             lib.qinfer_attention_i8_vnni(prior)
+
+
+def bf16_dot() -> bool:
+    """Whether bf16 rows against a bf16 weight take the AVX512-BF16 loop (VDPBF16PS, any number of rows, one
+    included) rather than the fp32 one: where the CPU has it, the compiler knew it, and
+    :func:`bf16_without_dot` is off."""
+    return available() and library()[0].qinfer_bf16_dot(-1) == 1
+
+
+bf16_dot._dynamo_marked_constant = True  # as available(): a traced graph keeps the loop's row bound it was traced with
+
+
+@contextlib.contextmanager
+def bf16_without_dot():
+    """Inside it, bf16 rows take the fp32 loop even where the CPU has AVX512-BF16 (a side-by-side timing, or a
+    test comparing the two)."""
+    lib = library()[0] if available() else None
+    prior = lib.qinfer_bf16_dot(0) if lib is not None else None
+    try:
+        yield
+    finally:
+        if lib is not None:
+            lib.qinfer_bf16_dot(prior)
 
 
 # The operators torch.compile sees, a fragment of the qinfer namespace: each kernel's module defines its own

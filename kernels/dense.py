@@ -1,12 +1,12 @@
 """Dense linears: ``y = x @ W^T + b`` for a plain tensor ``W`` on whatever device it lives.
 
-A few bf16 rows on CPU (a decode step, or a batch of up to ``gemv_cpu.ROWS_MAX["bf16"]`` of them) go to
-``gemv_cpu``'s C kernel where it is built: each row's output the bits it has alone, and from a weight read once for
-all of them (past that many rows oneDNN's matmul is faster: ``gemv_cpu``). A single row without the kernel
-bypasses oneDNN: for ``M == 1`` its bf16 matmul streams a weight from memory at a fraction of the rate of
-ATen's own GEMV (also fp32 accumulation); at a few rows oneDNN is already faster (measured in
-``docs/RESULTS-LOG.md``). The switch is the process-wide ``torch.backends.mkldnn.enabled``, restored after
-the call.
+A few bf16 rows on CPU (a decode step, or a batch of up to ``gemv_cpu.bf16_rows_max()`` of them: 64 on a CPU with
+AVX512-BF16, else 4) go to ``gemv_cpu``'s C kernel where it is built: each row's output the bits it has alone, and
+from a weight read once for all of them (past that many rows oneDNN's matmul is faster or level: ``gemv_cpu``);
+``dense_dtype`` names the dtype each path multiplies in. A single row without the kernel bypasses oneDNN: for
+``M == 1`` its bf16 matmul streams a weight from memory at a fraction of the rate of ATen's own GEMV (also fp32
+accumulation); at a few rows oneDNN is already faster (measured in ``docs/RESULTS-LOG.md``). The switch is the
+process-wide ``torch.backends.mkldnn.enabled``, restored after the call.
 
 A CPU without native half-precision GEMMs (AVX2 only: no AVX512-BF16 or AMX; oneDNN declines bf16 there and
 torch falls back to a generic kernel several times slower than its fp32 GEMM) multiplies
@@ -42,6 +42,15 @@ def product_dtype(dtype: torch.dtype, device: torch.device, rows: int) -> torch.
     if device.type == "cpu" and rows >= HALF_FP32_MIN_ROWS and not native_half_gemm(dtype):
         return torch.float32
     return dtype
+
+
+def dense_dtype(weight: torch.Tensor, x_dtype: torch.dtype, device: torch.device, rows: int) -> torch.dtype:
+    """The dtype ``dense_linear`` multiplies ``rows`` rows of ``x_dtype`` against ``weight`` in: bf16 for the rows
+    ``gemv_cpu``'s C GEMV takes (bf16 products, exact in fp32, summed in fp32), else :func:`product_dtype`."""
+    if device.type == "cpu" and x_dtype == weight.dtype == torch.bfloat16 and gemv_cpu.cpu_library.available() \
+            and 1 <= rows <= gemv_cpu.bf16_rows_max():
+        return torch.bfloat16
+    return product_dtype(x_dtype, device, rows)
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

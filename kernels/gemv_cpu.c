@@ -3,8 +3,8 @@
  * Built and loaded by cpu_library.py (gemv_cpu.py, norm_cpu.py and attention_cpu.py document why); OpenMP
  * splits the GEMVs' weight rows and the attention's chunks of keys.
  *
- * Every product and sum is fp32 (the 4-bit VNNI loop's: exact integers, scaled once a group); each output is
- * rounded once to the activations' dtype.
+ * Every product and sum is fp32 (the 4-bit VNNI loop's: exact integers, scaled once a group; the AVX512-BF16 loop's:
+ * exact products, each lane's two rounded once into its sum); each output is rounded once to the activations' dtype.
  * dtype codes: 0 = fp32, 1 = bf16, 2 = fp16; a quantized KV cache's keys and values also 3 = int8, 4 = E4M3
  * (read as 2^-8 times their value: e4m3x8). Each entry point but the norm (which allocates nothing) returns
  * 0, or 1 when it could not allocate its fp32 scratch (a row's copy, a head's scores).
@@ -539,8 +539,140 @@ static int dense_gemv(const qinfer_weight *wt, const void *x, const void *b, voi
     return failed;
 }
 
-/* W: bf16 [N, K], rows ld elements apart */
+/* bf16 rows against a bf16 weight by VDPBF16PS (AVX512-BF16): each instruction multiplies 32 pairs of bf16 (exact
+ * in fp32) and adds each lane's two products to its fp32 sum, rounding once per lane (to nearest even; denormal
+ * inputs and results read and written as zero). A block of BF16_BLOCK output rows (their weight rows, 8 x 2 K
+ * bytes, stay in L1) meets up to 3 rows of x a pass: 24 accumulators, one per (row of x, output row), each a
+ * single chain over the columns, 32 at a time in column order, the last part of 32 masked to zeros (any K). Each
+ * weight vector is loaded once for the pass's rows, each x vector once for the 8 outputs. At the end of a pass
+ * the 8 accumulators of a row of x become one vector of its 8 sums (sums8), by the same tree of adds in every
+ * lane. An output's arithmetic depends only on its row of x, its weight row and K: the same whatever M is and
+ * whichever rows share its pass, so M = 1 is this loop too (bf16_dot_gemv orders the passes and prefetches). */
+#if defined(__clang__) ? __clang_major__ >= 11 : __GNUC__ >= 10  /* compilers that know AVX512-BF16 */
+#define QINFER_BF16_DOT 1
+#define BF16_TARGET "avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16"
+#define BF16_BLOCK 8
+
+/* lane i: the sum of a[i]'s 16 lanes, ((a0 + a8) + (a1 + a9)) + ((a2 + a10) + (a3 + a11)) plus the same over 4-7
+ * and 12-15, whichever i */
+static inline __attribute__((always_inline, target(BF16_TARGET))) __m256 sums8(const __m512 *a) {
+    __m256 h[8];
+    for (int i = 0; i < 8; i++) h[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]), _mm512_extractf32x8_ps(a[i], 1));
+    __m256 q0 = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+    __m256 q1 = _mm256_hadd_ps(_mm256_hadd_ps(h[4], h[5]), _mm256_hadd_ps(h[6], h[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
+}
+
+/* w: the block's 8 weight rows; x: R rows K apart; pf: npf rows to prefetch (row j at pf + j ld); out: the R
+ * rows' 8 sums */
+static inline __attribute__((always_inline, target(BF16_TARGET))) void bf16_pass_m(
+        const uint16_t *const *w, const uint16_t *x, int64_t K, const uint16_t *pf, int npf, int64_t ld, float *out,
+        const int R) {
+    __m512 acc[3][BF16_BLOCK];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < BF16_BLOCK; j++) acc[r][j] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        for (int j = 0; j < npf; j++) _mm_prefetch((const char *)(pf + j * ld + k), _MM_HINT_T1);
+        __m512bh xv[3];
+        for (int r = 0; r < R; r++) xv[r] = (__m512bh)_mm512_loadu_si512((const void *)(x + r * K + k));
+        for (int j = 0; j < BF16_BLOCK; j++) {
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(w[j] + k));
+            for (int r = 0; r < R; r++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv, xv[r]);
+        }
+    }
+    if (k < K) {
+        const __mmask32 part = (__mmask32)((1ull << (K - k)) - 1);
+        __m512bh xv[3];
+        for (int r = 0; r < R; r++) xv[r] = (__m512bh)_mm512_maskz_loadu_epi16(part, x + r * K + k);
+        for (int j = 0; j < BF16_BLOCK; j++) {
+            const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(part, w[j] + k);
+            for (int r = 0; r < R; r++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv, xv[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, sums8(acc[r]));
+}
+
+static inline __attribute__((always_inline, target(BF16_TARGET))) void bf16_pass(const uint16_t *const *w, const uint16_t *x, int64_t K,
+                                                          const uint16_t *pf, int npf, int64_t ld, float *out, int R) {
+    switch (R) {  /* the loop built for each count of rows */
+        case 3: bf16_pass_m(w, x, K, pf, npf, ld, out, 3); break;
+        case 2: bf16_pass_m(w, x, K, pf, npf, ld, out, 2); break;
+        default: bf16_pass_m(w, x, K, pf, npf, ld, out, 1);
+    }
+}
+
+/* y = x W^T (+ b), x: bf16 [M, K], W: bf16 [N, K] rows ld apart. The threads split groups of BF16_GROUP blocks
+ * (32 weight rows, 40 KiB at K = 640: held in L2 while they serve every row of x); within a group, BF16_CHUNK rows
+ * of x at a time (15 KiB at K = 640) meet each block in turn, so that chunk and the block (10 KiB) are read from
+ * L1 by the chunk's passes, where 64 rows of x (80 KiB) would push the block out of it. The passes over a block
+ * prefetch the same block of the next group into L2 (the hardware prefetchers stop at each 4 KiB page), its 8 rows
+ * shared out over the passes so that no pass asks for many lines at once. */
+#define BF16_GROUP 4
+#define BF16_CHUNK 12
+static __attribute__((target(BF16_TARGET))) int bf16_dot_gemv(const qinfer_weight *wt, const void *x, const void *b, void *y, int64_t M) {
+    const int64_t N = wt->N, K = wt->K, ld = wt->ld, rows = BF16_GROUP * BF16_BLOCK;
+    const uint16_t *W = (const uint16_t *)wt->w, *xs = (const uint16_t *)x;
+    const int64_t passes = M / BF16_CHUNK * ((BF16_CHUNK + 2) / 3) + (M % BF16_CHUNK + 2) / 3;  /* per block */
+    #pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < (N + rows - 1) / rows; g++) {
+        for (int64_t c = 0, p = 0; c < M; c += BF16_CHUNK, p += (BF16_CHUNK + 2) / 3) {
+            const int64_t c1 = c + BF16_CHUNK < M ? c + BF16_CHUNK : M;
+            for (int64_t n0 = g * rows; n0 < (g + 1) * rows && n0 < N; n0 += BF16_BLOCK) {
+                const uint16_t *w[BF16_BLOCK];
+                for (int j = 0; j < BF16_BLOCK; j++)  /* rows past N: summed, never stored */
+                    w[j] = W + (n0 + j < N ? n0 + j : N - 1) * ld;
+                float out[3 * BF16_BLOCK];
+                for (int64_t m = c, q = p; m < c1; m += 3, q++) {  /* q: the pass's number over this block */
+                    const int R = c1 - m < 3 ? (int)(c1 - m) : 3;
+                    const int64_t lo = (BF16_BLOCK * q + passes - 1) / passes;  /* its rows of the next group */
+                    const int64_t hi = (BF16_BLOCK * (q + 1) + passes - 1) / passes;
+                    bf16_pass(w, xs + m * K, K, W + (n0 + rows + lo) * ld, (int)(hi - lo), ld, out, R);
+                    for (int r = 0; r < R; r++) {
+                        if (n0 + BF16_BLOCK <= N) {  /* the bias added in fp32, then one rounding, as store_out */
+                            __m256 v = _mm256_loadu_ps(out + 8 * r);
+                            if (b) v = _mm256_add_ps(v, bf16x8((const uint16_t *)b + n0));
+                            store8(y, 1, (m + r) * N + n0, v);
+                        } else {
+                            for (int64_t j = 0; n0 + j < N; j++) store_out(y, b, 1, m + r, N, n0 + j, out[8 * r + j]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+static int bf16_dot_on_cpu(void) {
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+#else
+#define QINFER_BF16_DOT 0
+static int bf16_dot_gemv(const qinfer_weight *wt, const void *x, const void *b, void *y, int64_t M) {
+    return 1;  /* never called: qinfer_bf16_dot says 0 */
+}
+static int bf16_dot_on_cpu(void) { return 0; }
+#endif
+
+/* -1: not asked yet; then whether bf16 rows take the AVX512-BF16 loop (1) or the fp32 one (0) */
+static int bf16_dot = -1;
+
+/* Whether bf16 rows against a bf16 weight take the AVX512-BF16 loop (at first: where the CPU has it and the
+ * compiler knew it). on = 0 turns it off, 1 on where the CPU has it, any other value only asks. Returns the
+ * setting before. */
+int qinfer_bf16_dot(int on) {
+    if (bf16_dot < 0) bf16_dot = bf16_dot_on_cpu();
+    int before = bf16_dot;
+    if (on == 0 || (on == 1 && bf16_dot_on_cpu())) bf16_dot = on;
+    return before;
+}
+
+/* W: bf16 [N, K], rows ld elements apart. bf16 rows take the AVX512-BF16 loop where it is on (qinfer_bf16_dot);
+ * fp32 and fp16 rows, and bf16 ones without it, the fp32 loop (dense_gemv). */
 int qinfer_bf16_gemv(const qinfer_weight *wt, const void *x, const void *b, void *y, int64_t M, int dtype) {
+    if (dtype == 1 && qinfer_bf16_dot(-1) == 1) return bf16_dot_gemv(wt, x, b, y, M);
     return dense_gemv(wt, x, b, y, M, dtype, 0);
 }
 

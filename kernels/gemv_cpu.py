@@ -33,7 +33,8 @@ fixed point, the same rounding and bias), whichever rows share the call: a seque
 batch, and one row is just M = 1. ``ROWS_MAX`` bounds M per format where the kernels are not slower than the path
 the callers took before for M rows (oneDNN's bf16 matmul; PyTorch's int4 kernel, ``int4_cpu``; a dense matmul after
 the C dequantize), as ``gemv_bench --rows`` measured it on gemma3-270m's linears (docs/RESULTS-LOG.md, 2026-12-07):
-bf16 and FP8 take up to 4 rows (from 8 the matmuls are faster); 4-bit codes up to 64 where the AVX512-VNNI loop
+bf16 rows up to 64 where the AVX512-BF16 loop applies (below; else 4), FP8 up to 4 (from 8 the matmuls are
+faster); 4-bit codes up to 64 where the AVX512-VNNI loop
 over tiles applies (below), else 1 (the one-row loops sum each row's groups apart, and ``int4_cpu``'s AVX-512
 kernel is faster from 2 rows); 2-, 3- and 8-bit codes up to 4 (before, a dense matmul after dequantizing the whole
 weight each call). Past ``ROWS_MAX`` a batch's rows take those paths, whose sums depend on the batch.
@@ -44,6 +45,15 @@ vector, kept beside the prepared Weight), a vector's nibbles unpacked once for u
 bytes (the same 15-bit x per group as the one-row VNNI loop) are broadcast into VPDPBUSD; exact int32 sums per row
 and output over a group, then one vector ``s * (t * step - z * sum x)`` per group into fp32 sums, no horizontal
 ones. Its cost grows little per row, and each output's arithmetic does not depend on the rows beside it.
+
+bf16 rows against a bf16 weight on a CPU with AVX512-BF16 take a loop of their own for any M, one row included, on
+the weight's own layout (gemma3's lm_head is also its embedding table: no repacked copy): VDPBF16PS multiplies 32
+pairs of bf16 a vector (exact in fp32) and adds each lane's two products to its fp32 sum, rounding once per lane and
+reading and writing denormals as zero. Blocks of 8 output rows meet up to 3 rows of x a pass, one accumulator per
+(row, output), each summed over the columns in one fixed order, the last part of 32 masked (any K); a pass's 8
+accumulators per row become one vector of sums by the same tree in every lane. ``cpu_library.bf16_without_dot``
+takes the fp32 loop instead (widened weight tiles, fp32 FMAs), as fp32 and fp16 rows always do; the two loops'
+outputs differ in their sums' order and roundings, each within one bf16 rounding and the fp32 sum's error.
 
 A prompt's GEMM needs its packed weights dense: ``dequantize`` and ``fp8_dequantize`` write an integer or FP8
 weight out in the activations' dtype, the format's own numbers bit for bit, in one pass, several times as fast as
@@ -73,8 +83,10 @@ from qinfer.kernels.prepared import per_weight, zero_groups
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _PREPARED: dict[str, dict] = {"bf16": {}, "int": {}, "fp8": {}}  # per_weight stores: (data pointers, Weight)
 # The most rows of x a call takes, per format (4-bit codes apart from 2, 3 and 8 bits): measured, see the docstring.
-# 4-bit codes take that many only through the loop over tiles (_tiled); elsewhere one row.
-ROWS_MAX = {"bf16": 4, "int4": 64, "int": 4, "fp8": 4}
+# 4-bit codes take that many only through the loop over tiles (_tiled); elsewhere one row. bf16 rows take that many
+# only through the AVX512-BF16 loop (cpu_library.bf16_dot); through the fp32 loop at most BF16_FP32_LOOP_ROWS.
+ROWS_MAX = {"bf16": 64, "int4": 64, "int": 4, "fp8": 4}
+BF16_FP32_LOOP_ROWS = 4
 
 
 def _rows(x: torch.Tensor, K: int, kind: str, most: int | None = None) -> bool:
@@ -91,11 +103,20 @@ def _tiled(x_dtype: torch.dtype, group: int) -> bool:
     return x_dtype != torch.float32 and group % 64 == 0 and group <= 65536 and cpu_library.int4_vnni() == "AVX512-VNNI"
 
 
+def bf16_rows_max() -> int:
+    """The most bf16 rows a bf16 GEMV call takes here: ``ROWS_MAX["bf16"]`` through the AVX512-BF16 loop, else at
+    most ``BF16_FP32_LOOP_ROWS`` (the fp32 loop's cost grows by about a one-row call per row)."""
+    most = ROWS_MAX["bf16"]
+    return most if cpu_library.bf16_dot() else min(most, BF16_FP32_LOOP_ROWS)
+
+
 def bf16_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Up to ``ROWS_MAX["bf16"]`` bf16 rows against a bf16 weight [N, K] whose rows are contiguous."""
+    """Up to :func:`bf16_rows_max` bf16 rows against a bf16 weight [N, K] (any K) whose rows are contiguous, with no
+    gradient wanted through either (C has none: a dequantized weight being tuned takes PyTorch's product)."""
+    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     return (
-        weight.dim() == 2 and _rows(x, weight.shape[1], "bf16") and x.dtype == weight.dtype == torch.bfloat16
-        and weight.is_cpu and weight.stride(1) == 1 and cpu_library.available()
+        weight.dim() == 2 and x.dtype == weight.dtype == torch.bfloat16 and weight.is_cpu and weight.stride(1) == 1
+        and not grad and cpu_library.available() and _rows(x, weight.shape[1], "bf16", bf16_rows_max())
     )
 
 

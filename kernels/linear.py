@@ -9,7 +9,7 @@ import torch
 
 from qinfer.format import Fp8Weight, QuantizedWeight
 from qinfer.kernels import gemv_cpu
-from qinfer.kernels.dense import dense_linear, product_dtype
+from qinfer.kernels.dense import dense_dtype, dense_linear
 from qinfer.kernels.quant_linear import fp8_linear, fp8_linear_dtype, quant_linear, quant_linear_dtype
 
 
@@ -47,4 +47,4 @@ def matmul_dtype(weight, x_dtype: torch.dtype, device: torch.device, rows: int) 
         return quant_linear_dtype(weight, x_dtype, device, rows)
     if isinstance(weight, Fp8Weight):
         return fp8_linear_dtype(weight, x_dtype, device, rows)
-    return product_dtype(x_dtype, device, rows)
+    return dense_dtype(weight, x_dtype, device, rows)

@@ -133,7 +133,7 @@ def test_a_member_given_a_new_weight_runs_on_its_own(tmp_path):
     plain, model = load_model(tmp_path), load_model(tmp_path, run=True)
     attn = model.model.layers[0].self_attn
     x = torch.randn(1, 1, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
-    rows = gemv_cpu.ROWS_MAX["bf16"] if gemv_cpu.cpu_library.available() else 1  # rows the C GEMV sums alone
+    rows = gemv_cpu.bf16_rows_max() if gemv_cpu.cpu_library.available() else 1  # rows the C GEMV sums alone
     assert attn.fused.runs(x) and attn.fused.runs(x.expand(1, rows, 64)) and not attn.fused.runs(
         x.expand(1, rows + 1, 64))
     with separate_linears():

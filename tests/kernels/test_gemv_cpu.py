@@ -1,5 +1,6 @@
 """The C one-row kernels against exact (float64) products, the dispatch to them, their build and their fallback."""
 
+import contextlib
 import functools
 import gc
 import os
@@ -43,6 +44,11 @@ def _int4_loops():
     return loops + [(cpu_library.without_vnni, False)]
 
 
+def _bf16_loops():
+    """Each loop bf16 rows can take on this CPU: the AVX512-BF16 one where it has it, and the fp32 one."""
+    return ([contextlib.nullcontext] if cpu_library.bf16_dot() else []) + [cpu_library.bf16_without_dot]
+
+
 def _int(N, K, group_size, symmetric, seed=0, bits=4) -> QuantizedWeight:
     W = torch.randn(N, K, generator=torch.Generator().manual_seed(seed)) * 0.05
     return rtn_quantize(W, QuantScheme(method="rtn", bits=bits, group_size=group_size, symmetric=symmetric))
@@ -57,14 +63,16 @@ def _fp8(N, K, granularity, seed=0) -> Fp8Weight:
 
 @needs_kernels
 @pytest.mark.parametrize("N", [1, 5, 1001])
-@pytest.mark.parametrize("K", [8, 72, 77, 640])  # the 32-wide loop, its 8-wide tail and a scalar tail
+@pytest.mark.parametrize("K", [8, 72, 77, 640])  # the 32-wide loop, its 8-wide tail and a scalar tail (masked)
 def test_bf16_row_matches_the_exact_product(N, K):
     g = torch.Generator().manual_seed(N * K)
     weight, x = torch.randn(N, K, generator=g).bfloat16(), torch.randn(1, K, generator=g).bfloat16()
     assert gemv_cpu.bf16_supported(x, weight)
-    got = gemv_cpu.bf16_gemv(x, weight)
-    assert got.shape == (1, N)
-    _check(got, x.double() @ weight.double().T, x.double().abs() @ weight.double().abs().T, torch.bfloat16)
+    for loop in _bf16_loops():
+        with loop():
+            got = gemv_cpu.bf16_gemv(x, weight)
+        assert got.shape == (1, N)
+        _check(got, x.double() @ weight.double().T, x.double().abs() @ weight.double().abs().T, torch.bfloat16)
 
 
 @needs_kernels
@@ -81,7 +89,7 @@ def test_bf16_rows_apart_bias_and_leading_dimensions():
     _check(with_bias, x.double() @ weight.double().T + bias.double(),
            x.double().abs() @ weight.double().abs().T + bias.double().abs(), torch.bfloat16)
     assert not gemv_cpu.bf16_supported(x, table.T)  # columns apart: PyTorch's kernel
-    past = gemv_cpu.ROWS_MAX["bf16"] + 1
+    past = gemv_cpu.bf16_rows_max() + 1
     assert not gemv_cpu.bf16_supported(torch.randn(past, 640).bfloat16(), weight)  # more rows: PyTorch's GEMM
     assert not gemv_cpu.bf16_supported(torch.randn(1, 639).bfloat16(), weight)  # a mismatch: torch's own error
     with pytest.raises(RuntimeError):

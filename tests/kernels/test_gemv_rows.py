@@ -8,9 +8,9 @@ from qinfer.format import Fp8Weight, QuantizedWeight, unpack
 from qinfer.kernels import cpu_library, gemv_cpu
 from qinfer.kernels.linear import linear
 from qinfer.kernels.quant_linear import dequant_linear_ref
-from tests.kernels.test_gemv_cpu import _check, _fixed_point_error, _fp8, _int, _int4_loops, needs_kernels
+from tests.kernels.test_gemv_cpu import _bf16_loops, _check, _fixed_point_error, _fp8, _int, _int4_loops, needs_kernels
 
-ROWS = [1, 2, 3, 5, 7, 16, 33, 64]  # the 4-bit tiles' blocks of 8 rows, whole and in part
+ROWS = [1, 2, 3, 5, 7, 8, 16, 33, 64]  # the 4-bit tiles' blocks of 8 rows and the bf16 passes of 3, whole and in part
 
 
 def _rows(M: int, K: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -56,15 +56,57 @@ def _factored(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
 
 @needs_kernels
 @pytest.mark.parametrize("M", ROWS)
-@pytest.mark.parametrize("K", [77, 640, 2100])  # a scalar tail; tiles of 1024 columns and a part one
+@pytest.mark.parametrize("K", [32, 77, 640, 2100])  # whole and masked parts of 32; tiles of 1024 columns and a part one
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bf16_rows_are_each_row_alone(M, K, with_bias):
+    # 37 outputs: 4 blocks of 8 (the AVX512-BF16 loop's) and 5 of a padded one; 37 groups of 32 at K = 640 are 2
+    # groups of 4 blocks split over the threads, and a part one
     g = torch.Generator().manual_seed(M * K)
-    weight, x = torch.randn(37, K, generator=g).bfloat16(), _rows(M, K, torch.bfloat16, seed=M)
-    bias = _bias(37, torch.bfloat16, with_bias)
-    assert gemv_cpu.bf16_supported(x, weight) == (M <= gemv_cpu.ROWS_MAX["bf16"])
-    got = _same_as_alone(gemv_cpu.bf16_gemv, x, weight, bias)
-    _check(got, *_exact(x, weight.double(), bias), torch.bfloat16)
+    N = 37 if K != 640 else 37 * 32
+    weight, x = torch.randn(N, K, generator=g).bfloat16(), _rows(M, K, torch.bfloat16, seed=M)
+    bias = _bias(N, torch.bfloat16, with_bias)
+    assert gemv_cpu.bf16_supported(x, weight) == (M <= gemv_cpu.bf16_rows_max())
+    for loop in _bf16_loops():
+        with loop():
+            got = _same_as_alone(gemv_cpu.bf16_gemv, x, weight, bias)
+        _check(got, *_exact(x, weight.double(), bias), torch.bfloat16)
+
+
+@needs_kernels
+@pytest.mark.parametrize("M", [5, 33])
+def test_bf16_rows_apart_and_a_nan_row_leave_the_others_alone(M):
+    # weight rows 700 elements apart (a view into a wider table); a NaN in one row of x and an infinity in another:
+    # those rows' outputs are not finite, the others' are the ones they have without them
+    g = torch.Generator().manual_seed(M)
+    weight = torch.randn(101, 700, generator=g).bfloat16()[:, 30:670]
+    x, bias = _rows(M, 640, torch.bfloat16, seed=M), _bias(101, torch.bfloat16, True)
+    clean = x.clone()
+    x[2, 7], x[M - 1, 0] = float("nan"), float("inf")
+    others = [m for m in range(M) if m not in (2, M - 1)]
+    for loop in _bf16_loops():
+        with loop():
+            got = _same_as_alone(gemv_cpu.bf16_gemv, x, weight, bias)
+            assert torch.equal(got[others].view(torch.int16), gemv_cpu.bf16_gemv(clean, weight, bias)[others].view(
+                torch.int16))
+        assert torch.isnan(got[2]).all() and not torch.isfinite(got[M - 1]).any()
+        _check(got[others], *_exact(clean[others], weight.double(), bias), torch.bfloat16)
+
+
+@needs_kernels
+def test_bf16_rows_up_to_rows_max_through_the_avx512_bf16_loop():
+    # 64 rows where the CPU has AVX512-BF16 (and the loop is on), else the fp32 loop's 4; one row without the C
+    # kernels' rows (one_row_only)
+    weight = torch.randn(40, 256).bfloat16()
+    most = gemv_cpu.ROWS_MAX["bf16"] if cpu_library.bf16_dot() else gemv_cpu.BF16_FP32_LOOP_ROWS
+    assert gemv_cpu.bf16_rows_max() == most
+    assert gemv_cpu.bf16_supported(torch.zeros(most, 256).bfloat16(), weight)
+    assert not gemv_cpu.bf16_supported(torch.zeros(most + 1, 256).bfloat16(), weight)
+    with cpu_library.bf16_without_dot():
+        assert gemv_cpu.bf16_rows_max() == gemv_cpu.BF16_FP32_LOOP_ROWS
+        assert not cpu_library.bf16_dot()
+    with gemv_cpu.one_row_only():
+        assert gemv_cpu.bf16_rows_max() == 1
+    assert not gemv_cpu.bf16_supported(torch.zeros(2, 256), weight.float())  # fp32 rows and weight: PyTorch's
 
 
 @needs_kernels
@@ -164,7 +206,7 @@ def test_linear_on_rows_gives_each_row_alone():
                "int": _int(96, 256, 64, True, bits=3), "fp8": _fp8(96, 256, "channel")}
     bias = torch.randn(96, generator=g).bfloat16()
     for kind, w in weights.items():
-        rows = gemv_cpu.ROWS_MAX[kind]
+        rows = gemv_cpu.bf16_rows_max() if kind == "bf16" else gemv_cpu.ROWS_MAX[kind]
         for M in sorted(m for m in {1, 2, 5, rows} if m <= rows):
             x = _rows(M, 256, torch.bfloat16, seed=M)
             got = linear(x, w, bias)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from qinfer.format import QuantScheme
-from qinfer.kernels import dense, int4_cpu
+from qinfer.kernels import cpu_library, dense, gemv_cpu, int4_cpu
 from qinfer.kernels.linear import linear, matmul_dtype
 from qinfer.quantizers.rtn import rtn_quantize
 
@@ -56,7 +56,8 @@ def test_one_bf16_row_bypasses_onednn(capfd):
     if not _onednn_runs(capfd, lambda: torch.nn.functional.linear(x, weight)):
         pytest.skip("torch does not run bf16 matmuls through oneDNN on this CPU")
     assert not _onednn_runs(capfd, lambda: linear(x, weight))
-    assert _onednn_runs(capfd, lambda: linear(torch.randn(8, 64, dtype=torch.bfloat16), weight))  # rows: oneDNN
+    many = torch.randn(gemv_cpu.bf16_rows_max() + 1, 64, dtype=torch.bfloat16)
+    assert _onednn_runs(capfd, lambda: linear(many, weight))  # past the C kernel's rows: oneDNN
     torch.testing.assert_close(linear(x, weight), torch.nn.functional.linear(x, weight), rtol=1e-2, atol=1e-2)
     assert torch.backends.mkldnn.enabled
 
@@ -69,8 +70,10 @@ def test_onednn_switch_is_restored_after_an_error():
 
 @pytest.fixture
 def no_native_half(monkeypatch):
-    """A CPU whose oneDNN takes no bf16/fp16 GEMMs (AVX2 only), whatever this one is."""
+    """A CPU whose oneDNN takes no bf16/fp16 GEMMs (AVX2 only, so no AVX512-BF16 loop either), whatever this one is."""
     monkeypatch.setattr(dense, "native_half_gemm", lambda dtype: dtype not in (torch.bfloat16, torch.float16))
+    with cpu_library.bf16_without_dot():
+        yield
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
