@@ -21,6 +21,9 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: floa
     return weight * xf.type_as(x)  # Llama: round x, then scale in the weight's dtype
 
 
+all_rows = norm_cpu.all_rows  # the C loop for every row count (an engine step's decode rows)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, scale_in_fp32: bool) -> torch.Tensor:
     if norm_cpu.rms_norm_supported(x, weight, scale_in_fp32):
         return norm_cpu.rms_norm(x, weight, eps, offset, scale_in_fp32)

@@ -18,7 +18,7 @@ from qinfer.model.arch import ModelConfig, RopeConfig
 from qinfer.format import Fp8Weight, QuantizedWeight
 from qinfer.kernels.attention import attention
 from qinfer.kernels.linear import linear, matmul_dtype, rowwise
-from qinfer.kernels.norm import rms_norm
+from qinfer.kernels.norm import all_rows as norm_all_rows, rms_norm
 from qinfer.model.kv_cache import DecodeRows, KVCache
 
 
@@ -484,13 +484,14 @@ class Transformer(nn.Module):
         positions = rows.positions
         span = (int(positions.min()), int(positions.max()))  # (unused by the rows' attention; read once)
         ropes = {}
-        for i, layer in enumerate(self.model.layers):
-            rope = self.config.rope[i]
-            if rope not in ropes:
-                cos, sin = self.rope(i, positions, x.dtype)  # [M, D]: one position per row
-                ropes[rope] = cos[:, None, None], sin[:, None, None]  # [M, 1, 1, D] against [M, H, 1, D]
-            x = layer(x, *ropes[rope], None, rows, positions, None, span)
-        return self.model.norm(x)[:, 0]
+        with norm_all_rows():  # every row's norms in one loop, whatever the row count
+            for i, layer in enumerate(self.model.layers):
+                rope = self.config.rope[i]
+                if rope not in ropes:
+                    cos, sin = self.rope(i, positions, x.dtype)  # [M, D]: one position per row
+                    ropes[rope] = cos[:, None, None], sin[:, None, None]  # [M, 1, 1, D] against [M, H, 1, D]
+                x = layer(x, *ropes[rope], None, rows, positions, None, span)
+            return self.model.norm(x)[:, 0]
 
     def forward(self, input_ids, input_pos=None, cache: KVCache | None = None, last_only: bool = False, span=None):
         """Logits [B, T, V] (or [B, 1, V] with ``last_only``) in the model's dtype; ``span`` as in

@@ -42,9 +42,11 @@ def test_a_model_shaped_row_and_what_stays_with_the_reference():
     q = torch.randn(1, 1, 4 * 256).bfloat16().view(1, 1, 4, 256).transpose(1, 2)  # [B, H, T=1, D]: contiguous
     assert norm_cpu.rms_norm_supported(q, w, True)
     torch.testing.assert_close(rms_norm(q, w, 1e-6, 1.0, True), rms_norm_ref(q, w, 1e-6, 1.0, True), rtol=2**-7, atol=0)
+    apart = torch.randn(256, 8).T  # rows apart (a query head's slice of a fused q/k/v output): copied first
+    assert norm_cpu.rms_norm_supported(apart, w, True)
+    assert torch.equal(rms_norm(apart, w, 1e-6, 1.0, True), rms_norm(apart.contiguous(), w, 1e-6, 1.0, True))
     cases = [
-        (torch.randn(17, 256), w, True),  # a prefill's rows: PyTorch's vectorised ops
-        (torch.randn(256, 8).T, w, True),  # rows apart
+        (torch.randn(norm_cpu.NORM_MAX_ROWS + 1, 256), w, True),  # a prefill's rows: PyTorch's ops
         (torch.randn(2, 256).bfloat16(), w, False),  # Llama's scale in a weight of another dtype
         (torch.randn(2, 256), w.clone().requires_grad_(), True),  # tuning: gradients through the norm
     ]
@@ -59,6 +61,16 @@ def test_a_model_shaped_row_and_what_stays_with_the_reference():
         assert not norm_cpu.rms_norm_supported(q, w, True)
         assert gemv_cpu.bf16_supported(q.reshape(1, -1), torch.randn(8, 1024).bfloat16())  # the GEMVs stay
     assert norm_cpu.rms_norm_supported(q, w, True)
+
+
+@needs_kernels
+def test_a_row_is_normed_alike_whatever_rows_share_the_call():
+    # an engine step's decode rows: every query head of up to 64 sequences, through one loop
+    x, w = torch.randn(64 * 8, 256).bfloat16(), torch.randn(256) * 0.1
+    assert not norm_cpu.rms_norm_supported(x, w, True)  # a prefill's rows: PyTorch's ops, unless...
+    with norm_cpu.all_rows():
+        together = rms_norm(x, w, 1e-6, 1.0, True)
+    assert all(torch.equal(together[i:i + 1], rms_norm(x[i:i + 1], w, 1e-6, 1.0, True)) for i in (0, 7, 300, 511))
 
 
 @needs_kernels
