@@ -1,7 +1,7 @@
 """The engine under load on this CPU: throughput and latency at several concurrencies, the prefix cache, and
 whether batching or a small KV budget changes any request's tokens.
 
-    python -m qinfer.evals.engine_bench [MODEL] [--concurrency 1,4,16,64] [--requests 2] [--check 8]
+    python -m qinfer.evals.engine_bench [MODEL] [--concurrency 1,4,16,64] [--requests 2] [--check 8] [--repeats 3]
 
 MODEL defaults to the main job's GPTQ 4-bit gemma3-270m (``qinfer demo`` makes it). Prompts are slices of
 held-out *Persuasion*, 32 to 1024 tokens, and each request generates 16 to 256 tokens, greedily, with the
@@ -11,7 +11,7 @@ of 256).
 
 1. **Decode throughput**: at each concurrency c, c requests with 32-token prompts start together and generate
    128 tokens each; tokens per second over the steps after every prompt is in (the weights are read once per
-   step for all c rows).
+   step for all c rows); the median of ``--repeats`` rounds, the concurrencies taking turns within a round.
 2. **Request mix**: at each concurrency c, ``--requests`` x c requests of the mix (at least 4), c in flight at a
    time (a new one starts as one ends): aggregate output tokens per second over the wall time, TTFT and TPOT
    p50 and p99, preemptions, prefix-cache hits.
@@ -26,6 +26,7 @@ Timings on a shared VM vary between runs: compare figures from one run.
 """
 
 import random
+import statistics
 import time
 
 import click
@@ -108,7 +109,8 @@ def _blocks(requests, block_size: int = 16) -> int:
 @click.option("--check", type=int, default=8, show_default=True,
               help="Requests of the concurrency-16 mix also run alone, to compare their tokens.")
 @click.option("--seed", type=int, default=0, show_default=True, help="The draw of prompts and lengths.")
-def main(model, concurrency, per_client, check, seed):
+@click.option("--repeats", type=int, default=3, show_default=True, help="Rounds of the decode-throughput runs.")
+def main(model, concurrency, per_client, check, seed, repeats):
     """Throughput, latency, prefix caching and batch invariance of the engine on this CPU."""
     from qinfer.calib.austen import heldout_text
     from qinfer.model.loader import load_model
@@ -129,12 +131,17 @@ def main(model, concurrency, per_client, check, seed):
     print(f"model {model}; {torch.get_num_threads()} threads; {EngineConfig()}")
     bench.warm_up()
 
-    print("\n1. decode throughput (32-token prompts, 128 tokens each, after every prompt is in)")
-    decode = {}
+    print(f"\n1. decode throughput (32-token prompts, 128 tokens each, after every prompt is in; median of {repeats} "
+          "rounds, the concurrencies alternating)")
+    rounds = {c: [] for c in levels}
+    for _ in range(repeats):
+        for c in levels:
+            rounds[c].append(bench.decode_throughput(c))
+    decode = {c: statistics.median(r) for c, r in rounds.items()}
     for c in levels:
-        decode[c] = bench.decode_throughput(c)
+        spread = f"(rounds {', '.join(f'{x:.1f}' for x in rounds[c])})"
         print(f"  concurrency {c:3d}: {decode[c]:7.1f} tok/s" + (f" = {decode[c] / decode[levels[0]]:.1f}x "
-                                                                f"concurrency {levels[0]}" if c != levels[0] else ""))
+              f"concurrency {levels[0]}" if c != levels[0] else "") + f" {spread}")
 
     print("\n2. request mix (prompts 32-1024 tokens, outputs 16-256)")
     mixes = {}

@@ -89,18 +89,40 @@ static inline void store8(void *out, int dtype, int64_t i, __m256 v) {
 /* RMSNorm of M rows of D: r = 1 / sqrt(sum(x^2) / D + eps) in fp32, then, as qinfer.kernels.norm.rms_norm_ref
  * orders and rounds it: scale_in_fp32 (Gemma) y = (x r) (offset + w), rounded once to x's dtype; else (Llama)
  * y = w * (x r rounded to x's dtype), the product rounded to it. x and y: [M, D] of dtype; w: [D] of wdtype.
- * One thread: a decode step's norms are a few rows of a few hundred, and PyTorch's dozen ops for them cost
- * far more than the arithmetic. */
+ * Where D is a multiple of 8 the squares are summed in 8 lanes, then across them.
+ * A decode step's norms are a few rows of a few hundred, and PyTorch's dozen ops for them cost far more than
+ * the arithmetic: one thread; many rows (an engine step's decode rows of many sequences) split over the threads,
+ * each row's arithmetic the same either way. */
+static inline __m256 load8(const void *p, int dtype, int64_t i);
+
 void qinfer_rms_norm(const void *x, const void *w, void *y, int64_t M, int64_t D, float eps, float offset,
                      int dtype, int wdtype, int scale_in_fp32) {
+    #pragma omp parallel for schedule(static) if (M * D >= 16384)
     for (int64_t m = 0; m < M; m++) {
         float ss = 0.f;
-        for (int64_t d = 0; d < D; d++) {
+        int64_t d0 = 0;
+        if (D % 8 == 0) {  /* 8 lanes of squares, then their sum */
+            __m256 acc = _mm256_setzero_ps();
+            for (; d0 < D; d0 += 8) {
+                __m256 v = load8(x, dtype, m * D + d0);
+                acc = _mm256_fmadd_ps(v, v, acc);
+            }
+            ss = hsum(acc);
+        }
+        for (int64_t d = d0; d < D; d++) {
             float v = load_one(x, dtype, m * D + d);
             ss += v * v;
         }
         float r = 1.f / sqrtf(ss / (float)D + eps);
-        for (int64_t d = 0; d < D; d++) {
+        int64_t d = 0;
+        if (scale_in_fp32 && D % 8 == 0)  /* (x r) (offset + w) 8 at a time, each rounded once as it is stored */
+            for (; d < D; d += 8) {
+                float out[8];
+                __m256 v = _mm256_mul_ps(load8(x, dtype, m * D + d), _mm256_set1_ps(r));
+                _mm256_storeu_ps(out, _mm256_mul_ps(v, _mm256_add_ps(_mm256_set1_ps(offset), load8(w, wdtype, d))));
+                for (int i = 0; i < 8; i++) store_one(y, dtype, m * D + d + i, out[i]);
+            }
+        for (; d < D; d++) {
             float v = load_one(x, dtype, m * D + d) * r, g = load_one(w, wdtype, d);
             store_one(y, dtype, m * D + d, scale_in_fp32 ? v * (offset + g) : rounded(v, dtype) * g);
         }

@@ -244,7 +244,8 @@ class Engine:
         tokens = {}
         greedy_rows = [n for n, i in enumerate(order) if self.live[i].params.temperature < 1e-45]
         if greedy_rows:
-            for n, token in zip(greedy_rows, greedy(logits[greedy_rows]).tolist()):
+            chosen = logits if len(greedy_rows) == len(order) else logits[greedy_rows]  # (no copy when all are)
+            for n, token in zip(greedy_rows, greedy(chosen).tolist()):
                 tokens[order[n]] = token
         for n, request_id in enumerate(order):
             if request_id not in tokens:
