@@ -30,7 +30,7 @@ from qinfer.engine.sampling import ContextFull, SamplingParams, greedy, sample
 from qinfer.engine.scheduler import Request, Scheduler
 from qinfer.errors import QinferError
 from qinfer.model.decoder import Transformer
-from qinfer.model.kv_cache import BLOCK_SIZE, DecodeRows, KVCache, KV_DTYPES
+from qinfer.model.kv_cache import BLOCK_SIZE, DecodeRows, KVCache, KV_DTYPES, make_cache
 from qinfer.sources.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -141,9 +141,7 @@ class Engine:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         blocks = KVCache.blocks_for_memory(model.config, config.kv_memory, config.block_size, config.kv_dtype,
                                            model.dtype)
-        scales = (getattr(model, "kv_scales", None) or None) if config.kv_dtype != "bf16" else None
-        self.cache = KVCache(model.config, 0, config.block_size, model.dtype, model.device, kv_dtype=config.kv_dtype,
-                             scales=scales, block_size=config.block_size, num_blocks=blocks)
+        self.cache = make_cache(model, 0, config.block_size, config.kv_dtype, config.block_size, blocks)
         self.scheduler = Scheduler(self.cache, config.max_step_tokens, config.max_running, config.prefill_chunk,
                                    config.prefix_caching)
         default_eos = tokenizer.eos_ids if tokenizer is not None else ()

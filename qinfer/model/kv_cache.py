@@ -365,12 +365,13 @@ def _per_channel(scale: torch.Tensor, Hkv: int, D: int, device) -> torch.Tensor:
     return scale.float().to(device).reshape(Hkv, -1).expand(Hkv, D).contiguous()
 
 
-def make_cache(model, batch: int, max_len: int, kv_dtype: str = "bf16") -> KVCache:
+def make_cache(model, batch: int, max_len: int, kv_dtype: str = "bf16", block_size: int = BLOCK_SIZE,
+               num_blocks: int | None = None) -> KVCache:
     """A cache for ``batch`` sequences of up to ``max_len`` positions of ``model`` (a ``Transformer``), of
-    ``kv_dtype``, with the channel scales ``qinfer quantize --kv-cache`` stored in its folder, if any."""
+    ``kv_dtype``, with the channel scales ``qinfer quantize --kv-cache`` stored in its folder, if any; ``num_blocks``
+    as :class:`KVCache` takes it (an engine's: ``batch`` 0)."""
     if kv_dtype not in KV_DTYPES:
         raise QinferError(f"unknown KV-cache dtype {kv_dtype!r}; use one of {', '.join(KV_DTYPES)}")
-    if kv_dtype == "bf16":
-        return KVCache(model.config, batch, max_len, model.dtype, model.device)
-    scales = getattr(model, "kv_scales", None) or None
-    return KVCache(model.config, batch, max_len, model.dtype, model.device, kv_dtype=kv_dtype, scales=scales)
+    scales = (getattr(model, "kv_scales", None) or None) if kv_dtype != "bf16" else None
+    return KVCache(model.config, batch, max_len, model.dtype, model.device, kv_dtype=kv_dtype, scales=scales,
+                   block_size=block_size, num_blocks=num_blocks)
