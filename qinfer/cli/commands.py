@@ -226,6 +226,88 @@ def chat(model, system, dtype, max_tokens, temperature, top_p, top_k, seed, kv_c
 
 @cli.command()
 @click.argument("model")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on; anything but loopback reaches other machines (set --api-key).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="0 = any free port.")
+@click.option("--kv-cache", type=click.Choice(["auto", "bf16", "int8", "fp8"]), default="auto", show_default=True,
+              help="KV-cache dtype; auto = the dtype MODEL's stored KV scales were calibrated for "
+                   "(`quantize --kv-cache`), else bf16.")
+@click.option("--kv-memory", default="1GiB", show_default=True,
+              help="Memory for the KV cache (e.g. 512MiB, 2GiB): more holds more requests at once; too little "
+                   "preempts and recomputes, never fails.")
+@click.option("--max-batch", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Requests decoding at once; more wait their turn.")
+@click.option("--max-waiting", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Requests that may wait; beyond it a request is refused (HTTP 503, retry later).")
+@click.option("--api-key", default=None, envvar="QINFER_API_KEY", show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' on /v1/ requests.")
+@click.option("--name", default=None, help="The model's name in the API (default: MODEL's).")
+@click.option("--dtype", type=click.Choice(DTYPES), default="bf16", show_default=True)
+@click.option("--grace", type=click.FloatRange(min=0), default=10.0, show_default=True,
+              help="Seconds requests in flight may take to finish after SIGTERM or Ctrl-C before they are cancelled.")
+def serve(model, host, port, kv_cache, kv_memory, max_batch, max_waiting, api_key, name, dtype, grace):
+    """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions) with a web chat
+    page at /, metrics at /metrics; requests run together on the engine (continuous batching)."""
+    import ipaddress
+
+    from qinfer.engine.engine import Engine, EngineConfig
+    from qinfer.server.app import create_app
+    from qinfer.server.runner import EngineRunner
+    from qinfer.server.serve import bind, run, url
+
+    if api_key is not None and not api_key.strip():
+        raise QinferError("--api-key is empty: give a key, or drop --api-key")
+    memory = _size(kv_memory)
+    sock = bind(host, port)  # before the model loads: a port in use is said at once
+    try:
+        loopback = ipaddress.ip_address(sock.getsockname()[0]).is_loopback
+        if not loopback and api_key is None:
+            click.echo(f"warning: listening on {host} without --api-key: anyone who reaches this machine can use the "
+                       "server", err=True)
+        lm, tok = _open(model, dtype)
+        if kv_cache == "auto":
+            kv_cache = _stored_kv_dtype(model)
+        _kv_scales_note(lm, model, kv_cache)
+        config = EngineConfig(kv_dtype=kv_cache, kv_memory=memory, max_running=max_batch,
+                              max_step_tokens=max(EngineConfig.max_step_tokens, max_batch + EngineConfig.prefill_chunk))
+        runner = EngineRunner(Engine(lm, tok, config), max_waiting=max_waiting)
+        name = name or _model_name(model)
+        where = url(sock)
+
+        def ready():
+            click.echo(f"qinfer serve: {name} at {where} (chat page {where}/, OpenAI API {where}/v1; KV cache "
+                       f"{kv_cache}, {runner.engine.cache.num_blocks} blocks of {config.block_size} tokens); "
+                       "Ctrl-C stops")
+
+        run(create_app(runner, tok, name, api_key=api_key, on_ready=ready), sock, grace)
+    finally:
+        sock.close()
+    click.echo("qinfer serve: stopped")
+
+
+def _stored_kv_dtype(model: str) -> str:
+    """The KV-cache dtype MODEL's stored scales were calibrated for, else bf16."""
+    from qinfer.format import QUANT_CONFIG_FILE, QuantScheme
+    from qinfer.sources.resolve import resolve_model
+
+    folder = resolve_model(model)
+    if (folder / QUANT_CONFIG_FILE).exists():
+        stored = QuantScheme.load(folder).kv_cache
+        if stored in ("int8", "fp8"):
+            return stored
+    return "bf16"
+
+
+def _model_name(model: str) -> str:
+    """What the API calls MODEL: a built-in's name, or a folder's or file's own name."""
+    path = Path(model).expanduser()
+    if path.exists():
+        return path.resolve().name.removesuffix(".gguf") or "model"
+    return model.rstrip("/").rsplit("/", 1)[-1]
+
+
+@cli.command()
+@click.argument("model")
 @click.option("-o", "--out", type=click.Path(),
               help="Output folder (written atomically); default: MODEL's name and the scheme's in this folder, "
                    "e.g. ./gemma3-270m-gptq-w4g128.")

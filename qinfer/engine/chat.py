@@ -35,7 +35,7 @@ class ChatSession:
                               f"of {context} tokens: lower --max-tokens")
         hello = [{"role": "user", "content": "Hello."}]
         try:  # a template or tokenizer that fails on a plain first turn would fail every turn: refuse it now
-            first = len(_encoded(tokenizer, hello))
+            first = len(encode_chat(tokenizer, hello))
         except QinferError as e:
             raise QinferError(f"this model cannot take a first chat turn: {e}") from None
         if system is not None:  # likewise a template that takes no system message ("" is a message too)
@@ -44,7 +44,7 @@ class ChatSession:
             except QinferError as e:
                 raise QinferError(f"--system: {e}") from None
             try:
-                first = len(_encoded(tokenizer, [{"role": "system", "content": system}, *hello]))
+                first = len(encode_chat(tokenizer, [{"role": "system", "content": system}, *hello]))
             except QinferError as e:
                 raise QinferError(f"--system: {e}; this model's template may take no system message: drop --system") \
                     from None
@@ -81,7 +81,7 @@ class ChatSession:
             raise TurnRefused(str(e)) from None
         self.messages.append({"role": "user", "content": text})
         try:
-            ids = _encoded(self.tokenizer, self.messages)
+            ids = encode_chat(self.tokenizer, self.messages)
             tokens = generate(self.model, ids, self.params, stop_ids=self.tokenizer.eos_ids, stats=stats,
                               compiled=self.compiled, kv_dtype=self.kv_dtype, engine=self.engine)
         except BaseException as e:  # the template refused the turn, the conversation no longer fits, or Ctrl-C
@@ -102,7 +102,7 @@ class ChatSession:
             self.messages.append({"role": "assistant", "content": "".join(answer)})
 
 
-def _encoded(tokenizer: Tokenizer, messages: list[dict]) -> list[int]:
+def encode_chat(tokenizer: Tokenizer, messages: list[dict]) -> list[int]:
     """The prompt ids of ``messages`` and the assistant's turn to answer."""
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     return tokenizer.encode(prompt, add_bos=False)  # templates write their own BOS where they want one

@@ -156,6 +156,19 @@ class Engine:
         past the model's context or too long for the whole KV cache."""
         if request_id in self.live:
             raise QinferError(f"a request with id {request_id!r} is already running")
+        self.check(prompt_ids, params)
+        request = Request(request_id, [int(i) for i in prompt_ids], params.max_tokens)
+        self.scheduler.add(request)
+        decoder = None
+        if self.tokenizer is not None:
+            decoder = StreamDecoder(self.tokenizer, context=prompt_ids[-1:] if context is None else context)
+        self.live[request_id] = _Live(request, params, self.eos_ids | set(params.stop_ids), decoder,
+                                      self.model.device)
+
+    def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Refuse a request :meth:`add` could not run (it reads no state that steps change, so another thread,
+        a server's, may call it): an empty prompt, stop strings without a tokenizer, a prompt and its max tokens
+        past the model's context (:class:`ContextFull`) or more than the whole KV cache holds."""
         if not prompt_ids:
             raise QinferError("the prompt is empty after tokenization")
         if params.stop and self.tokenizer is None:
@@ -164,13 +177,12 @@ class Engine:
         if len(prompt_ids) + params.max_tokens > limit:
             raise ContextFull(f"prompt ({len(prompt_ids)} tokens) + max tokens ({params.max_tokens}) exceeds the "
                               f"model's context of {limit} tokens: shorten the prompt or lower the max tokens")
-        request = Request(request_id, [int(i) for i in prompt_ids], params.max_tokens)
-        self.scheduler.add(request)
-        decoder = None
-        if self.tokenizer is not None:
-            decoder = StreamDecoder(self.tokenizer, context=prompt_ids[-1:] if context is None else context)
-        self.live[request_id] = _Live(request, params, self.eos_ids | set(params.stop_ids), decoder,
-                                      self.model.device)
+        self.scheduler.check(len(prompt_ids), params.max_tokens)
+
+    @property
+    def max_tokens_held(self) -> int:
+        """The most positions one request can have: the model's context, or the whole KV cache if that is less."""
+        return min(self.model.config.max_position_embeddings, self.cache.num_blocks * self.cache.block_size)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

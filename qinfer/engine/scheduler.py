@@ -100,12 +100,16 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         """Queue ``request``; refuse one whose prompt and ``max_tokens`` could not fit in the whole cache."""
-        need = -(-(len(request.prompt) + request.max_tokens) // self.cache.block_size)
-        if need > self.cache.num_blocks:
-            raise QinferError(f"request {request.id}: {len(request.prompt)} prompt tokens + {request.max_tokens} "
-                              f"to generate need {need} KV-cache blocks; the cache has {self.cache.num_blocks}: raise "
-                              "--kv-memory, or shorten the request")
+        self.check(len(request.prompt), request.max_tokens)
         self.waiting.append(request)
+
+    def check(self, prompt_tokens: int, max_tokens: int) -> None:
+        """Refuse a request whose prompt and ``max_tokens`` could not fit in the whole cache."""
+        need = -(-(prompt_tokens + max_tokens) // self.cache.block_size)
+        if need > self.cache.num_blocks:
+            raise QinferError(f"{prompt_tokens} prompt tokens + {max_tokens} to generate need {need} KV-cache "
+                              f"blocks; the cache has {self.cache.num_blocks}: raise --kv-memory, or shorten the "
+                              "request")
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

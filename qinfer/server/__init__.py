@@ -1,0 +1,1 @@
+"""``qinfer serve``: the OpenAI-compatible HTTP server, its metrics and the web chat page, on the engine."""
