@@ -1,5 +1,6 @@
 """Start the real ``qinfer serve`` in a subprocess on a free loopback port, for the server's tests."""
 
+import json
 import os
 import re
 import signal
@@ -42,9 +43,12 @@ class Server:
             raise
 
 
-def tiny_chat_model(folder: Path) -> Path:
-    """A tiny gemma3-shaped model with a chat template, in ``folder``."""
+def tiny_chat_model(folder: Path, context: int = 256) -> Path:
+    """A tiny gemma3-shaped model with a chat template, in ``folder``; ``context``: its positions (a longer one
+    lets a reply run long enough to be stopped midway)."""
     make_model("gemma3", folder, dtype=torch.float32)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": context}))
     return folder
 
 

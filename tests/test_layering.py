@@ -23,24 +23,26 @@ PARTS = {  # part -> module prefixes (a prefix matches the module and its submod
     "converters": ["qinfer.format", "qinfer.interop.gptq", "qinfer.interop.compressed_tensors", "qinfer.interop.common"],
     "pipeline": ["qinfer.pipeline"],
     "engine": ["qinfer.engine"],
+    "server": ["qinfer.server"],
     # the click classes with one-line errors that qinfer and the python -m qinfer.evals.* tools are built on
     "console": ["qinfer.cli.command"],
     "cli": ["qinfer.cli"],
 }
-ABOVE_GROUND = ["sources", "kernels", "model", "calib", "quantizers", "pipeline", "engine", "evals", "cli"]
+ABOVE_GROUND = ["sources", "kernels", "model", "calib", "quantizers", "pipeline", "engine", "server", "evals", "cli"]
 NEVER = {  # part -> parts it must never import (only entry points may import "console", the click classes)
     "errors": ["store", "converters"] + ABOVE_GROUND + ["console"],
     "store": ABOVE_GROUND + ["console"],
     # (sources reach the model through qinfer.interop.folders, which converts an imported checkpoint)
-    "sources": ["kernels", "calib", "quantizers", "pipeline", "engine", "evals", "console", "cli"],
-    "kernels": ["model", "calib", "quantizers", "pipeline", "engine", "evals", "console", "cli"],
-    "quantizers": ["model", "kernels", "calib", "pipeline", "engine", "evals", "console", "cli"],
-    "converters": ["model", "calib", "quantizers", "pipeline", "engine", "evals", "console", "cli"],
-    "model": ["calib", "quantizers", "pipeline", "engine", "evals", "console", "cli"],
-    "calib": ["quantizers", "pipeline", "engine", "evals", "console", "cli"],
-    "engine": ["calib", "quantizers", "pipeline", "evals", "console", "cli"],
-    "pipeline": ["engine", "evals", "console", "cli"],
-    "evals": ["cli"],
+    "sources": ["kernels", "calib", "quantizers", "pipeline", "engine", "server", "evals", "console", "cli"],
+    "kernels": ["model", "calib", "quantizers", "pipeline", "engine", "server", "evals", "console", "cli"],
+    "quantizers": ["model", "kernels", "calib", "pipeline", "engine", "server", "evals", "console", "cli"],
+    "converters": ["model", "calib", "quantizers", "pipeline", "engine", "server", "evals", "console", "cli"],
+    "model": ["calib", "quantizers", "pipeline", "engine", "server", "evals", "console", "cli"],
+    "calib": ["quantizers", "pipeline", "engine", "server", "evals", "console", "cli"],
+    "engine": ["calib", "quantizers", "pipeline", "server", "evals", "console", "cli"],
+    "pipeline": ["engine", "server", "evals", "console", "cli"],
+    "server": ["calib", "quantizers", "pipeline", "evals", "console", "cli"],
+    "evals": ["server", "cli"],
     "console": ABOVE_GROUND,
 }
 

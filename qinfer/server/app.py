@@ -128,7 +128,7 @@ def create_app(runner: EngineRunner, tokenizer: Tokenizer, model_name: str, api_
             ids = encode_chat(tokenizer, messages)
         except QinferError as e:
             raise APIError(400, f"messages: {e}", param="messages") from None
-        return await _complete(state, request, body, ids, None, chat=True)
+        return await _complete(state, request, body, ids, [], chat=True)  # an answer continues no text
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -301,13 +301,18 @@ async def _events(state: ServerState, shape: _Shape, queue: asyncio.Queue, inclu
 async def _whole(state: ServerState, request: Request, shape: _Shape, queue: asyncio.Queue) -> JSONResponse:
     """Wait for the whole reply, aborting the request if the client disconnects meanwhile."""
     texts, ended = [], False
+    checked = time.monotonic()
     try:
         while True:
             try:
                 item = await asyncio.wait_for(queue.get(), DISCONNECT_POLL)
             except asyncio.TimeoutError:
+                item = None
+            if time.monotonic() - checked >= DISCONNECT_POLL:  # (outputs may come faster than the poll)
+                checked = time.monotonic()
                 if await request.is_disconnected():
                     return JSONResponse(APIError(400, "the client disconnected").body(), status_code=400)
+            if item is None:
                 continue
             if not isinstance(item, Output):
                 ended = True
