@@ -272,6 +272,11 @@ def test_a_bad_request_is_a_4xx_with_an_openai_error_body(server, path, body, st
     assert error["param"] == param
 
 
+def test_a_body_past_the_limit_is_refused_before_it_is_read(server):
+    status, _, reply = request(server, "POST", "/v1/completions", b"x" * ((16 << 20) + 1))
+    assert status == 413 and "limit" in reply["error"]["message"]
+
+
 def test_the_prompt_past_the_context_is_named(server):
     _, _, reply = request(server, "POST", "/v1/completions", json.dumps({"prompt": [1] * (CONTEXT + 1)}))
     assert reply["error"]["code"] == "context_length_exceeded"

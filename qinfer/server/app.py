@@ -34,6 +34,7 @@ from qinfer.server.protocol import APIError, ChatRequest, CompletionRequest, par
 from qinfer.server.runner import EngineRunner, Overloaded, Unavailable
 from qinfer.sources.tokenizer import Tokenizer
 
+MAX_BODY = 16 << 20  # bytes of a request body (a prompt of millions of tokens, far past any context)
 DISCONNECT_POLL = 0.5  # seconds between checks that a non-streaming request's client is still there
 
 
@@ -152,7 +153,17 @@ def create_app(runner: EngineRunner, tokenizer: Tokenizer, model_name: str, api_
 
 
 async def _json(request: Request) -> object:
-    raw = await request.body()
+    """The request's JSON body; one past ``MAX_BODY`` bytes is refused (413) before it is all read."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY:
+        raise APIError(413, f"the request body is {int(declared)} bytes; the limit is {MAX_BODY}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise APIError(413, f"the request body is over the limit of {MAX_BODY} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
