@@ -7,11 +7,11 @@ The server runs in a subprocess (``python -m qinfer serve MODEL --port 0``, on l
 main job's GPTQ 4-bit gemma3-270m (``qinfer demo`` makes it). Clients are the official ``openai`` package's
 ``AsyncOpenAI``, streaming with ``include_usage``. At each concurrency c, ``--requests`` requests (default 2c, at
 least 4) run with c in flight at a time (a new one is sent as one ends); each has its own ``--prompt-tokens``-token
-prompt, a slice of held-out *Persuasion* (``--text``), drawn at random so that no two share a prefix-cache block,
-and asks for ``--max-tokens`` tokens, greedily. The server has no way to ignore the end-of-sequence token, so a
-request may end sooner: the report counts the tokens each request actually gave (its ``usage``), and says how many
-ended early. Every kernel path is warmed up first (c short requests at each concurrency), then ``--rounds`` rounds
-run, the concurrencies taking turns within a round.
+prompt, a slice of held-out *Persuasion* (``--text``) from a random start (two share a prefix-cache block only if
+they start at the same token; the JSON counts the cached tokens), and asks for ``--max-tokens`` tokens, greedily.
+The server has no way to ignore the end-of-sequence token, so a request may end sooner: the report counts the tokens
+each request actually gave (its ``usage``), and says how many ended early. Each concurrency is warmed up first (c
+short requests), then ``--rounds`` rounds run, the concurrencies taking turns within a round.
 
 Per concurrency, from the clients' clocks:
 
@@ -19,13 +19,13 @@ Per concurrency, from the clients' clocks:
   median of the rounds);
 - **TTFT**: request sent to the first chunk carrying text; **TPOT**: (last chunk - first chunk) / (completion
   tokens - 1), which counts every token although a chunk may carry several; p50 and p99 over every round's requests;
-- from the server's ``/metrics``: its mean TTFT (arrival to first token, without HTTP; the gap to the clients' is
-  the HTTP and streaming overhead) and its preemptions.
+- from the server's ``/metrics``: its mean TTFT (from the request's arrival, without HTTP: the gap to the clients'
+  is what HTTP, streaming and the client add) and its preemptions.
 
-The client shares the CPU with the server (on a 2-core machine it costs a few percent). The results go to
-``--out``/serve_bench.json. The last line is the headline:
-``HTTP throughput at concurrency 16 = 6.1x concurrency 1 (240.3 vs 39.4 tok/s)`` (the highest concurrency against
-the lowest). Timings on a shared VM vary between runs: compare figures from one run.
+The clients run on the server's CPU and take some of it. The results go to ``--out``/serve_bench.json. The last
+line is the headline, the highest concurrency against the lowest:
+``HTTP throughput at concurrency 16 = X.Xx concurrency 1 (N.N vs M.M tok/s)``. Timings on a shared VM vary between
+runs: compare figures from one run.
 """
 
 import asyncio
@@ -304,7 +304,7 @@ async def measure(config: ServeBenchConfig, url: str, tokenizer, text_ids: list[
         name = (await client.models.list()).data[0].id
         clients = Clients(client, name, config, tokenizer, text_ids)
         levels = {c: Level(c) for c in config.concurrency}
-        total = sum(levels) + config.rounds * sum(config.requests_at(c) for c in levels)
+        total = sum(config.concurrency) + config.rounds * sum(config.requests_at(c) for c in levels)
         with tqdm(total=total, desc="serve_bench", unit="req") as bar:
             for c in levels:  # the first step of each batch size prepares its kernels' layouts
                 await clients.closed_loop(c, c, min(WARM_UP_TOKENS, config.max_tokens), bar)
@@ -345,6 +345,11 @@ def run_bench(config: ServeBenchConfig) -> list[dict]:
     from qinfer.sources.resolve import resolve_model
     from qinfer.sources.tokenizer import Tokenizer
 
+    try:
+        import openai  # noqa: F401 (a dev extra of qinfer's, not a dependency)
+    except ImportError:
+        raise QinferError("serve_bench drives the server with the official openai client: pip install "
+                          "'openai>=1.50,<4'") from None
     tokenizer = Tokenizer.from_folder(resolve_model(config.model))
     text, described = load_text(config.text)
     text_ids = tokenizer.encode(text, add_bos=False)
