@@ -420,7 +420,7 @@ def test_sigterm_cancels_what_outlasts_the_grace_period(folder):
         sock.close()
 
 
-def test_a_base_model_on_all_interfaces_warns_and_refuses_chat(folder, tmp_path):
+def test_a_base_model_on_all_interfaces_warns_and_refuses_chat_and_its_name_is_escaped(folder, tmp_path):
     base = tmp_path / "base"
     base.mkdir()
     for f in folder.iterdir():
@@ -428,9 +428,16 @@ def test_a_base_model_on_all_interfaces_warns_and_refuses_chat(folder, tmp_path)
     config = json.loads((base / "tokenizer_config.json").read_text())
     del config["chat_template"]
     (base / "tokenizer_config.json").write_text(json.dumps(config))
-    with serve(base, "--dtype", "fp32", "--kv-memory", "16MiB", "--host", "0.0.0.0") as s:
+    name = "base</script><b>"
+    with serve(base, "--dtype", "fp32", "--kv-memory", "16MiB", "--host", "0.0.0.0", "--name", name) as s:
         assert "warning: listening on 0.0.0.0 without --api-key" in s.log()
-        status, _, reply = request(s, "POST", "/v1/chat/completions", json.dumps(CHAT | {"model": "base"}))
+        url = urlparse(s.url)
+        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+        conn.request("GET", "/")
+        page = conn.getresponse().read().decode()
+        assert "</script><b>" not in page  # no name ends the page's script
+        assert json.dumps(name).replace("<", "\\u003c") in page
+        status, _, reply = request(s, "POST", "/v1/chat/completions", json.dumps(CHAT | {"model": name}))
         assert status == 400 and "no chat template" in reply["error"]["message"]
         assert request(s, "POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2}))[0] == 200
 

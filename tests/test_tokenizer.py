@@ -292,6 +292,20 @@ def test_stream_flush_returns_unfinished_character(sp_tok):
     assert stream.flush() == sp_tok.decode(first_two_bytes)
 
 
+def test_stream_sends_what_precedes_an_unfinished_character_and_holds_no_broken_run_for_long(sp_tok):
+    # a model that emits bytes that are no UTF-8 (a tiny random one) must still stream, and at a cost that does not
+    # grow with the run: the U+FFFD run is held back for at most HOLD tokens
+    stream = StreamDecoder(sp_tok)
+    word, lead, stray = sp_tok.encode("ab", add_bos=False), sp_tok.encode("日", add_bos=False)[:1], \
+        sp_tok.token_to_id("<0xFF>")  # the first of three bytes, and a byte no UTF-8 text has
+    assert stray is not None
+    ids = word + lead + [stray] * 12 + word
+    out = [stream.feed(i) for i in ids]
+    assert "".join(out[:len(word)]) == "ab" and out[len(word)] == ""  # the lead byte may begin a character
+    assert "\ufffd" in "".join(out[:len(word) + StreamDecoder.HOLD + 1])
+    assert "".join(out) + stream.flush() == sp_tok.decode(ids)
+
+
 # --- chat templates ----------------------------------------------------------------------------------------
 
 

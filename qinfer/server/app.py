@@ -95,7 +95,8 @@ def create_app(runner: EngineRunner, tokenizer: Tokenizer, model_name: str, api_
     @app.get("/", include_in_schema=False)
     async def page():
         html = resources.files("qinfer.server").joinpath("chat.html").read_text(encoding="utf-8")
-        return HTMLResponse(html.replace("{{MODEL}}", json.dumps(model_name)))
+        # the name as a JS string inside <script>: "<" escaped, so no name can end the script
+        return HTMLResponse(html.replace("{{MODEL}}", json.dumps(model_name).replace("<", "\\u003c")))
 
     @app.get("/health")
     async def health():

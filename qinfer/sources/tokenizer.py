@@ -291,9 +291,12 @@ class StreamDecoder:
     Decoding ids one at a time is wrong twice over: a character split over byte-fallback/byte-level tokens
     decodes to U+FFFD until its last byte arrives, and SentencePiece drops the leading space of the first
     piece it decodes. So we decode a window that starts one emitted step back (context for the space) and
-    hold text back while it ends in an incomplete character. The concatenated output equals
-    ``decode(all_ids)`` once ``flush`` is called. ``context``, ids already shown (a prompt's last token), is
-    the first window's start, so a continuation's first piece keeps its leading space.
+    hold back the U+FFFD that end it while they may be an incomplete character; the text before them goes out
+    at once. The concatenated output equals ``decode(all_ids)`` once ``flush`` is called, unless a character
+    is still incomplete after ``HOLD`` tokens (bytes that are no UTF-8: a tiny or broken model's), where the
+    window is closed as it stands so that decoding never grows with the length of such a run. ``context``, ids
+    already shown (a prompt's last token), is the first window's start, so a continuation's first piece keeps its
+    leading space.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, context: Sequence[int] = ()):
@@ -302,6 +305,9 @@ class StreamDecoder:
         self._ids: list[int] = [int(i) for i in context]
         self._prefix = 0  # window start: the previous emit point
         self._read = len(self._ids)  # ids up to here are emitted
+        self._sent = 0  # characters of the ids past _read already returned (all but a held U+FFFD run)
+
+    HOLD = 8  # tokens a U+FFFD run may wait to become a character (UTF-8's longest is 4 bytes)
 
     def _pending(self) -> str:
         done = self._tok.decode(self._ids[self._prefix : self._read], self._skip)
@@ -310,15 +316,21 @@ class StreamDecoder:
     def feed(self, token_id: int) -> str:
         self._ids.append(int(token_id))
         text = self._pending()
-        if not text or text.endswith("\ufffd"):
+        if not text:  # (a skipped special token: the window keeps its start, the context of what follows)
             return ""
-        self._prefix, self._read = self._read, len(self._ids)
-        return text
+        if text.endswith("\ufffd") and len(self._ids) - self._read < self.HOLD:
+            stable = text.rstrip("\ufffd")  # what comes before an unfinished character does not change
+            new, self._sent = stable[self._sent :], max(self._sent, len(stable))
+            return new
+        new = text[self._sent :]
+        self._prefix, self._read, self._sent = self._read, len(self._ids), 0
+        return new
 
     def flush(self) -> str:
         """Whatever is still held back (an unfinished character comes out as U+FFFD, as ``decode`` gives it)."""
-        text = self._pending()
+        text = self._pending()[self._sent :]
         self._prefix = self._read = len(self._ids)
+        self._sent = 0
         return text
 
 
