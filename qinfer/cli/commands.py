@@ -279,9 +279,13 @@ def serve(model, host, port, kv_cache, kv_memory, max_batch, max_waiting, api_ke
                        f"{kv_cache}, {runner.engine.cache.num_blocks} blocks of {config.block_size} tokens); "
                        "Ctrl-C stops")
 
-        run(create_app(runner, tok, name, api_key=api_key, on_ready=ready), sock, grace)
+        started = run(create_app(runner, tok, name, api_key=api_key, on_ready=ready), sock, runner, grace)
     finally:
         sock.close()
+    if runner.failure is not None:
+        raise QinferError(f"{runner.failure} (a bug: please report it with the traceback above)")
+    if not started:
+        raise QinferError("the HTTP server did not start (its error is above)")
     click.echo("qinfer serve: stopped")
 
 

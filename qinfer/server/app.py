@@ -49,21 +49,20 @@ class ServerState:
 
 def create_app(runner: EngineRunner, tokenizer: Tokenizer, model_name: str, api_key: str | None = None,
                on_ready: Callable[[], None] | None = None) -> FastAPI:
-    """The app; its lifespan starts the runner's thread (then calls ``on_ready``) and stops it at shutdown,
-    ending every request."""
+    """The app; ``runner.run`` steps the engine on a thread of its own (``qinfer.server.serve.run``). Its
+    lifespan calls ``on_ready`` at startup and stops the runner at shutdown, ending every request."""
     state = ServerState(runner, tokenizer, model_name, api_key, int(time.time()))
     metrics = Metrics(runner)
     runner.on_output, runner.on_step = metrics.ended, metrics.stepped
 
     @asynccontextmanager
     async def lifespan(app):
-        runner.start()
         if on_ready is not None:
             on_ready()
         try:
             yield
         finally:
-            await asyncio.to_thread(runner.stop)
+            runner.stop()
 
     app = FastAPI(title="qinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.qinfer = state

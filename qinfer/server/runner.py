@@ -1,11 +1,17 @@
 """The engine behind the server: one thread steps it, while the asyncio loop takes requests and streams replies.
 
-The :class:`~qinfer.engine.engine.Engine` is not thread-safe, so only the runner's thread touches it. A handler
-calls :meth:`EngineRunner.submit`, which queues the request and returns an ``asyncio.Queue``; the thread adds
-queued requests between steps, steps while any request has work, and puts each request's
-:class:`~qinfer.engine.engine.Output` on its queue (the last one has a ``finish_reason``). A request the engine
-refuses or a failed step puts a :class:`~qinfer.errors.QinferError` on the queue instead. :meth:`abort` (a client
-gone) ends a request at the next step boundary and frees its blocks.
+The :class:`~qinfer.engine.engine.Engine` is not thread-safe, so only the thread in :meth:`EngineRunner.run`
+touches it. A handler calls :meth:`EngineRunner.submit`, which queues the request and returns an
+``asyncio.Queue``; the engine's thread adds queued requests between steps, steps while any request has work, and
+puts each request's :class:`~qinfer.engine.engine.Output` on its queue (the last one has a ``finish_reason``). A
+request the engine refuses or a failed step puts a :class:`~qinfer.errors.QinferError` on the queue instead.
+:meth:`abort` (a client gone) ends a request at the next step boundary and frees its blocks.
+
+``qinfer serve`` runs the engine on the process's main thread and the HTTP server beside it: OpenMP keeps a pool
+of worker threads per thread that starts parallel regions, and once the pools' threads outnumber the cores its
+workers stop spinning between regions and sleep, so every kernel call pays a wake-up. The model was loaded (its
+parallel regions run) on the main thread; an engine stepped on a second thread made a 4-bit gemma3-270m decode
+step 1.3x as long (docs/results.md, "The server").
 """
 
 import asyncio
@@ -41,22 +47,17 @@ class EngineRunner:
         self._aborts: deque[str] = deque()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
-        self.failure: str | None = None  # why the thread stopped, if it failed
-        self._thread = threading.Thread(target=self._run, name="qinfer-engine", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
+        self.failure: str | None = None  # why the engine's loop stopped, if it failed
 
     def stop(self) -> None:
-        """End every request (each gets its last output, finish reason "abort") and the thread."""
+        """Make :meth:`run` end every request (each gets its last output, finish reason "abort") and return."""
         with self._cv:
             self._stopping = True
             self._cv.notify()
-        self._thread.join()
 
     @property
     def healthy(self) -> bool:
-        return self._thread.is_alive() and self.failure is None
+        return self.failure is None and not self._stopping
 
     @property
     def waiting(self) -> int:
@@ -72,7 +73,7 @@ class EngineRunner:
         """Queue a request (call from the event loop); its outputs, or an error, arrive on the returned queue."""
         queue: asyncio.Queue = asyncio.Queue()
         with self._cv:
-            if not self.healthy or self._stopping:
+            if not self.healthy:
                 raise Unavailable(f"the engine is not running ({self.failure or 'shutting down'})")
             if self.waiting >= self.max_waiting:
                 raise Overloaded(f"{self.waiting} requests are already waiting (the limit is {self.max_waiting}): "
@@ -103,11 +104,12 @@ class EngineRunner:
             except RuntimeError:  # the loop has closed: no one is listening
                 pass
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        """Step the engine until :meth:`stop` (requests submitted before this runs wait for it)."""
         try:
             while self._cycle():
                 pass
-        except BaseException:  # a bug: say it on the server's stderr; /health turns unhealthy
+        except Exception:  # a bug: said on the server's stderr; /health turns unhealthy
             self.failure = "the engine failed; the server's log has the details"
             traceback.print_exc(file=sys.stderr)
         finally:

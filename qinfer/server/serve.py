@@ -1,28 +1,15 @@
-"""Run the app on uvicorn: bind first (a port in use is one clear error), and on SIGTERM or Ctrl-C stop accepting,
-let requests in flight finish for a grace period, cancel the rest, and return."""
+"""Run the app on uvicorn beside the engine: bind first (a port in use is one clear error); the engine steps on this
+(the main) thread, the HTTP server on another (``qinfer.server.runner`` says why). SIGTERM or Ctrl-C stops accepting
+connections, lets requests in flight finish for a grace period, cancels the rest, and returns."""
 
-import contextlib
 import signal
 import socket
-import sys
+import threading
 
 import uvicorn
 
 from qinfer.errors import QinferError
-
-
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self):
-        """SIGTERM and SIGINT begin the graceful shutdown. Unlike uvicorn's own, the signal is not raised again
-        afterwards: a shutdown asked for is a clean exit."""
-        handled = (signal.SIGINT, signal.SIGTERM)
-        original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
-        try:
-            yield
-        finally:
-            for sig, handler in original.items():
-                signal.signal(sig, handler)
+from qinfer.server.runner import EngineRunner
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -41,7 +28,6 @@ def bind(host: str, port: int) -> socket.socket:
         raise QinferError(f"cannot listen on {host}:{port} ({e.strerror}): pick another --port, or stop what "
                           "uses it") from None
     sock.listen(2048)
-    sock.set_inheritable(True)
     return sock
 
 
@@ -50,11 +36,33 @@ def url(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def run(app, sock: socket.socket, grace: float) -> None:
-    """Serve ``app`` on ``sock`` until SIGTERM or Ctrl-C; exits 1 if the app's startup failed."""
+def run(app, sock: socket.socket, runner: EngineRunner, grace: float) -> bool:
+    """Serve ``app`` on ``sock`` with ``runner`` stepping the engine here, until SIGTERM or Ctrl-C (a second Ctrl-C
+    cancels the grace period); False if the server could not start."""
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=grace,
                             lifespan="on")
-    server = _Server(config)
-    server.run(sockets=[sock])
-    if not server.started:
-        sys.exit(1)
+    server = uvicorn.Server(config)  # (off the main thread it leaves the signals alone)
+
+    def http():
+        try:
+            server.run(sockets=[sock])
+        finally:  # ended by a signal, or failed to start: the engine's loop ends too
+            runner.stop()
+
+    def on_signal(signum, frame):
+        if server.should_exit and signum == signal.SIGINT:
+            server.force_exit = True
+        server.should_exit = True
+
+    handled = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, on_signal) for sig in handled}
+    thread = threading.Thread(target=http, name="qinfer-http")
+    try:
+        thread.start()
+        runner.run()
+        server.should_exit = True  # (the engine failed: nothing more can be served)
+        thread.join()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return server.started
