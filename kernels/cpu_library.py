@@ -201,9 +201,9 @@ def int4_vnni() -> str:
 
 
 def vnni_loops() -> list[str]:
-    """The VNNI loops this CPU can run (AVX-VNNI first: the one 4-bit rows take where it has both)."""
+    """The VNNI loops this CPU can run (AVX512-VNNI first: the one 4-bit rows take where it has both)."""
     loops = []
-    for name in VNNI_LOOPS.values():
+    for name in reversed(VNNI_LOOPS.values()):
         with _vnni_loop(name) as taken:
             loops += [name] if taken else []
     return loops

@@ -789,11 +789,11 @@ static int vnni_on_cpu(int loop) {
 static int int4_vnni = -1;
 
 /* Which VNNI loop qinfer_int_gemv takes for 4-bit codes where a weight allows one: 0 none, 1 AVX-VNNI, 2
- * AVX512-VNNI (at first AVX-VNNI where the CPU has it, else AVX512-VNNI where it has that). loop = 0 turns them
- * off, 1 or 2 takes that loop where the CPU has it (else leaves the setting), any other value only asks. Returns
- * the setting before. */
+ * AVX512-VNNI (at first AVX512-VNNI where the CPU has it, whose loop over tiles takes M rows at once and is the
+ * faster at one row too, else AVX-VNNI where it has that). loop = 0 turns them off, 1 or 2 takes that loop where
+ * the CPU has it (else leaves the setting), any other value only asks. Returns the setting before. */
 int qinfer_int4_vnni(int loop) {
-    if (int4_vnni < 0) int4_vnni = vnni_on_cpu(1) ? 1 : vnni_on_cpu(2) ? 2 : 0;
+    if (int4_vnni < 0) int4_vnni = vnni_on_cpu(2) ? 2 : vnni_on_cpu(1) ? 1 : 0;
     int before = int4_vnni;
     if (loop == 0 || ((loop == 1 || loop == 2) && vnni_on_cpu(loop))) int4_vnni = loop;
     return before;

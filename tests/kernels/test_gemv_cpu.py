@@ -138,7 +138,7 @@ def test_int4_rows_carry_nan_and_infinity_and_take_a_zero_row():
     error = (gemv_cpu.int_gemv(tiny, weight).double() - tiny.double() @ w.T).abs()
     assert float((error / (tiny.double().abs() @ w.abs().T)).max()) < 1e-5
     before = cpu_library.int4_vnni()
-    assert before == (cpu_library.vnni_loops() or [""])[0]  # AVX-VNNI where the CPU has both
+    assert before == (cpu_library.vnni_loops() or [""])[0]  # AVX512-VNNI where the CPU has both
     with cpu_library.without_vnni():
         assert not cpu_library.int4_vnni() and cpu_library.describe() == "qinfer's C GEMVs"
     assert cpu_library.int4_vnni() == before and (f"through {before})" in cpu_library.describe()) == bool(before)
