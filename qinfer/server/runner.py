@@ -7,11 +7,10 @@ puts each request's :class:`~qinfer.engine.engine.Output` on its queue (the last
 request the engine refuses or a failed step puts a :class:`~qinfer.errors.QinferError` on the queue instead.
 :meth:`abort` (a client gone) ends a request at the next step boundary and frees its blocks.
 
-``qinfer serve`` runs the engine on the process's main thread and the HTTP server beside it: OpenMP keeps a pool
-of worker threads per thread that starts parallel regions, and once the pools' threads outnumber the cores its
-workers stop spinning between regions and sleep, so every kernel call pays a wake-up. The model was loaded (its
-parallel regions run) on the main thread; an engine stepped on a second thread made a 4-bit gemma3-270m decode
-step 1.3x as long (docs/results.md, "The server").
+``qinfer serve`` runs the engine on the process's main thread, where the model was loaded, and the HTTP server
+beside it: an engine stepped on a second thread made a 4-bit gemma3-270m decode step 1.3x as long, its kernels'
+parallel regions slower (docs/results.md, "The server"; likely OpenMP's per-thread worker pools outnumbering the
+cores, whose workers then sleep between regions).
 """
 
 import asyncio
