@@ -453,3 +453,18 @@ def test_a_port_in_use_is_one_error_line(folder):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and re.match(rf"Error: cannot listen on 127\.0\.0\.1:{port} \(.*\): pick another --port",
                                         lines[0]), done.stderr
+
+
+def test_kv_cache_auto_takes_the_dtype_the_model_was_calibrated_for(folder, tmp_path, calib_file):
+    out = tmp_path / "w4kv8"
+    done = subprocess.run([sys.executable, "-m", "qinfer", "quantize", str(folder), "-o", str(out), "--method", "rtn",
+                           "--group-size", "32", "--kv-cache", "int8", "--calib", str(calib_file), "--samples", "4",
+                           "--seq-len", "32"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    with serve(out, "--dtype", "fp32", "--kv-memory", "16MiB") as s:  # --kv-cache auto, the default
+        assert "KV cache int8" in s.log()
+        reply = openai.OpenAI(base_url=s.api, api_key="unused", max_retries=0).completions.create(
+            model="w4kv8", prompt="truth", max_tokens=4, temperature=0)
+        assert reply.usage.completion_tokens >= 1
+    with serve(folder, "--dtype", "fp32", "--kv-memory", "16MiB", "--kv-cache", "auto") as s:
+        assert "KV cache bf16" in s.log()  # a model without stored scales
