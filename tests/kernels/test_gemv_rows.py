@@ -126,6 +126,18 @@ def test_bf16_amx_rows_keep_their_bits_in_any_batch():
 
 
 @needs_amx
+@pytest.mark.parametrize("N", [8192, 8209])  # outputs of 33 rows past 512 KiB, written around the caches; N odd too
+def test_bf16_amx_large_outputs_have_the_bits_of_small_ones(N):
+    # a large y is stored by other instructions than a one-row call's small one: the same bits, the bias included
+    g = torch.Generator().manual_seed(N)
+    weight, x = torch.randn(N, 96, generator=g).bfloat16(), _rows(33, 96, torch.bfloat16, seed=N)
+    bias = _bias(N, torch.bfloat16, True)
+    with cpu_library.with_bf16_loop("AMX-BF16"):
+        got = _same_as_alone(gemv_cpu.bf16_gemv, x, weight, bias)
+    _check(got, *_exact(x, weight.double(), bias), torch.bfloat16)
+
+
+@needs_amx
 def test_bf16_rows_take_the_amx_loop_first_and_the_switches_choose():
     assert cpu_library.bf16_loops() == ["AMX-BF16", "AVX512-BF16"]  # every AMX CPU has AVX512-BF16
     assert cpu_library.bf16_loop() == "AMX-BF16" and "bf16 rows through AMX-BF16" in cpu_library.describe()
