@@ -18,7 +18,9 @@ words, for reports and result-cache keys.
 
 4-bit rows have integer dot-product loops (AVX-VNNI, AVX512-VNNI; ``gemv_cpu``) beside the AVX2 float loop:
 the C code takes the first this CPU has, and :func:`without_vnni` and :func:`with_vnni` choose another for a
-side-by-side timing or a test. The kernels take tensors as data pointers and a dtype code (:data:`DTYPE_CODES`;
+side-by-side timing or a test. bf16 rows against a bf16 weight have two (AMX-BF16, AVX512-BF16) beside the fp32
+loop, chosen the same way (:func:`bf16_loop`, :func:`bf16_without_amx`, :func:`with_bf16_loop`,
+:func:`bf16_without_dot`). The kernels take tensors as data pointers and a dtype code (:data:`DTYPE_CODES`;
 a quantized KV cache's keys and values also :data:`KV_CODES`), the numbering ``gemv_cpu.c`` uses.
 """
 
@@ -141,10 +143,16 @@ def unavailable_reason() -> str:
 
 
 def describe() -> str:
-    """What a decode step's one-row products run through on CPU, in a few words (``qinfer eval``'s reports)."""
+    """What a decode step's one-row products run through on CPU, in a few words (``qinfer eval``'s reports): the
+    4-bit and bf16 dot-product loops named where they run."""
     if not available():
         return f"PyTorch's one-row kernels ({unavailable_reason()})"
-    return f"qinfer's C GEMVs (4-bit codes through {int4_vnni()})" if int4_vnni() else "qinfer's C GEMVs"
+    loops = []
+    if int4_vnni():
+        loops.append(f"4-bit codes through {int4_vnni()}")
+    if bf16_loop():
+        loops.append(f"bf16 rows through {bf16_loop()}")
+    return f"qinfer's C GEMVs ({', '.join(loops)})" if loops else "qinfer's C GEMVs"
 
 
 def row_loop_allowed(*tensors: torch.Tensor) -> bool:
@@ -254,27 +262,66 @@ def attention_without_vnni():
             lib.qinfer_attention_i8_vnni(prior)
 
 
+BF16_LOOPS = {1: "AVX512-BF16", 2: "AMX-BF16"}  # qinfer_bf16_dot's numbers of the bf16 dot-product loops
+
+
+def bf16_loop() -> str:
+    """Which dot-product loop bf16 rows against a bf16 weight go through (any number of rows, one included, each
+    row's outputs the bits it has alone): "AMX-BF16" (TDPBF16PS on tiles) where the CPU has it, the OS lets the
+    process use the tiles and :func:`bf16_without_amx` is off; else "AVX512-BF16" (VDPBF16PS) where the CPU has it;
+    "" (the fp32 loop) where neither runs, the compiler knew neither, or inside :func:`bf16_without_dot`."""
+    return BF16_LOOPS.get(library()[0].qinfer_bf16_dot(-1), "") if available() else ""
+
+
 def bf16_dot() -> bool:
-    """Whether bf16 rows against a bf16 weight take the AVX512-BF16 loop (VDPBF16PS, any number of rows, one
-    included) rather than the fp32 one: where the CPU has it, the compiler knew it, and
-    :func:`bf16_without_dot` is off."""
-    return available() and library()[0].qinfer_bf16_dot(-1) == 1
+    """Whether bf16 rows against a bf16 weight take one of the dot-product loops (:func:`bf16_loop`) rather than
+    the fp32 one."""
+    return bf16_loop() != ""
 
 
 bf16_dot._dynamo_marked_constant = True  # as available(): a traced graph keeps the loop's row bound it was traced with
 
 
+def bf16_loops() -> list[str]:
+    """The bf16 dot-product loops this CPU can run (AMX-BF16 first: the one bf16 rows take where it has both)."""
+    loops = []
+    for name in reversed(BF16_LOOPS.values()):
+        with _bf16_loop(name) as taken:
+            loops += [name] if taken else []
+    return loops
+
+
 @contextlib.contextmanager
-def bf16_without_dot():
-    """Inside it, bf16 rows take the fp32 loop even where the CPU has AVX512-BF16 (a side-by-side timing, or a
-    test comparing the two)."""
+def _bf16_loop(name: str):
     lib = library()[0] if available() else None
-    prior = lib.qinfer_bf16_dot(0) if lib is not None else None
+    if lib is None:
+        yield False
+        return
+    code = {v: k for k, v in BF16_LOOPS.items()}.get(name, 0)
+    prior = lib.qinfer_bf16_dot(code)
     try:
-        yield
+        yield lib.qinfer_bf16_dot(-1) == code
     finally:
-        if lib is not None:
-            lib.qinfer_bf16_dot(prior)
+        lib.qinfer_bf16_dot(prior)
+
+
+def bf16_without_dot():
+    """Inside it, bf16 rows take the fp32 loop even where the CPU has a dot-product loop (a side-by-side timing, or
+    a test comparing the loops)."""
+    return _bf16_loop("")
+
+
+def bf16_without_amx():
+    """Inside it, bf16 rows take the AVX512-BF16 loop even where the CPU has AMX-BF16 (a side-by-side timing);
+    where it has no AVX512-BF16 either, the loop they take outside it."""
+    return _bf16_loop("AVX512-BF16")
+
+
+def with_bf16_loop(name: str):
+    """Inside it, bf16 rows take the dot-product loop ``name`` (one of :func:`bf16_loops`), as a test compares them."""
+    if name not in bf16_loops():
+        raise ValueError(f"this CPU has no {name} loop (it has: {', '.join(bf16_loops()) or 'none'})")
+    return _bf16_loop(name)
 
 
 # The operators torch.compile sees, a fragment of the qinfer namespace: each kernel's module defines its own

@@ -3,12 +3,13 @@
  * Built and loaded by cpu_library.py (gemv_cpu.py, norm_cpu.py and attention_cpu.py document why); OpenMP
  * splits the GEMVs' weight rows and the attention's chunks of keys.
  *
- * Every product and sum is fp32 (the 4-bit VNNI loop's: exact integers, scaled once a group; the AVX512-BF16 loop's:
- * exact products, each lane's two rounded once into its sum); each output is rounded once to the activations' dtype.
+ * Every product and sum is fp32 (the 4-bit VNNI loop's: exact integers, scaled once a group; the AVX512-BF16 and
+ * AMX-BF16 loops': exact products of bf16, summed into fp32); each output is rounded once to the activations' dtype.
  * dtype codes: 0 = fp32, 1 = bf16, 2 = fp16; a quantized KV cache's keys and values also 3 = int8, 4 = E4M3
  * (read as 2^-8 times their value: e4m3x8). Each entry point but the norm (which allocates nothing) returns
  * 0, or 1 when it could not allocate its fp32 scratch (a row's copy, a head's scores).
  */
+#include <cpuid.h>
 #include <float.h>
 #include <immintrin.h>
 #include <math.h>
@@ -16,6 +17,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __linux__
+#include <sys/syscall.h>  /* arch_prctl: the AMX tiles' permission (bf16_amx_on_cpu) */
+#include <unistd.h>
+#endif
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -678,23 +683,295 @@ static int bf16_dot_gemv(const qinfer_weight *wt, const void *x, const void *b, 
 static int bf16_dot_on_cpu(void) { return 0; }
 #endif
 
-/* -1: not asked yet; then whether bf16 rows take the AVX512-BF16 loop (1) or the fp32 one (0) */
+/* bf16 rows against a bf16 weight by AMX (TDPBF16PS on tiles: 16 rows of 64 bytes each), computing the transpose
+ * y^T = W x^T: a tile of 16 weight rows x 32 columns, loaded straight from the weight's own layout (rows ld apart: no
+ * repacked copy, as gemma3's lm_head is also its embedding table), is the A operand; x, repacked once per call into
+ * the B operand's layout (amx_pack), is B; each C tile holds 16 weight rows x 16 rows of x in fp32. TDPBF16PS adds
+ * to each C element the 32 products of its weight row's and x row's 32 columns (exact in fp32), pair by pair,
+ * rounding to nearest even; denormal inputs read as zero, denormal sums written as zero. A C element is zeroed, then
+ * summed over the column chunks in order, each from its own weight row and x row alone: its arithmetic depends
+ * only on those two rows and K, not on M or on the rows of x beside it in the tile, so a row's outputs are the bits
+ * it has alone, and M = 1 is this loop too (padded with zero rows of x: the tiles' arithmetic is cheap beside
+ * reading the weight). A weight row's chunk past K, and rows past N, are read through a zero-padded copy
+ * (amx_part), so no tile reads past the weight. The same products as the AVX512-BF16 loop's, summed in another
+ * order and rounding: the two loops' outputs differ within one bf16 rounding and an fp32 sum's error.
+ * The tiles need the OS's leave (arch_prctl, once per process: bf16_amx_on_cpu) and a configuration per thread. */
+#if QINFER_BF16_DOT && defined(__linux__) && (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
+#define QINFER_BF16_AMX 1
+#define AMX_TARGET BF16_TARGET ",amx-tile,amx-bf16"
+#define AMX_STREAM_OUT (512 << 10)  /* bytes of y from which it is written around the caches (amx_store) */
+
+/* LDTILECFG's 64 bytes: palette 1; tiles 0-3 (C), 4-5 (A: the weight) and 6-7 (B: x) of 16 rows x 64 bytes. Static
+ * and constant: the intrinsic's asm names only the first 8 bytes as read, so bytes stored just before it might not
+ * be written yet. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+static const tile_config AMX_CONFIG __attribute__((aligned(64))) = {
+    1, 0, {0}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+
+/* _tile_loadd's asm names no memory: a tile loaded from a buffer the code just wrote needs this barrier between */
+#define COMPILER_BARRIER() __asm__ volatile("" ::: "memory")
+
+/* r[i] (16 rows of 16 32-bit elements) become their transpose, r[j] holding element j of every row: 32-bit, then
+ * 64-bit interleaves within each 128-bit lane, then the four lanes of four registers exchanged */
+static inline __attribute__((always_inline, target(AMX_TARGET))) void transpose16(__m512i *r) {
+    __m512i s[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        s[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        s[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {  /* u[4i + c], lane l: column 4l + c of rows 4i..4i+3 */
+        u[4 * i] = _mm512_unpacklo_epi64(s[4 * i], s[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(s[4 * i], s[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(s[4 * i + 1], s[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(s[4 * i + 1], s[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+        const __m512i v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+        r[c] = _mm512_shuffle_i32x4(v0, v2, 0x88), r[4 + c] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+        r[8 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88), r[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+    }
+}
+
+/* The lanes of a 32-column chunk from column k on (masked: none past K) */
+static inline __mmask32 chunk_mask(int64_t K, int64_t k) {
+    return K - k >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1);
+}
+
+/* Block (c, kc) of x [M, K] as the B operand (xb: 512 bf16): row p holds columns 32 kc + 2p and 2p + 1 of x rows
+ * 16 c..16 c + 15, a pair of bf16 (4 bytes) per row of x; zeros past M and past K. A row's chunk is 16 such pairs,
+ * so the block is the transpose of the 16 rows' chunks as 32-bit elements. */
+static inline __attribute__((always_inline, target(AMX_TARGET))) void amx_pack(const uint16_t *x, int64_t M, int64_t K,
+                                                                             int64_t c, int64_t kc, uint16_t *xb) {
+    const __mmask32 part = chunk_mask(K, 32 * kc);
+    __m512i r[16];
+    for (int i = 0; i < 16; i++)
+        r[i] = 16 * c + i < M ? _mm512_maskz_loadu_epi16(part, x + (16 * c + i) * K + 32 * kc) : _mm512_setzero_si512();
+    transpose16(r);
+    for (int p = 0; p < 16; p++) _mm512_store_si512((void *)(xb + 32 * p), r[p]);
+}
+
+/* The chunk of 32 columns from k on of weight rows n0..n0+31 (W: rows ld apart), zeros past K and past N, into part
+ * (32 rows of 32, 64 bytes apart): the A tiles of a group's last chunk, or of the last group, without reading past
+ * the weight */
+static inline __attribute__((always_inline, target(AMX_TARGET))) void amx_part(const uint16_t *W, int64_t ld, int64_t N,
+                                                                             int64_t K, int64_t n0, int64_t k,
+                                                                             uint16_t *part) {
+    const __mmask32 mask = chunk_mask(K, k);
+    COMPILER_BARRIER();  /* after the tile loads of the chunk before */
+    for (int r = 0; r < 32; r++)
+        _mm512_store_si512((void *)(part + 32 * r), n0 + r < N ? _mm512_maskz_loadu_epi16(mask, W + (n0 + r) * ld + k)
+                                                              : _mm512_setzero_si512());
+    COMPILER_BARRIER();  /* before the tile loads of this one */
+}
+
+/* 16 fp32 sums, each plus its bias (b + n: 16 bf16, or NULL) in fp32, rounded once to bf16 to nearest even: the bits
+ * store8 and store_out give */
+static inline __attribute__((always_inline, target(AMX_TARGET))) __m256i bf16x16_out(__m512 v, const void *b,
+                                                                                   int64_t n) {
+    if (b) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)b + n));
+        v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    }
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i up = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(up, 16));
+}
+
+/* The columns of a C tile stored at c (fp32, 16 weight rows x 16 rows of x): r[i], the 16 outputs of row i of x, for
+ * the first `rows` rows (a few: gathered one by one; else the tile transposed) */
+static inline __attribute__((always_inline, target(AMX_TARGET))) void amx_columns(const float *c, int64_t rows,
+                                                                                __m512i *r) {
+    if (rows < 4) {
+        const __m512i column = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
+        for (int64_t i = 0; i < rows; i++) r[i] = _mm512_castps_si512(_mm512_i32gather_ps(column, c + i, 4));
+    } else {
+        for (int i = 0; i < 16; i++) r[i] = _mm512_load_si512((const void *)(c + 16 * i));
+        transpose16(r);
+    }
+}
+
+/* Two C tiles stored at c (fp32: weight rows n0.. and n0 + 16.., each by 16 rows of x m0..) into y [M, N]: each row
+ * of x below M gets its 32 outputs (below N), the bias added in fp32, then one rounding, as store_out; one 64-byte
+ * store a row where all 32 are in y. A large y (AMX_STREAM_OUT: the lm_head's) is written around the caches, whole
+ * lines where aligned: it would not stay there under the weight's stream, and reading each line in before writing
+ * it would take from that stream's bandwidth. */
+static inline __attribute__((always_inline, target(AMX_TARGET))) void amx_store(const float *c, const void *b, void *y,
+                                                                              int64_t M, int64_t N, int64_t m0,
+                                                                              int64_t n0) {
+    const int64_t rows = M - m0 < 16 ? M - m0 : 16;
+    const int stream = M * N * 2 >= AMX_STREAM_OUT;
+    __m512i lo[16], hi[16];
+    amx_columns(c, rows, lo);
+    if (n0 + 16 < N) amx_columns(c + 256, rows, hi);
+    uint16_t *out = (uint16_t *)y + m0 * N + n0;
+    for (int64_t i = 0; i < rows; i++, out += N) {
+        if (n0 + 32 <= N) {
+            const __m256i a = bf16x16_out(_mm512_castsi512_ps(lo[i]), b, n0);
+            const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(a), bf16x16_out(_mm512_castsi512_ps(hi[i]), b,
+                                                                                         n0 + 16), 1);
+            if (stream && ((uintptr_t)out & 63) == 0)
+                _mm512_stream_si512((void *)out, v);
+            else
+                _mm512_storeu_si512((void *)out, v);
+        } else {  /* the last group, in part: one at a time */
+            float v[32];
+            _mm512_storeu_ps(v, _mm512_castsi512_ps(lo[i]));
+            if (n0 + 16 < N) _mm512_storeu_ps(v + 16, _mm512_castsi512_ps(hi[i]));
+            for (int64_t j = 0; n0 + j < N; j++) store_out(y, b, 1, m0 + i, N, n0 + j, v[j]);
+        }
+    }
+}
+
+/* A pass's C tiles stored at c (tiles 0-1, and 2-3 where two), their outputs not yet in y: weight rows n0.. by rows
+ * 16 c0.. of x. A thread stores a pass's outputs during the next pass's first chunk (amx_pass), so that their
+ * arithmetic runs while that chunk's weight is on its way from memory. */
+typedef struct {
+    const float *c;  /* NULL: nothing pending */
+    int64_t n0, c0;
+    int two;
+} amx_pending;
+
+static inline __attribute__((always_inline, target(AMX_TARGET))) void amx_flush(amx_pending *p, const void *b,
+                                                                              void *y, int64_t M, int64_t N) {
+    if (!p->c) return;
+    amx_store(p->c, b, y, M, N, 16 * p->c0, p->n0);
+    if (p->two) amx_store(p->c + 512, b, y, M, N, 16 * (p->c0 + 1), p->n0);
+    p->c = NULL;
+}
+
+/* One pass over a group's 32 weight rows (n0..) against rows 16 c0 of x on, 16 (TWO = 0) or 32 (TWO = 1) of them: C
+ * tiles 0-1 (weight rows n0.., n0 + 16.. by the first 16 rows of x) and 2-3 (by the next 16), summed over the K chunks
+ * in order (A tiles 4-5, B tiles 6-7), stored into c and left pending (the pass before: stored into y after the first
+ * chunk). The weight's tiles are loaded with TILELOADDT1, a hint that keeps them out of L1 (where x's blocks stay,
+ * read by every group), and the first pass over a group prefetches the next group into L2, a part each chunk, in
+ * address order: the hardware prefetchers follow the tiles' strided rows poorly and stop at each 4 KiB page. */
+static inline __attribute__((always_inline, target(AMX_TARGET))) void amx_pass(
+        const uint16_t *W, int64_t ld, int64_t N, int64_t K, const uint16_t *xb, int64_t chunks, int64_t c0,
+        int64_t n0, const void *b, void *y, int64_t M, uint16_t *part, float *c, amx_pending *pending, const int TWO) {
+    const int whole = n0 + 32 <= N;
+    const int64_t lines = (ld + chunks - 1) / chunks;  /* of the next group's 32 ld bf16 (ld lines), a chunk's part */
+    _tile_zero(0);
+    _tile_zero(1);
+    if (TWO) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t kc = 0; kc < chunks; kc++) {
+        const uint16_t *a = W + n0 * ld + 32 * kc;
+        int64_t stride = 2 * ld;  /* bytes between a tile's rows */
+        if (!whole || 32 * kc + 32 > K) {
+            amx_part(W, ld, N, K, n0, 32 * kc, part);
+            a = part, stride = 64;
+        }
+        if (c0 == 0) {
+            const uint16_t *next = W + (n0 + 32) * ld + 32 * lines * kc;
+            for (int64_t i = 0; i < lines; i++) _mm_prefetch((const char *)(next + 32 * i), _MM_HINT_T1);
+        }
+        _tile_loadd(6, xb + (c0 * chunks + kc) * 512, 64);
+        _tile_stream_loadd(4, a, stride);
+        _tile_stream_loadd(5, a + 8 * stride, stride);  /* 16 rows on: 16 stride bytes, 8 stride bf16 */
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 5, 6);
+        if (TWO) {
+            _tile_loadd(7, xb + ((c0 + 1) * chunks + kc) * 512, 64);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        if (kc == 0) amx_flush(pending, b, y, M, N);
+    }
+    _tile_stored(0, c, 64);
+    _tile_stored(1, c + 256, 64);
+    if (TWO) {
+        _tile_stored(2, c + 512, 64);
+        _tile_stored(3, c + 768, 64);
+    }
+    *pending = (amx_pending){c, n0, c0, TWO};
+}
+
+/* y = x W^T (+ b), x: bf16 [M, K], W: bf16 [N, K] rows ld apart. x is repacked (amx_pack) by the threads together;
+ * then they split the groups of 32 weight rows, each group meeting the rows of x 32 at a time (a second pass over a
+ * group, for M > 32, reads its rows again from the caches). */
+static __attribute__((target(AMX_TARGET))) int bf16_amx_gemv(const qinfer_weight *wt, const void *x, const void *b,
+                                                             void *y, int64_t M) {
+    const int64_t N = wt->N, K = wt->K, ld = wt->ld, chunks = (K + 31) / 32, blocks = (M + 15) / 16;
+    const uint16_t *W = (const uint16_t *)wt->w;
+    uint16_t *xb = aligned_alloc(64, (size_t)(blocks * chunks) * 1024);
+    if (!xb) return 1;
+    #pragma omp parallel
+    {
+        uint16_t part[32 * 32] __attribute__((aligned(64)));
+        float c[2][4 * 256] __attribute__((aligned(64)));  /* a pass's C tiles; the pass before's, pending */
+        amx_pending pending = {NULL, 0, 0, 0};
+        int p = 0;
+        _tile_loadconfig(&AMX_CONFIG);  /* the tiles' shapes are each thread's own state */
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < blocks * chunks; i++)
+            amx_pack((const uint16_t *)x, M, K, i / chunks, i % chunks, xb + 512 * i);
+        #pragma omp for schedule(static)
+        for (int64_t g = 0; g < (N + 31) / 32; g++)
+            for (int64_t c0 = 0; c0 < blocks; c0 += 2, p ^= 1) {  /* the loop built for one block or two */
+                if (c0 + 1 < blocks)
+                    amx_pass(W, ld, N, K, xb, chunks, c0, g * 32, b, y, M, part, c[p], &pending, 1);
+                else
+                    amx_pass(W, ld, N, K, xb, chunks, c0, g * 32, b, y, M, part, c[p], &pending, 0);
+            }
+        amx_flush(&pending, b, y, M, N);
+        _mm_sfence();  /* the streamed stores, in y before the threads join */
+        _tile_release();
+    }
+    free(xb);
+    return 0;
+}
+
+/* Whether the CPU has AMX-TILE and AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22) beside the AVX512-BF16 loop's
+ * extensions (the AMX loop's repacking and stores use them), and Linux lets this process use the tiles'
+ * state: asked once (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), for every thread of the process. */
+static int bf16_amx_on_cpu(void) {
+    static int granted = -1;
+    if (granted < 0) {
+        unsigned a, b, c, d;
+        granted = bf16_dot_on_cpu() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 22 & 1) &&
+                  syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    }
+    return granted;
+}
+#else
+#define QINFER_BF16_AMX 0
+static int bf16_amx_gemv(const qinfer_weight *wt, const void *x, const void *b, void *y, int64_t M) {
+    return 1;  /* never called: qinfer_bf16_dot says no AMX */
+}
+static int bf16_amx_on_cpu(void) { return 0; }
+#endif
+
+/* Whether the CPU (and the compiler, and for AMX the OS) can run bf16 loop 1 (AVX512-BF16) or 2 (AMX-BF16) */
+static int bf16_loop_on_cpu(int loop) { return loop == 1 ? bf16_dot_on_cpu() : loop == 2 ? bf16_amx_on_cpu() : 0; }
+
+/* -1: not asked yet; then which loop bf16 rows take: 0 the fp32 one, 1 AVX512-BF16, 2 AMX-BF16 */
 static int bf16_dot = -1;
 
-/* Whether bf16 rows against a bf16 weight take the AVX512-BF16 loop (at first: where the CPU has it and the
- * compiler knew it). on = 0 turns it off, 1 on where the CPU has it, any other value only asks. Returns the
- * setting before. */
-int qinfer_bf16_dot(int on) {
-    if (bf16_dot < 0) bf16_dot = bf16_dot_on_cpu();
+/* Which loop bf16 rows against a bf16 weight take (at first AMX-BF16 where it runs here, else AVX512-BF16 where it
+ * does, else the fp32 loop). loop = 0 takes the fp32 loop, 1 or 2 that loop where it runs here (else leaves the
+ * setting), any other value only asks. Returns the setting before. */
+int qinfer_bf16_dot(int loop) {
+    if (bf16_dot < 0) bf16_dot = bf16_loop_on_cpu(2) ? 2 : bf16_loop_on_cpu(1) ? 1 : 0;
     int before = bf16_dot;
-    if (on == 0 || (on == 1 && bf16_dot_on_cpu())) bf16_dot = on;
+    if (loop == 0 || ((loop == 1 || loop == 2) && bf16_loop_on_cpu(loop))) bf16_dot = loop;
     return before;
 }
 
-/* W: bf16 [N, K], rows ld elements apart. bf16 rows take the AVX512-BF16 loop where it is on (qinfer_bf16_dot);
- * fp32 and fp16 rows, and bf16 ones without it, the fp32 loop (dense_gemv). */
+/* W: bf16 [N, K], rows ld elements apart. bf16 rows take the AMX-BF16 or AVX512-BF16 loop where it is on
+ * (qinfer_bf16_dot); fp32 and fp16 rows, and bf16 ones without either, the fp32 loop (dense_gemv). */
 int qinfer_bf16_gemv(const qinfer_weight *wt, const void *x, const void *b, void *y, int64_t M, int dtype) {
-    if (dtype == 1 && qinfer_bf16_dot(-1) == 1) return bf16_dot_gemv(wt, x, b, y, M);
+    const int loop = dtype == 1 ? qinfer_bf16_dot(-1) : 0;
+    if (loop == 2) return bf16_amx_gemv(wt, x, b, y, M);
+    if (loop == 1) return bf16_dot_gemv(wt, x, b, y, M);
     return dense_gemv(wt, x, b, y, M, dtype, 0);
 }
 

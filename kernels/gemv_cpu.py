@@ -33,7 +33,7 @@ fixed point, the same rounding and bias), whichever rows share the call: a seque
 batch, and one row is just M = 1. ``ROWS_MAX`` bounds M per format where the kernels are not slower than the path
 the callers took before for M rows (oneDNN's bf16 matmul; PyTorch's int4 kernel, ``int4_cpu``; a dense matmul after
 the C dequantize), as ``gemv_bench --rows`` measured it on gemma3-270m's linears (docs/RESULTS-LOG.md, 2026-12-07):
-bf16 rows up to 64 where the AVX512-BF16 loop applies (below; else 4), FP8 up to 4 (from 8 the matmuls are
+bf16 rows up to 64 where the AMX-BF16 or AVX512-BF16 loop applies (below; else 4), FP8 up to 4 (from 8 the matmuls are
 faster); 4-bit codes up to 64 where the AVX512-VNNI loop
 over tiles applies (below), else 1 (the one-row loops sum each row's groups apart, and ``int4_cpu``'s AVX-512
 kernel is faster from 2 rows); 2-, 3- and 8-bit codes up to 4 (before, a dense matmul after dequantizing the whole
@@ -51,9 +51,17 @@ the weight's own layout (gemma3's lm_head is also its embedding table: no repack
 pairs of bf16 a vector (exact in fp32) and adds each lane's two products to its fp32 sum, rounding once per lane and
 reading and writing denormals as zero. Blocks of 8 output rows meet up to 3 rows of x a pass, one accumulator per
 (row, output), each summed over the columns in one fixed order, the last part of 32 masked (any K); a pass's 8
-accumulators per row become one vector of sums by the same tree in every lane. ``cpu_library.bf16_without_dot``
-takes the fp32 loop instead (widened weight tiles, fp32 FMAs), as fp32 and fp16 rows always do; the two loops'
-outputs differ in their sums' order and roundings, each within one bf16 rounding and the fp32 sum's error.
+accumulators per row become one vector of sums by the same tree in every lane. On a CPU with AMX-BF16 (and the
+OS's leave to use its tiles) bf16 rows take AMX instead, again for any M and on the weight's own layout: the
+transpose y^T = W x^T, TDPBF16PS multiplying a tile of 16 weight rows x 32 columns, loaded with the rows' stride,
+by x repacked once per call into 16-row blocks of column pairs (rows of x past M are zeros: one row costs the
+tiles nothing that matters against reading the weight, whose bytes bound the time, where the VDPBF16PS loop's
+cost grows with the rows). Each output is zeroed and summed over the columns in order, 32 a tile, from its own
+weight row and row of x alone, so a row's outputs are again its bits alone; TDPBF16PS reads bf16 denormals as
+zero too, but sums in another order than VDPBF16PS. ``cpu_library.bf16_without_amx`` takes the AVX512-BF16 loop
+instead, ``cpu_library.bf16_without_dot`` the fp32 loop (widened weight tiles, fp32 FMAs), as fp32 and fp16 rows
+always do; the loops' outputs differ in their sums' order and roundings, each within one bf16 rounding and the fp32
+sum's error.
 
 A prompt's GEMM needs its packed weights dense: ``dequantize`` and ``fp8_dequantize`` write an integer or FP8
 weight out in the activations' dtype, the format's own numbers bit for bit, in one pass, several times as fast as
@@ -84,7 +92,7 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _PREPARED: dict[str, dict] = {"bf16": {}, "int": {}, "fp8": {}}  # per_weight stores: (data pointers, Weight)
 # The most rows of x a call takes, per format (4-bit codes apart from 2, 3 and 8 bits): measured, see the docstring.
 # 4-bit codes take that many only through the loop over tiles (_tiled); elsewhere one row. bf16 rows take that many
-# only through the AVX512-BF16 loop (cpu_library.bf16_dot); through the fp32 loop at most BF16_FP32_LOOP_ROWS.
+# only through a dot-product loop (cpu_library.bf16_dot); through the fp32 loop at most BF16_FP32_LOOP_ROWS.
 ROWS_MAX = {"bf16": 64, "int4": 64, "int": 4, "fp8": 4}
 BF16_FP32_LOOP_ROWS = 4
 
@@ -104,8 +112,9 @@ def _tiled(x_dtype: torch.dtype, group: int) -> bool:
 
 
 def bf16_rows_max() -> int:
-    """The most bf16 rows a bf16 GEMV call takes here: ``ROWS_MAX["bf16"]`` through the AVX512-BF16 loop, else at
-    most ``BF16_FP32_LOOP_ROWS`` (the fp32 loop's cost grows by about a one-row call per row)."""
+    """The most bf16 rows a bf16 GEMV call takes here: ``ROWS_MAX["bf16"]`` through a dot-product loop (AMX-BF16 or
+    AVX512-BF16), else at most ``BF16_FP32_LOOP_ROWS`` (the fp32 loop's cost grows by about a one-row call per
+    row)."""
     most = ROWS_MAX["bf16"]
     return most if cpu_library.bf16_dot() else min(most, BF16_FP32_LOOP_ROWS)
 

@@ -3,6 +3,7 @@ RMSNorm, attention) against PyTorch's, side by side on one model.
 
     python -m qinfer.evals.diagnostics.gemv_bench MODEL [--prompt-tokens 512] [--steps 8] [--rounds 5] [--calls 50]
     python -m qinfer.evals.diagnostics.gemv_bench MODEL --rows 1,4,16,64 [--rounds 5] [--calls 50]
+    python -m qinfer.evals.diagnostics.gemv_bench MODEL --bf16-loops [--rows 1,4,16,64] [--rounds 5] [--calls 50]
 
 Two parts, each alternating the two paths so a machine that slows down for a while slows both:
 1. every distinct linear of the model (kind, shape), one bf16 row through ``qinfer.kernels.linear``: the
@@ -24,6 +25,11 @@ several rows (``gemv_cpu.one_row_only``: for M > 1 oneDNN's bf16 matmul, PyTorch
 dense matmul after the C dequantize; named in the table), the C GEMV on the M rows in one call, and M one-row
 calls of it. Each path's time is the median of up to ``--calls`` calls per round (fewer where a call is slow: about
 a quarter second of them per path and round), then the median over rounds; ``ratio`` is before / C rows.
+
+With ``--bf16-loops``, instead: every distinct bf16 linear's C GEMV on M rows of x (``--rows``, else one) through
+each bf16 dot-product loop this CPU has (``cpu_library.bf16_loops``: AMX-BF16, AVX512-BF16) side by side in
+alternating rounds, timed as ``--rows`` times them; the time and the weight's bytes over it per loop, and ``ratio``,
+the last loop's time over the first's (AVX512-BF16 over AMX-BF16 where the CPU has both).
 
 Diagnostic only, CPU only: nothing is written, nothing cached.
 """
@@ -56,13 +62,17 @@ from qinfer.sources.resolve import resolve_model
 @click.option("--calls", type=int, default=50, show_default=True, help="Calls of each linear per path and round.")
 @click.option("--rows", default=None, help="Row counts M, comma-separated (e.g. 1,4,16,64): time each linear's M-row "
               "C GEMV against the path taken before and M one-row calls, instead of the one-row table and the steps.")
-def main(model, prompt_tokens, steps, rounds, calls, rows):
+@click.option("--bf16-loops", is_flag=True, help="Time each bf16 linear's C GEMV on M rows (--rows, else 1) through "
+              "each bf16 dot-product loop this CPU has (AMX-BF16, AVX512-BF16) side by side, instead.")
+def main(model, prompt_tokens, steps, rounds, calls, rows, bf16_loops):
     if min(prompt_tokens, steps, rounds, calls) < 1:
         raise QinferError("--prompt-tokens, --steps, --rounds and --calls must be at least 1")
     counts = _row_counts(rows) if rows is not None else None
     if not cpu_library.available():
         raise QinferError(f"the C GEMV kernels are not in use here ({cpu_library.unavailable_reason()})")
-    if counts:
+    if bf16_loops:
+        _bf16_loops_report(model, counts or [1], rounds, calls)
+    elif counts:
         _rows_report(model, counts, rounds, calls)
     else:
         _report(model, prompt_tokens, steps, rounds, calls)
@@ -163,6 +173,33 @@ def _rows_report(model_name: str, counts: list[int], rounds: int, calls: int) ->
             b, c, o = (statistics.median(times[name]) * 1e6 for name in paths)
             print(f"{kind:>12} {f'{N} x {K}':>13} {M:3d} {_path_before(w, x):>18} {b:10.1f} {c:10.1f} {o:14.1f} "
                   f"{b / c:6.2f}")
+
+
+@torch.no_grad()
+def _bf16_loops_report(model_name: str, counts: list[int], rounds: int, calls: int) -> None:
+    loops = cpu_library.bf16_loops()
+    if not loops:
+        raise QinferError("no bf16 dot-product loop here (the CPU, compiler or OS allow neither AMX-BF16 nor "
+                          "AVX512-BF16)")
+    model = load_model(resolve_model(model_name), run=True)
+    print(f"{model_name}: {threads_text(torch.get_num_threads())}; medians over {rounds} alternating rounds; "
+          f"one C GEMV call of M bf16 rows through each loop")
+    print(f"{'N x K':>13} {'M':>3} " + " ".join(f"{name + ' us':>14} {'GB/s':>6}" for name in loops) + f" {'ratio':>6}")
+    bf16 = [(shape, w) for (kind, shape), (w, _) in _linears(model).items() if kind == "bfloat16"]
+    if not bf16:
+        print(f"no bf16 linears in {model_name}")
+    for (N, K), w in bf16:
+        for M in counts:
+            x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(torch.bfloat16)
+            times: dict[str, list[float]] = {name: [] for name in loops}
+            for r in range(rounds):
+                for name in loops if r % 2 == 0 else loops[::-1]:
+                    with cpu_library.with_bf16_loop(name):
+                        times[name].append(_timed_budget(lambda: gemv_cpu.bf16_gemv(x, w), calls))
+            t = [statistics.median(times[name]) for name in loops]
+            gb = _weight_bytes(w) / 1e9
+            print(f"{f'{N} x {K}':>13} {M:3d} " + " ".join(f"{s * 1e6:14.1f} {gb / s:6.1f}" for s in t)
+                  + f" {t[-1] / t[0]:6.2f}")
 
 
 @torch.no_grad()

@@ -75,3 +75,20 @@ def test_gemv_bench_refuses_bad_row_counts(tmp_path):
     for bad in ("0,4", "x", ""):
         result = CliRunner().invoke(main, [str(tmp_path / "missing"), "--rows", bad])
         assert result.exit_code == 1 and "--rows takes row counts" in result.output, result.output
+
+
+LOOPS = re.compile(r"^ *(\d+) x (\d+) +(\d+)((?: +\S+ +\S+)+) +(\S+)$", re.M)
+
+
+@pytest.mark.skipif(not cpu_library.bf16_loops(), reason="no bf16 dot-product loop here (AMX-BF16, AVX512-BF16)")
+def test_gemv_bench_bf16_loops_times_each_loop_side_by_side(tiny):
+    result = CliRunner().invoke(main, [str(tiny), "--bf16-loops", "--rows", "1,17", "--rounds", "2", "--calls", "2"])
+    assert result.exit_code == 0, result.output
+    header = next(line for line in result.stdout.splitlines() if line.strip().startswith("N x K"))
+    assert [f"{name} us" in header for name in cpu_library.bf16_loops()] == [True] * len(cpu_library.bf16_loops())
+    rows = LOOPS.findall(result.stdout)
+    assert {int(r[2]) for r in rows} == {1, 17}
+    for r in rows:  # a time and the bytes over it per loop (a tiny weight's: 0.0 GB/s)
+        figures = [float(f) for f in r[3].split()]
+        assert len(figures) == 2 * len(cpu_library.bf16_loops()) and min(figures[::2]) > 0 and float(r[4]) > 0
+    assert "decode step" not in result.stdout

@@ -1,6 +1,5 @@
 """The C one-row kernels against exact (float64) products, the dispatch to them, their build and their fallback."""
 
-import contextlib
 import functools
 import gc
 import os
@@ -45,8 +44,10 @@ def _int4_loops():
 
 
 def _bf16_loops():
-    """Each loop bf16 rows can take on this CPU: the AVX512-BF16 one where it has it, and the fp32 one."""
-    return ([contextlib.nullcontext] if cpu_library.bf16_dot() else []) + [cpu_library.bf16_without_dot]
+    """Each loop bf16 rows can take on this CPU, as a context that selects it: the AMX-BF16 and AVX512-BF16 ones
+    where it has them, and the fp32 one."""
+    loops = [functools.partial(cpu_library.with_bf16_loop, name) for name in cpu_library.bf16_loops()]
+    return loops + [cpu_library.bf16_without_dot]
 
 
 def _int(N, K, group_size, symmetric, seed=0, bits=4) -> QuantizedWeight:
@@ -140,8 +141,9 @@ def test_int4_rows_carry_nan_and_infinity_and_take_a_zero_row():
     before = cpu_library.int4_vnni()
     assert before == (cpu_library.vnni_loops() or [""])[0]  # AVX512-VNNI where the CPU has both
     with cpu_library.without_vnni():
-        assert not cpu_library.int4_vnni() and cpu_library.describe() == "qinfer's C GEMVs"
-    assert cpu_library.int4_vnni() == before and (f"through {before})" in cpu_library.describe()) == bool(before)
+        assert not cpu_library.int4_vnni() and "4-bit codes" not in cpu_library.describe()
+    assert cpu_library.int4_vnni() == before and (f"4-bit codes through {before}" in cpu_library.describe()) == bool(
+        before)
     for name in cpu_library.vnni_loops():
         with cpu_library.with_vnni(name):
             assert cpu_library.int4_vnni() == name

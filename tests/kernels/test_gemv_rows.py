@@ -92,6 +92,74 @@ def test_bf16_rows_apart_and_a_nan_row_leave_the_others_alone(M):
         _check(got[others], *_exact(clean[others], weight.double(), bias), torch.bfloat16)
 
 
+needs_amx = pytest.mark.skipif("AMX-BF16" not in cpu_library.bf16_loops(),
+                               reason="no AMX-BF16 loop here: the CPU lacks AMX-TILE/AMX-BF16, the compiler or OS "
+                                      "does not allow the tiles, or the C kernels are not built")
+
+
+@needs_amx
+@pytest.mark.parametrize("N", [1, 15, 16, 17, 100, 1000])  # tiles of 16 weight rows and groups of 32, in part
+@pytest.mark.parametrize("K", [32, 64, 100, 640])  # chunks of 32 columns, whole and a part one
+@pytest.mark.parametrize("M", [1, 3, 16, 17, 33, 64])  # B tiles of 16 rows of x and passes of 32, in part
+def test_bf16_amx_rows_match_the_exact_product_and_each_row_alone(N, K, M):
+    # the weight rows apart (a view into a wider table) for odd N, so tiles load with a stride other than K; a bias
+    # where M is odd
+    g = torch.Generator().manual_seed(N * K + M)
+    table = torch.randn(N, K + 7 * (N % 2), generator=g).bfloat16()
+    weight = table[:, N % 2 * 3 : N % 2 * 3 + K]
+    x, bias = _rows(M, K, torch.bfloat16, seed=M), _bias(N, torch.bfloat16, M % 2 == 1)
+    assert gemv_cpu.bf16_supported(x, weight)
+    with cpu_library.with_bf16_loop("AMX-BF16"):
+        got = _same_as_alone(gemv_cpu.bf16_gemv, x, weight, bias)
+    _check(got, *_exact(x, weight.double(), bias), torch.bfloat16)
+
+
+@needs_amx
+def test_bf16_amx_rows_keep_their_bits_in_any_batch():
+    # a row's outputs are the same bits in batches of every size and position, through the AMX loop
+    g = torch.Generator().manual_seed(5)
+    weight, x = torch.randn(1000, 640, generator=g).bfloat16(), _rows(64, 640, torch.bfloat16, seed=5)
+    with cpu_library.with_bf16_loop("AMX-BF16"):
+        full = gemv_cpu.bf16_gemv(x, weight)
+        for lo, hi in [(0, 1), (40, 41), (3, 20), (0, 16), (17, 50), (30, 64)]:
+            assert torch.equal(gemv_cpu.bf16_gemv(x[lo:hi], weight).view(torch.int16), full[lo:hi].view(torch.int16))
+
+
+@needs_amx
+@pytest.mark.parametrize("N", [8192, 8209])  # outputs of 33 rows past 512 KiB, written around the caches; N odd too
+def test_bf16_amx_large_outputs_have_the_bits_of_small_ones(N):
+    # a large y is stored by other instructions than a one-row call's small one: the same bits, the bias included
+    g = torch.Generator().manual_seed(N)
+    weight, x = torch.randn(N, 96, generator=g).bfloat16(), _rows(33, 96, torch.bfloat16, seed=N)
+    bias = _bias(N, torch.bfloat16, True)
+    with cpu_library.with_bf16_loop("AMX-BF16"):
+        got = _same_as_alone(gemv_cpu.bf16_gemv, x, weight, bias)
+    _check(got, *_exact(x, weight.double(), bias), torch.bfloat16)
+
+
+@needs_amx
+def test_bf16_rows_take_the_amx_loop_first_and_the_switches_choose():
+    assert cpu_library.bf16_loops() == ["AMX-BF16", "AVX512-BF16"]  # every AMX CPU has AVX512-BF16
+    assert cpu_library.bf16_loop() == "AMX-BF16" and "bf16 rows through AMX-BF16" in cpu_library.describe()
+    with cpu_library.bf16_without_amx():
+        assert cpu_library.bf16_loop() == "AVX512-BF16" and "bf16 rows through AVX512-BF16" in cpu_library.describe()
+        assert gemv_cpu.bf16_rows_max() == gemv_cpu.ROWS_MAX["bf16"]
+        with cpu_library.bf16_without_dot():
+            assert cpu_library.bf16_loop() == "" and "bf16 rows" not in cpu_library.describe()
+        assert cpu_library.bf16_loop() == "AVX512-BF16"
+    assert cpu_library.bf16_loop() == "AMX-BF16" and gemv_cpu.bf16_rows_max() == gemv_cpu.ROWS_MAX["bf16"]
+
+
+@needs_kernels
+def test_a_bf16_loop_the_cpu_lacks_is_refused():
+    with pytest.raises(ValueError, match="this CPU has no nonsense loop"):
+        cpu_library.with_bf16_loop("nonsense")
+    before = cpu_library.bf16_loop()
+    with cpu_library.bf16_without_amx():  # where there is no AVX512-BF16 loop, the loop taken stays as it was
+        assert cpu_library.bf16_loop() == ("AVX512-BF16" if "AVX512-BF16" in cpu_library.bf16_loops() else before)
+    assert cpu_library.bf16_loop() == before
+
+
 @needs_kernels
 def test_bf16_rows_up_to_rows_max_through_the_avx512_bf16_loop():
     # 64 rows where the CPU has AVX512-BF16 (and the loop is on), else the fp32 loop's 4; one row without the C
