@@ -687,15 +687,16 @@ static int bf16_dot_on_cpu(void) { return 0; }
  * y^T = W x^T: a tile of 16 weight rows x 32 columns, loaded straight from the weight's own layout (rows ld apart: no
  * repacked copy, as gemma3's lm_head is also its embedding table), is the A operand; x, repacked once per call into
  * the B operand's layout (amx_pack), is B; each C tile holds 16 weight rows x 16 rows of x in fp32. TDPBF16PS adds
- * to each C element the 32 products of its weight row's and x row's 32 columns (exact in fp32), pair by pair,
- * rounding to nearest even; denormal inputs read as zero, denormal sums written as zero. A C element is zeroed, then
- * summed over the column chunks in order, each from its own weight row and x row alone: its arithmetic depends
- * only on those two rows and K, not on M or on the rows of x beside it in the tile, so a row's outputs are the bits
- * it has alone, and M = 1 is this loop too (padded with zero rows of x: the tiles' arithmetic is cheap beside
- * reading the weight). A weight row's chunk past K, and rows past N, are read through a zero-padded copy
- * (amx_part), so no tile reads past the weight. The same products as the AVX512-BF16 loop's, summed in another
- * order and rounding: the two loops' outputs differ within one bf16 rounding and an fp32 sum's error.
- * The tiles need the OS's leave (arch_prctl, once per process: bf16_amx_on_cpu) and a configuration per thread. */
+ * to each C element the 32 products of its weight row's and x row's 32 columns (each exact in fp32) in an order the
+ * instruction fixes, rounding to nearest even whatever MXCSR says; denormal inputs read as zero, denormal sums
+ * written as zero. A C element is zeroed, then summed over the column chunks in order, each from its own weight row
+ * and x row alone: its arithmetic depends only on those two rows and K, not on M or on the rows of x beside it in
+ * the tile, so a row's outputs are the bits it has alone, and M = 1 is this loop too (padded with zero rows of x:
+ * the tiles' arithmetic is cheap beside reading the weight). A weight row's chunk past K, and rows past N, are read
+ * through a zero-padded copy (amx_part), so no tile reads past the weight. The same products as the AVX512-BF16
+ * loop's, summed in another order and rounding: the two loops' outputs differ within one bf16 rounding and an fp32
+ * sum's error. The tiles need the OS's leave (arch_prctl, once per process: bf16_amx_on_cpu) and a configuration per
+ * thread. */
 #if QINFER_BF16_DOT && defined(__linux__) && (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
 #define QINFER_BF16_AMX 1
 #define AMX_TARGET BF16_TARGET ",amx-tile,amx-bf16"

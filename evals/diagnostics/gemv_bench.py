@@ -17,7 +17,8 @@ Two parts, each alternating the two paths so a machine that slows down for a whi
    with PyTorch's ops for RMSNorm and the attention (``cpu_library.only_gemvs``); the C kernels with q/k/v and
    gate/up multiplied one linear at a time (``qinfer.model.decoder.separate_linears``) instead of fused; and, on a CPU
    with AVX-VNNI or AVX512-VNNI, the C kernels with 4-bit rows through the AVX2 float loop
-   (``cpu_library.without_vnni``) instead of the VNNI one.
+   (``cpu_library.without_vnni``) instead of the VNNI one; on a CPU with AMX-BF16, the C kernels with bf16 rows
+   through the AVX512-BF16 loop (``cpu_library.bf16_without_amx``) instead of the AMX one.
 
 With ``--rows``, instead: every distinct linear against M rows of x for each M given (a batch of decode steps),
 three paths side by side in alternating rounds: the path ``qinfer.kernels.linear`` took before the C GEMVs took
@@ -235,6 +236,9 @@ def _decode_steps(model, small_pages, prompt_tokens: int, steps: int, rounds: in
     paths["C, linears apart"] = (decode_step, separate_linears)
     if cpu_library.int4_vnni():
         paths["C, int4 without VNNI"] = (decode_step, cpu_library.without_vnni)
+    amx = cpu_library.bf16_loop() == "AMX-BF16" and "AVX512-BF16" in cpu_library.bf16_loops()
+    if amx:
+        paths["C, bf16 without AMX"] = (decode_step, cpu_library.bf16_without_amx)
     if small_pages is not None:  # the same steps through the other copy of the weights
         paths["C, 4 KiB pages"] = (lambda _, *args: decode_step(small_pages, *args), contextlib.nullcontext)
     times, agree = alternating_rounds(model, token, pos, cache, steps, rounds, paths)
@@ -254,6 +258,12 @@ def _decode_steps(model, small_pages, prompt_tokens: int, steps: int, rounds: in
               f"through {cpu_library.int4_vnni()} ({v / c:.2f}x)")
     else:
         print("4-bit rows through VNNI: not measured (no AVX-VNNI or AVX512-VNNI here)")
+    if amx:
+        v = statistics.median(times["C, bf16 without AMX"]) * 1000
+        print(f"decode step with the C kernels: {v:.1f} ms with bf16 rows through AVX512-BF16, {c:.1f} ms through "
+              f"AMX-BF16 ({v / c:.2f}x)")
+    else:
+        print(f"bf16 rows through AMX-BF16: not measured (bf16 rows take {cpu_library.bf16_loop() or 'the fp32 loop'})")
     if small_pages is None:
         print(f"weights in 2 MiB pages: not measured ({huge_pages_reason()})")
     else:

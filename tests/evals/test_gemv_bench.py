@@ -16,6 +16,8 @@ FUSED = re.compile(r"^decode step with the C kernels: (\S+) ms with q/k/v and ga
 VNNI = re.compile(r"^(decode step with the C kernels: (\S+) ms with 4-bit rows through the AVX2 float loop, (\S+) "
                   r"ms through (AVX-VNNI|AVX512-VNNI) \((\S+)x\)|4-bit rows through VNNI: not measured \(no AVX-VNNI "
                   r"or AVX512-VNNI here\))$", re.M)
+AMX = re.compile(r"^(decode step with the C kernels: (\S+) ms with bf16 rows through AVX512-BF16, (\S+) ms through "
+                 r"AMX-BF16 \((\S+)x\)|bf16 rows through AMX-BF16: not measured \(bf16 rows take .+\))$", re.M)
 PAGES = re.compile(r"^(decode step with the C kernels: (\S+) ms with the weights in 4 KiB pages \(the file map\), "
                    r"(\S+) ms in 2 MiB pages \((\S+)x\)|weights in 2 MiB pages: not measured \(.+\))$", re.M)
 
@@ -39,6 +41,11 @@ def test_gemv_bench_times_every_linear_and_the_decode_step(tiny):
         assert vnni and vnni.group(3) == step.group(2) and vnni.group(4) == cpu_library.int4_vnni()
     else:
         assert vnni and vnni.group(2) is None
+    amx = AMX.search(result.stdout)
+    if cpu_library.bf16_loop() == "AMX-BF16" and "AVX512-BF16" in cpu_library.bf16_loops():
+        assert amx and amx.group(3) == step.group(2) and float(amx.group(2)) > 0
+    else:
+        assert amx and amx.group(2) is None
     assert PAGES.search(result.stdout)
 
 
