@@ -210,25 +210,38 @@ def int4_vnni() -> str:
 
 def vnni_loops() -> list[str]:
     """The VNNI loops this CPU can run (AVX512-VNNI first: the one 4-bit rows take where it has both)."""
-    loops = []
-    for name in reversed(VNNI_LOOPS.values()):
-        with _vnni_loop(name) as taken:
-            loops += [name] if taken else []
-    return loops
+    return _loops("qinfer_int4_vnni", VNNI_LOOPS)
+
+
+def _loops(switch: str, loops: dict[int, str]) -> list[str]:
+    """The names of ``loops`` (the C switch ``switch``'s codes) this CPU can run, the highest code first."""
+    return [name for name in reversed(loops.values()) if _runs(switch, loops, name)]
+
+
+def _runs(switch: str, loops: dict[int, str], name: str) -> bool:
+    with _loop(switch, loops, name) as taken:
+        return taken
 
 
 @contextlib.contextmanager
-def _vnni_loop(name: str):
+def _loop(switch: str, loops: dict[int, str], name: str):
+    """Inside it, the C switch ``switch`` (``qinfer_int4_vnni``, ``qinfer_bf16_dot``: 0 off, a code of ``loops``
+    that loop where the CPU has it, -1 only asks; each returns the setting before) is set to ``name``'s code ("": 0);
+    yields whether it took."""
     lib = library()[0] if available() else None
     if lib is None:
         yield False
         return
-    code = {v: k for k, v in VNNI_LOOPS.items()}.get(name, 0)
-    prior = lib.qinfer_int4_vnni(code)
+    code = {v: k for k, v in loops.items()}.get(name, 0)
+    prior = getattr(lib, switch)(code)
     try:
-        yield lib.qinfer_int4_vnni(-1) == code
+        yield getattr(lib, switch)(-1) == code
     finally:
-        lib.qinfer_int4_vnni(prior)
+        getattr(lib, switch)(prior)
+
+
+def _vnni_loop(name: str):
+    return _loop("qinfer_int4_vnni", VNNI_LOOPS, name)
 
 
 def without_vnni():
@@ -284,25 +297,11 @@ bf16_dot._dynamo_marked_constant = True  # as available(): a traced graph keeps 
 
 def bf16_loops() -> list[str]:
     """The bf16 dot-product loops this CPU can run (AMX-BF16 first: the one bf16 rows take where it has both)."""
-    loops = []
-    for name in reversed(BF16_LOOPS.values()):
-        with _bf16_loop(name) as taken:
-            loops += [name] if taken else []
-    return loops
+    return _loops("qinfer_bf16_dot", BF16_LOOPS)
 
 
-@contextlib.contextmanager
 def _bf16_loop(name: str):
-    lib = library()[0] if available() else None
-    if lib is None:
-        yield False
-        return
-    code = {v: k for k, v in BF16_LOOPS.items()}.get(name, 0)
-    prior = lib.qinfer_bf16_dot(code)
-    try:
-        yield lib.qinfer_bf16_dot(-1) == code
-    finally:
-        lib.qinfer_bf16_dot(prior)
+    return _loop("qinfer_bf16_dot", BF16_LOOPS, name)
 
 
 def bf16_without_dot():
