@@ -41,17 +41,15 @@ DISCONNECT_POLL = 0.5  # seconds between checks that a non-streaming request's c
 @dataclass
 class ServerState:
     runner: EngineRunner
-    tokenizer: Tokenizer
     model_name: str
-    api_key: str | None = None
     created: int = 0
 
 
 def create_app(runner: EngineRunner, tokenizer: Tokenizer, model_name: str, api_key: str | None = None,
                on_ready: Callable[[], None] | None = None) -> FastAPI:
-    """The app; ``runner.run`` steps the engine on a thread of its own (``qinfer.server.serve.run``). Its
+    """The app; ``runner.run`` steps the engine beside it (on the main thread: ``qinfer.server.serve.run``). Its
     lifespan calls ``on_ready`` at startup and stops the runner at shutdown, ending every request."""
-    state = ServerState(runner, tokenizer, model_name, api_key, int(time.time()))
+    state = ServerState(runner, model_name, int(time.time()))
     metrics = Metrics(runner)
     runner.on_output, runner.on_step = metrics.ended, metrics.stepped
 
@@ -65,7 +63,6 @@ def create_app(runner: EngineRunner, tokenizer: Tokenizer, model_name: str, api_
             runner.stop()
 
     app = FastAPI(title="qinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.qinfer = state
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
