@@ -96,9 +96,10 @@ class ServeBenchConfig:
 
 
 class ServeProcess:
-    """``qinfer serve MODEL --port 0`` in a subprocess; ``url`` once its ready line is out."""
+    """``qinfer serve MODEL --port 0 ARGS...`` in a subprocess; ``url`` once its ready line is out. ``env``: added
+    to the environment; ``keep``: lines of its output kept (None: all, as the server's tests read them)."""
 
-    def __init__(self, model: str, args: list[str]):
+    def __init__(self, model: str, args: list[str], env: dict[str, str] | None = None, keep: int | None = TAIL):
         import qinfer
 
         # the server imports the same qinfer as this process (a source tree or a worktree before the installed one)
@@ -107,8 +108,8 @@ class ServeProcess:
         command = [sys.executable, "-m", "qinfer", "serve", model, "--host", "127.0.0.1", "--port", "0", *args]
         self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, text=True,
-                                        env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path})
-        self.lines: deque[str] = deque(maxlen=TAIL)
+                                        env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, **(env or {})})
+        self.lines: deque[str] = deque(maxlen=keep)
         self.url: str | None = None
         self.ready_line = ""
         self._said = threading.Event()  # the ready line, or the end of the output
@@ -122,6 +123,14 @@ class ServeProcess:
                 self.url, self.ready_line = match.group(1), line.strip()
                 self._said.set()
         self._said.set()
+
+    @property
+    def api(self) -> str:
+        """The OpenAI base URL (``http://HOST:PORT/v1``)."""
+        return f"{self.url}/v1"
+
+    def log(self) -> str:
+        return "\n".join(self.lines)
 
     def tail(self, n: int = 3) -> str:
         return " | ".join([line.strip() for line in self.lines if line.strip()][-n:]) or "(no output)"
@@ -149,11 +158,12 @@ class ServeProcess:
 
 
 @contextlib.contextmanager
-def serving(config: ServeBenchConfig):
+def serving(model: str, args: list[str], env: dict[str, str] | None = None, keep: int | None = TAIL,
+            timeout: float = START_TIMEOUT):
     """A ready :class:`ServeProcess`; stopped on the way out, whatever ends the block (Ctrl-C included)."""
-    server = ServeProcess(config.model, config.serve_args())
+    server = ServeProcess(model, args, env, keep)
     try:
-        server.wait_ready()
+        server.wait_ready(timeout)
         yield server
     finally:
         if server.process.poll() is None:  # not stopped yet: the block failed or was interrupted
@@ -359,7 +369,7 @@ def run_bench(config: ServeBenchConfig) -> list[dict]:
     print(f"model {config.model}; {config.endpoint} of {config.prompt_tokens}-token prompts from {described}, "
           f"max_tokens {config.max_tokens}, greedy; {config.rounds} round(s); {os.cpu_count()} CPUs shared by the "
           "server and its clients")
-    with serving(config) as server:
+    with serving(config.model, config.serve_args()) as server:
         print(server.ready_line)
         levels = asyncio.run(measure(config, server.url, tokenizer, text_ids))
         status = server.stop()
