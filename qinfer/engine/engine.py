@@ -34,6 +34,17 @@ from qinfer.model.kv_cache import BLOCK_SIZE, DecodeRows, KVCache, KV_DTYPES, ma
 from qinfer.sources.tokenizer import StreamDecoder, Tokenizer
 
 
+def check_fits(model: Transformer, prompt_ids: Sequence[int], max_tokens: int) -> None:
+    """Refuse an empty prompt, and a prompt whose ``max_tokens`` would run past the model's context
+    (:class:`ContextFull`)."""
+    if not prompt_ids:
+        raise QinferError("the prompt is empty after tokenization")
+    limit = model.config.max_position_embeddings
+    if len(prompt_ids) + max_tokens > limit:
+        raise ContextFull(f"prompt ({len(prompt_ids)} tokens) + max tokens ({max_tokens}) exceeds the model's "
+                          f"context of {limit} tokens: shorten the prompt or lower the max tokens")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine spends memory and each step (see ``qinfer.engine.scheduler``)."""
@@ -169,14 +180,9 @@ class Engine:
         """Refuse a request :meth:`add` could not run (it reads no state that steps change, so another thread,
         a server's, may call it): an empty prompt, stop strings without a tokenizer, a prompt and its max tokens
         past the model's context (:class:`ContextFull`) or more than the whole KV cache holds."""
-        if not prompt_ids:
-            raise QinferError("the prompt is empty after tokenization")
+        check_fits(self.model, prompt_ids, params.max_tokens)
         if params.stop and self.tokenizer is None:
             raise QinferError("stop strings need the engine to have a tokenizer")
-        limit = self.model.config.max_position_embeddings
-        if len(prompt_ids) + params.max_tokens > limit:
-            raise ContextFull(f"prompt ({len(prompt_ids)} tokens) + max tokens ({params.max_tokens}) exceeds the "
-                              f"model's context of {limit} tokens: shorten the prompt or lower the max tokens")
         self.scheduler.check(len(prompt_ids), params.max_tokens)
 
     @property

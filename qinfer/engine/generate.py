@@ -9,9 +9,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from qinfer.engine.sampling import ContextFull, SamplingParams, sample
-from qinfer.errors import QinferError
-from qinfer.engine.engine import Engine, EngineConfig
+from qinfer.engine.sampling import SamplingParams, sample
+from qinfer.engine.engine import Engine, EngineConfig, check_fits
 from qinfer.model.kv_cache import BLOCK_SIZE, KVCache, make_cache
 from qinfer.model.decoder import Transformer
 
@@ -142,13 +141,7 @@ def generate(
     eager, builds the kernels' weight layouts, which must not be made inside a traced step). A request that cannot
     run (an empty prompt, or one too long for the model's context) is refused here, before any token: the caller
     has written nothing yet."""
-    if not prompt_ids:
-        raise QinferError("the prompt is empty after tokenization")
-    if len(prompt_ids) + params.max_tokens > model.config.max_position_embeddings:
-        raise ContextFull(
-            f"prompt ({len(prompt_ids)} tokens) + --max-tokens ({params.max_tokens}) exceeds the model's context "
-            f"of {model.config.max_position_embeddings} tokens: shorten the prompt or lower --max-tokens"
-        )
+    check_fits(model, prompt_ids, params.max_tokens)
     stats = stats if stats is not None else GenerationStats()
     if not compiled:
         if engine is None:
