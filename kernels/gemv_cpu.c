@@ -1077,22 +1077,22 @@ int qinfer_int4_vnni(int loop) {
     return before;
 }
 
-/* The AVX512-VNNI loop over 16 output rows at a time (a tile, in int4_tiles.py's layout): each 64-byte vector holds
- * 16 output rows x 8 columns of codes; its low nibbles (16 rows x 4 columns as bytes) and its high ones (the next
- * 4) meet a row of x's 4 entries broadcast, one VPDPBUSD each, against x's high and low fixed-point bytes (the
- * same x as INT4_ROWS_VNNI's, in column order: row m's high bytes at xc + 2 m K, its low ones K on). Each (row
- * of x, output row) keeps two int32 lanes over a group, exact; at the group's end its sum t = 256 sum q h +
- * sum q l becomes s (t step - z sum x) in fp32, added to the output's fp32 sum: no horizontal sums, and each
- * output's arithmetic is the same whatever rows share its block. R (1-8, a constant where inlined) rows of x a
- * pass: the tile's codes, unpacked once a vector, serve R rows from registers (8 rows: 24 accumulators of the 32
- * registers). */
+/* The AVX512-VNNI loop over 16 output rows at a time (a tile, in int4_tiles.py's layouts). 4-bit codes: each 64-byte
+ * vector holds 16 output rows x 8 columns of codes; its low nibbles (16 rows x 4 columns as bytes) and its high ones
+ * (the next 4) meet a row of x's 4 entries broadcast, one VPDPBUSD each. 8-bit codes: each vector holds 16 output
+ * rows x 4 columns of codes as bytes, one VPDPBUSD. Both against x's high and low fixed-point bytes (the same x as
+ * INT4_ROWS_VNNI's, in column order: row m's high bytes at xc + 2 m K, its low ones K on). Each (row of x, output
+ * row) keeps two int32 lanes over a group, exact; at the group's end its sum t = 256 sum q h + sum q l becomes
+ * s (t step - z sum x) in fp32, added to the output's fp32 sum: no horizontal sums, and each output's arithmetic is
+ * the same whatever rows share its block. R (1-8, a constant where inlined) rows of x a pass: the tile's codes,
+ * loaded (and unpacked) once a vector, serve R rows from registers (8 rows: 24 accumulators of the 32 registers). */
 #if QINFER_VNNI
 #define TILE_TARGET "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
-static inline __attribute__((always_inline, target(TILE_TARGET))) void int4_tile_m(
+static inline __attribute__((always_inline, target(TILE_TARGET))) void int_tile_m(
         const qinfer_weight *wt, const x_rows *x, const int *rows, const int8_t *xc, int64_t t, float *out,
-        const int R) {
+        const int R, const int BITS) {
     const int64_t K = wt->K, G = wt->group, ng = K / G;
-    const uint8_t *q = wt->tiles + t * 8 * K;
+    const uint8_t *q = wt->tiles + t * 2 * BITS * K;  /* a tile: 16 rows of K codes */
     const float *sz = wt->tile_sz + t * ng * 32;
     const __m512i low = _mm512_set1_epi8(0xF);
     __m512 acc[8];
@@ -1100,19 +1100,29 @@ static inline __attribute__((always_inline, target(TILE_TARGET))) void int4_tile
     for (int64_t g = 0; g < ng; g++) {
         __m512i h[8], l[8];
         for (int r = 0; r < R; r++) h[r] = _mm512_setzero_si512(), l[r] = _mm512_setzero_si512();
-        for (int64_t k = g * G; k < (g + 1) * G; k += 8) {
-            const uint8_t *p = q + 8 * k;
+        for (int64_t k = g * G; k < (g + 1) * G; k += 32 / BITS) {
+            const uint8_t *p = q + 2 * BITS * k;
             PREFETCH(p);
             __m512i v = _mm512_loadu_si512((const void *)p);
-            __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), low);
-            for (int r = 0; r < R; r++) {
-                const int8_t *xh = xc + 2 * rows[r] * K + k, *xl = xh + K;
-                int32_t h0, h1, l0, l1;
-                memcpy(&h0, xh, 4), memcpy(&h1, xh + 4, 4), memcpy(&l0, xl, 4), memcpy(&l1, xl + 4, 4);
-                h[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(h[r], lo, _mm512_set1_epi32(h0)), hi,
-                                           _mm512_set1_epi32(h1));
-                l[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(l[r], lo, _mm512_set1_epi32(l0)), hi,
-                                           _mm512_set1_epi32(l1));
+            if (BITS == 4) {
+                __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), low);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *xh = xc + 2 * rows[r] * K + k, *xl = xh + K;
+                    int32_t h0, h1, l0, l1;
+                    memcpy(&h0, xh, 4), memcpy(&h1, xh + 4, 4), memcpy(&l0, xl, 4), memcpy(&l1, xl + 4, 4);
+                    h[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(h[r], lo, _mm512_set1_epi32(h0)), hi,
+                                               _mm512_set1_epi32(h1));
+                    l[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(l[r], lo, _mm512_set1_epi32(l0)), hi,
+                                               _mm512_set1_epi32(l1));
+                }
+            } else {
+                for (int r = 0; r < R; r++) {
+                    const int8_t *xh = xc + 2 * rows[r] * K + k, *xl = xh + K;
+                    int32_t h0, l0;
+                    memcpy(&h0, xh, 4), memcpy(&l0, xl, 4);
+                    h[r] = _mm512_dpbusd_epi32(h[r], v, _mm512_set1_epi32(h0));
+                    l[r] = _mm512_dpbusd_epi32(l[r], v, _mm512_set1_epi32(l0));
+                }
             }
         }
         const __m512 s = _mm512_loadu_ps(sz + g * 32), z = _mm512_loadu_ps(sz + g * 32 + 16);
@@ -1127,22 +1137,30 @@ static inline __attribute__((always_inline, target(TILE_TARGET))) void int4_tile
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
 }
 
-static __attribute__((target(TILE_TARGET))) void int4_tile(const qinfer_weight *wt, const x_rows *x, const int *rows,
-                                                           const int8_t *xc, int64_t t, float *out, int R) {
-    switch (R) {  /* the loop built for each count of rows */
-        case 8: int4_tile_m(wt, x, rows, xc, t, out, 8); break;
-        case 7: int4_tile_m(wt, x, rows, xc, t, out, 7); break;
-        case 6: int4_tile_m(wt, x, rows, xc, t, out, 6); break;
-        case 5: int4_tile_m(wt, x, rows, xc, t, out, 5); break;
-        case 4: int4_tile_m(wt, x, rows, xc, t, out, 4); break;
-        case 3: int4_tile_m(wt, x, rows, xc, t, out, 3); break;
-        case 2: int4_tile_m(wt, x, rows, xc, t, out, 2); break;
-        default: int4_tile_m(wt, x, rows, xc, t, out, 1);
+/* the loop built for each count of rows and each width */
+#define INT_TILE_ROWS(BITS)                                                                                        \
+    switch (R) {                                                                                                   \
+        case 8: int_tile_m(wt, x, rows, xc, t, out, 8, BITS); break;                                               \
+        case 7: int_tile_m(wt, x, rows, xc, t, out, 7, BITS); break;                                               \
+        case 6: int_tile_m(wt, x, rows, xc, t, out, 6, BITS); break;                                               \
+        case 5: int_tile_m(wt, x, rows, xc, t, out, 5, BITS); break;                                               \
+        case 4: int_tile_m(wt, x, rows, xc, t, out, 4, BITS); break;                                               \
+        case 3: int_tile_m(wt, x, rows, xc, t, out, 3, BITS); break;                                               \
+        case 2: int_tile_m(wt, x, rows, xc, t, out, 2, BITS); break;                                               \
+        default: int_tile_m(wt, x, rows, xc, t, out, 1, BITS);                                                     \
+    }
+
+static __attribute__((target(TILE_TARGET))) void int_tile(const qinfer_weight *wt, const x_rows *x, const int *rows,
+                                                          const int8_t *xc, int64_t t, float *out, int R) {
+    if (wt->bits == 8) {
+        INT_TILE_ROWS(8)
+    } else {
+        INT_TILE_ROWS(4)
     }
 }
 #else
-static void int4_tile(const qinfer_weight *wt, const x_rows *x, const int *rows, const int8_t *xc, int64_t t,
-                      float *out, int R) {}  /* never called: no VNNI loop here */
+static void int_tile(const qinfer_weight *wt, const x_rows *x, const int *rows, const int8_t *xc, int64_t t,
+                     float *out, int R) {}  /* never called: no VNNI loop here */
 #endif
 
 /* Attention over int8 codes by integer dot products (AVX512-VNNI): the fp32 loops above do 4 FMAs per query
@@ -1473,10 +1491,10 @@ static void prepare_tiled(const void *x, int dtype, int64_t M, int64_t K, int64_
                           int8_t *xc) {}  /* never called: no VNNI loop here */
 #endif
 
-/* M rows of x (bf16 or fp16) against 4-bit codes with tiles built, groups of 64 or more: the rows that take the VNNI
- * loop through int4_tile, tile after tile split over the threads, 8 rows a pass, their outputs stored (with the
- * bias); any others (a NaN or infinity) through the float loop (int_rows_gemv). */
-static int int4_tiles_gemv(const qinfer_weight *wt, const void *x, const void *b, void *y, int64_t M, int dtype) {
+/* M rows of x (bf16 or fp16) against 4- or 8-bit codes with tiles built (see qinfer_int_gemv): the rows that take
+ * the VNNI loop through int_tile, tile after tile split over the threads, 8 rows a pass, their outputs stored (with
+ * the bias); any others (a NaN or infinity) through the float loop (int_rows_gemv). */
+static int int_tiles_gemv(const qinfer_weight *wt, const void *x, const void *b, void *y, int64_t M, int dtype) {
     const int64_t N = wt->N, K = wt->K, G = wt->group, T = (N + 15) / 16, ng = K / G;
     x_rows *r = malloc(sizeof(x_rows) + sizeof(float) * 2 * M * ng + sizeof(int) * 2 * M + 2 * M * K);
     if (!r) return 1;
@@ -1492,7 +1510,7 @@ static int int4_tiles_gemv(const qinfer_weight *wt, const void *x, const void *b
         float out[8 * 16];
         for (int64_t i = 0; i < nv; i += 8) {
             const int R = nv - i < 8 ? (int)(nv - i) : 8;
-            int4_tile(wt, r, rows + i, xc, t, out, R);
+            int_tile(wt, r, rows + i, xc, t, out, R);
             for (int q = 0; q < R; q++)
                 for (int64_t j = 0; j < 16 && 16 * t + j < N; j++)
                     store_out(y, b, dtype, rows[i + q], N, 16 * t + j, out[16 * q + j]);
@@ -1522,7 +1540,11 @@ int qinfer_int_gemv(const qinfer_weight *wt, const void *x, const void *b, void 
      * below 2^31 for G up to 2^16. An fp32 row takes the float loop: x in 15-bit fixed point is finer than
      * bf16 but not fp32 (relative errors near 1e-4 where the float loop's are near 1e-6) */
     const int loop = wt->bits == 4 && dtype != 0 && G / 2 % 32 == 0 && G <= 65536 ? qinfer_int4_vnni(-1) : 0;
-    if (loop == 2 && wt->tiles) return int4_tiles_gemv(wt, x, b, y, M, dtype);
+    if (loop == 2 && wt->tiles) return int_tiles_gemv(wt, x, b, y, M, dtype);
+    /* 8-bit codes: a group's int32 lanes reach at most G * 255 * 16383 (|256 h + l| <= 16383): below 2^31 for G up
+     * to 512; the tiles are built only for such groups of 16 or more (gemv_cpu._tiled) */
+    if (wt->bits == 8 && wt->tiles && dtype != 0 && G % 16 == 0 && G <= 512 && qinfer_int4_vnni(-1) == 2)
+        return int_tiles_gemv(wt, x, b, y, M, dtype);
     x_rows *r = prepare_rows(x, dtype, M, K, G, (int)wt->bits, loop);
     if (!r) return 1;
     int failed = int_rows_gemv(wt, r, b, y, M, dtype, loop, 0);

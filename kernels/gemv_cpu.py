@@ -36,15 +36,18 @@ the C dequantize), as ``gemv_bench --rows`` measured it on gemma3-270m's linears
 bf16 rows up to 64 where the AMX-BF16 or AVX512-BF16 loop applies (below; else 4), FP8 up to 4 (from 8 the matmuls are
 faster); 4-bit codes up to 64 where the AVX512-VNNI loop
 over tiles applies (below), else 1 (the one-row loops sum each row's groups apart, and ``int4_cpu``'s AVX-512
-kernel is faster from 2 rows); 2-, 3- and 8-bit codes up to 4 (before, a dense matmul after dequantizing the whole
-weight each call). Past ``ROWS_MAX`` a batch's rows take those paths, whose sums depend on the batch.
+kernel is faster from 2 rows); 8-bit codes as many as 4-bit ones where their loop over tiles applies; 2-, 3- and
+8-bit codes up to 4 elsewhere (before, a dense matmul after dequantizing the whole weight each call). Past
+``ROWS_MAX`` a batch's rows take those paths, whose sums depend on the batch.
 
 4-bit codes on a CPU with AVX512-VNNI (bf16 or fp16 rows, groups of 64 or more) take a loop of their own for any M,
 one row included: each weight's codes are repacked once (``int4_tiles``: 16 output rows x 8 columns per 64-byte
 vector, kept beside the prepared Weight), a vector's nibbles unpacked once for up to 8 rows of x, whose fixed-point
 bytes (the same 15-bit x per group as the one-row VNNI loop) are broadcast into VPDPBUSD; exact int32 sums per row
 and output over a group, then one vector ``s * (t * step - z * sum x)`` per group into fp32 sums, no horizontal
-ones. Its cost grows little per row, and each output's arithmetic does not depend on the rows beside it.
+ones. Its cost grows little per row, and each output's arithmetic does not depend on the rows beside it. 8-bit
+codes (an ``--quantize-lm-head`` lm_head) take the same loop where their groups are 16 to 512 long (longer ones could
+overflow its int32 sums): 16 output rows x 4 columns of codes per vector, used as bytes as they are.
 
 bf16 rows against a bf16 weight on a CPU with AVX512-BF16 take a loop of their own for any M, one row included, on
 the weight's own layout (gemma3's lm_head is also its embedding table: no repacked copy): VDPBF16PS multiplies 32
@@ -85,13 +88,14 @@ from torch.autograd import profiler
 from qinfer.format import Fp8Weight, QuantizedWeight
 from qinfer.kernels import cpu_library
 from qinfer.kernels.cpu_library import DTYPE_CODES, OPS
-from qinfer.kernels.int4_tiles import tile_int4
+from qinfer.kernels.int4_tiles import tile_int4, tile_int8
 from qinfer.kernels.prepared import per_weight, zero_groups
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _PREPARED: dict[str, dict] = {"bf16": {}, "int": {}, "fp8": {}}  # per_weight stores: (data pointers, Weight)
 # The most rows of x a call takes, per format (4-bit codes apart from 2, 3 and 8 bits): measured, see the docstring.
-# 4-bit codes take that many only through the loop over tiles (_tiled); elsewhere one row. bf16 rows take that many
+# 4-bit codes take that many only through the loop over tiles (_tiled), and 8-bit codes take as many there; elsewhere
+# 4-bit codes take one row, 2-, 3- and 8-bit ones ROWS_MAX["int"]. bf16 rows take that many
 # only through a dot-product loop (cpu_library.bf16_dot); through the fp32 loop at most BF16_FP32_LOOP_ROWS.
 ROWS_MAX = {"bf16": 64, "int4": 64, "int": 4, "fp8": 4}
 BF16_FP32_LOOP_ROWS = 4
@@ -104,11 +108,13 @@ def _rows(x: torch.Tensor, K: int, kind: str, most: int | None = None) -> bool:
         and x.dtype in DTYPE_CODES
 
 
-def _tiled(x_dtype: torch.dtype, group: int) -> bool:
-    """Whether 4-bit rows of ``x_dtype`` against groups of ``group`` take the AVX512-VNNI loop over tiles of 16
-    output rows (bf16 or fp16 rows, groups of 64 or more, the CPU and the switches on that loop): the loop whose
-    cost grows little per row. Elsewhere the 4-bit loops sum each row's groups apart, and take one row."""
-    return x_dtype != torch.float32 and group % 64 == 0 and group <= 65536 and cpu_library.int4_vnni() == "AVX512-VNNI"
+def _tiled(x_dtype: torch.dtype, group: int, bits: int = 4) -> bool:
+    """Whether rows of ``x_dtype`` against ``bits``-bit codes in groups of ``group`` take the AVX512-VNNI loop over
+    tiles of 16 output rows (bf16 or fp16 rows; 4-bit groups of 64 or more, 8-bit groups of 16 to 512, where its
+    int32 sums cannot overflow; the CPU and the switches on that loop): the loop whose cost grows little per row.
+    Elsewhere the integer loops sum each row's groups apart (4 bits: one row a call)."""
+    fits = group % 64 == 0 and group <= 65536 if bits == 4 else bits == 8 and group % 16 == 0 and group <= 512
+    return x_dtype != torch.float32 and fits and cpu_library.int4_vnni() == "AVX512-VNNI"
 
 
 def bf16_rows_max() -> int:
@@ -135,9 +141,10 @@ def int_supported(x: torch.Tensor, weight: QuantizedWeight) -> bool:
     group = weight.shape[1] if weight.group_size == -1 else weight.group_size
     # a gradient wanted through the scales (C has none): one row, as before the tiles, batches the PyTorch paths
     grad = torch.is_grad_enabled() and weight.scale.requires_grad
-    most = (ROWS_MAX["int4"] if _tiled(x.dtype, group) and not grad else 1) if weight.bits == 4 else None
+    tiled = _tiled(x.dtype, group, weight.bits) and not grad
+    most = ROWS_MAX["int4"] if tiled else 1 if weight.bits == 4 else None
     return (
-        _rows(x, weight.shape[1], "int4" if weight.bits == 4 else "int", most) and weight.bits in (2, 3, 4, 8)
+        _rows(x, weight.shape[1], "int4" if weight.bits == 4 or tiled else "int", most) and weight.bits in (2, 3, 4, 8)
         and group % 16 == 0 and weight.qweight.is_cpu and cpu_library.available()
     )
 
@@ -223,8 +230,8 @@ def _int_weight(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor |
         weight = Weight(qweight.data_ptr(), scales.data_ptr(), None if zero is None else zero.data_ptr(), N, K,
                         qweight.stride(0), G, bits)
         weight.scales = scales  # kept alive while the Weight is: it may be a copy
-        if bits == 4 and _tiled(torch.bfloat16, G):  # the layout of the loop over tiles (int4_tiles), on its CPUs
-            weight.tiled = tile_int4(qweight, scales, zero, G)  # kept alive, as scales
+        if bits in (4, 8) and _tiled(torch.bfloat16, G, bits):  # the loop over tiles' layout (int4_tiles), on its CPUs
+            weight.tiled = (tile_int4 if bits == 4 else tile_int8)(qweight, scales, zero, G)  # kept alive, as scales
             weight.tiles, weight.tile_sz = (t.data_ptr() for t in weight.tiled)
         return weight
 

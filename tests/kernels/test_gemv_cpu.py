@@ -110,13 +110,16 @@ def test_int_row_matches_the_exact_product(N, K, group_size, symmetric, dtype, b
     assert gemv_cpu.int_supported(x, weight)
     w = weight.dequantize(torch.float32).double()
     group = K if group_size == -1 else group_size
-    # the VNNI loop for 4-bit bf16/fp16 rows, else the float loop (and below, always); fp32 rows keep fp32's precision
-    vnni = bits == 4 and group % 64 == 0 and dtype != torch.float32
+    # the VNNI loops for 4-bit bf16/fp16 rows and (over tiles: groups of 16 to 512, AVX512-VNNI) 8-bit ones, else the
+    # float loop (and below, always); fp32 rows keep fp32's precision
+    tiles8 = bits == 8 and group % 16 == 0 and group <= 512
+    vnni = (bits == 4 and group % 64 == 0 or tiles8) and dtype != torch.float32
     outs = []
     for path, is_vnni in _int4_loops():
         with path():
             outs.append(gemv_cpu.int_gemv(x, weight))
-        fixed = _fixed_point_error(x, w, group) if vnni and is_vnni else 0.0
+            on_vnni = is_vnni and (bits == 4 or cpu_library.int4_vnni() == "AVX512-VNNI")
+        fixed = _fixed_point_error(x, w, group) if vnni and on_vnni else 0.0
         _check(outs[-1], x.double() @ w.T, x.double().abs() @ w.abs().T, dtype, fixed)
     if not vnni:  # no VNNI loop takes this row: whichever is selected, the float loop runs, the same bits
         assert all(torch.equal(out, outs[-1]) for out in outs)

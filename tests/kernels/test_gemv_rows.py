@@ -184,7 +184,7 @@ def test_bf16_rows_up_to_rows_max_through_the_avx512_bf16_loop():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_int_rows_are_each_row_alone(M, K, group_size, symmetric, dtype, bits):
-    # 19 outputs: a tile of 16 (the 4-bit AVX512-VNNI loop's) and 3 of a padded one
+    # 19 outputs: a tile of 16 (the AVX512-VNNI loop's over tiles) and 3 of a padded one
     weight = _int(19, K, group_size, symmetric, seed=K + bits, bits=bits)
     x = _rows(M, K, dtype, seed=M)
     bias = _bias(19, dtype, M % 2 == 1)
@@ -194,11 +194,15 @@ def test_int_rows_are_each_row_alone(M, K, group_size, symmetric, dtype, bits):
     for path, is_vnni in _int4_loops():
         with path():
             got = _same_as_alone(gemv_cpu.int_gemv, x, weight, bias)
-        fixed = torch.cat([_fixed_point_error(row, w, group) for row in x]) if vnni and is_vnni else 0.0
+            # 8-bit codes take a VNNI loop only over tiles: groups of 16 to 512, AVX512-VNNI
+            tiles8 = (bits == 8 and dtype != torch.float32 and group % 16 == 0 and group <= 512
+                      and cpu_library.int4_vnni() == "AVX512-VNNI")
+        fixed = torch.cat([_fixed_point_error(row, w, group) for row in x]) if vnni and is_vnni or tiles8 else 0.0
         exact, magnitude = _exact(x, w, bias)
         _check(got, exact, magnitude + _factored(x, weight), dtype, fixed)
-        # and the reference, within the one-row dispatch test's tolerance
-        torch.testing.assert_close(got, dequant_linear_ref(x, weight, bias), rtol=2e-2, atol=2e-2)
+        # and the reference, within the one-row dispatch test's tolerance (plus the fixed point's, where it applies)
+        slack = float(fixed.max()) if torch.is_tensor(fixed) else 0.0
+        torch.testing.assert_close(got, dequant_linear_ref(x, weight, bias), rtol=2e-2, atol=2e-2 + slack)
 
 
 @needs_kernels
@@ -240,6 +244,23 @@ def test_int4_rows_up_to_rows_max_where_the_tiles_apply():
     assert not gemv_cpu.int_supported(torch.zeros(2, 256, dtype=torch.bfloat16), tuned)  # C has no gradients
     with torch.no_grad():
         assert gemv_cpu.int_supported(torch.zeros(2, 256, dtype=torch.bfloat16), tuned) == tiled
+
+
+@needs_kernels
+def test_int8_rows_up_to_rows_max_where_the_tiles_apply():
+    # 8-bit codes take the loop over tiles (bf16 and fp16 batches of up to ROWS_MAX["int4"] rows) for groups of 16 to
+    # 512, where its int32 sums cannot overflow; elsewhere ROWS_MAX["int"] rows, as before the tiles
+    grouped, channel = _int(40, 640, 128, False, bits=8), _int(40, 640, -1, False, bits=8)  # a group of 640
+    most, few = gemv_cpu.ROWS_MAX["int4"], gemv_cpu.ROWS_MAX["int"]
+    tiled = cpu_library.int4_vnni() == "AVX512-VNNI"
+    assert gemv_cpu.int_supported(torch.zeros(most, 640, dtype=torch.bfloat16), grouped) == tiled
+    assert gemv_cpu.int_supported(torch.zeros(few + 1, 640, dtype=torch.float16), grouped) == tiled
+    assert not gemv_cpu.int_supported(torch.zeros(most + 1, 640, dtype=torch.bfloat16), grouped)
+    for w, dtype in [(grouped, torch.float32), (channel, torch.bfloat16)]:
+        assert gemv_cpu.int_supported(torch.zeros(few, 640, dtype=dtype), w)
+        assert not gemv_cpu.int_supported(torch.zeros(few + 1, 640, dtype=dtype), w)
+    with cpu_library.without_vnni():
+        assert not gemv_cpu.int_supported(torch.zeros(few + 1, 640, dtype=torch.bfloat16), grouped)
 
 
 @needs_kernels

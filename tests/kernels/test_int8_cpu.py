@@ -71,7 +71,9 @@ def test_dispatch(c_kernels):
         assert torch.equal(linear(row, w4), (gemv_cpu.int_gemv if c_kernels else int4_cpu.int4_linear)(row, w4))
         assert not int4_cpu.supported(row, w4_channel)
         assert torch.equal(linear(row, w4_channel), one_row(row, w4_channel))
-        many = torch.randn(gemv_cpu.ROWS_MAX["int"] + 1, 256).bfloat16()  # past the C kernels' rows: the reference
+        # past the C kernels' rows (8-bit groups of 128: the loop over tiles' where AVX512-VNNI runs): the reference
+        tiles = c_kernels and cpu_library.int4_vnni() == "AVX512-VNNI"
+        many = torch.randn(gemv_cpu.ROWS_MAX["int4" if tiles else "int"] + 1, 256).bfloat16()
         assert not int8_cpu.supported(many, w8) and not gemv_cpu.int_supported(many, w8)
         assert torch.equal(linear(many, w8), dequant_linear_ref(many, w8))
     fp32_row = torch.randn(1, 256)
