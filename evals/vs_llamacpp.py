@@ -218,7 +218,8 @@ def _spawn(engine: str, path: str, threads: int, prompt: list[int], decode_token
     spec = json.dumps({"engine": engine, "path": path, "threads": threads, "prompt": prompt,
                        "decode_tokens": decode_tokens})
     root = str(Path(qinfer.__file__).resolve().parents[1])  # the qinfer this process runs, not another install
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads),
+    # GGML_NO_BACKTRACE: a ggml abort says its reason last, not a debugger's backtrace after it
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "GGML_NO_BACKTRACE": "1",
            "PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}
     code = "import sys; from qinfer.evals.vs_llamacpp import worker; worker(sys.argv[1])"
     proc = subprocess.run([sys.executable, "-c", code, spec], capture_output=True, text=True, env=env)

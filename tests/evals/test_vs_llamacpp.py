@@ -25,12 +25,13 @@ FAST = ["--threads", "1", "--repeats", "1", "--decode-tokens", "4", "--prompt-to
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
-    """A tiny llama GGUF (fp32, its ffn and embedding Q8_0; an untied output), as llama.cpp's converter writes one."""
+    """A tiny llama GGUF (fp32, its MLP linears and embedding Q8_0, not the norms, which llama.cpp keeps in fp32; an
+    untied output), as llama.cpp's converter writes one."""
     vocab = bpe_vocab_metadata()
     model = tiny_llama(len(vocab["tokenizer.ggml.tokens"]))
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
     return write_gguf(path, "llama", model.config, llamacpp_tensors(model, "llama"), vocab,
-                      quantize=("ffn_", "token_embd"))
+                      quantize=("ffn_gate", "ffn_up", "ffn_down", "token_embd"))
 
 
 @pytest.fixture
