@@ -79,9 +79,15 @@ def _matches(folder: Path, source: Path, scheme: QuantScheme, calib: CalibConfig
 
 def quantized(model: str, source: Path, name: str, calib: CalibConfig | None = None) -> Path:
     """The folder of ``model`` (read from ``source``, its resolved folder) quantized by ``SCHEMES[name]`` with
-    ``calib`` (the main job's calibration by default): reused where it matches (:func:`_matches`), else made."""
+    ``calib`` (the main job's calibration by default): reused where it matches (:func:`_matches`), else made.
+    Where the scheme's group size does not divide every linear's in_features (SmolLM2's 576 and 128), the largest
+    that does, as ``qinfer quantize`` takes by default, in a folder named after it
+    (``smollm2-135m-instruct-gptq-w4g64``)."""
+    from qinfer.pipeline.preflight import fitted_scheme
+
     calib = calib or MainJobConfig().calibration()
-    scheme, target = SCHEMES[name], quantized_dir(model, name)
+    scheme = fitted_scheme(source, SCHEMES[name])
+    target = quantized_dir(model, name if scheme == SCHEMES[name] else scheme.tag)
     if _matches(target, source, scheme, calib):
         _say(f"{name}: reusing {target}")
         return target

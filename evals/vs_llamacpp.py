@@ -322,7 +322,7 @@ def run_bench(config: BenchConfig) -> dict:
         "decode_tokens": config.decode_tokens,
         "prompt_tokens": config.prompt_tokens,
         "roofline": roofline.to_json(),
-        "models": {s.label: {"gguf": str(s.gguf), "gguf_type": types[s.label],
+        "models": {s.label: {"gguf": str(s.gguf), "gguf_type": types[s.label], "scheme": _tag(s.quantized),
                              "engines": {e: asdict(r) for e, r in results[s.label].items()}} for s in subjects},
     }
     data["headline"] = headline(data)
@@ -331,6 +331,13 @@ def run_bench(config: BenchConfig) -> dict:
     print(f"written: {config.out}")
     print(data["headline"])
     return data
+
+
+def _tag(folder: Path) -> str:
+    """The quantization of a qinfer model folder, e.g. ``gptq-w4g128``."""
+    from qinfer.format import QuantScheme
+
+    return QuantScheme.load(folder).tag
 
 
 def _llamacpp_version() -> str:
@@ -351,7 +358,8 @@ def format_table(data: dict) -> str:
     for label, model in data["models"].items():
         base = model["engines"].get("llama.cpp")
         for engine, r in model["engines"].items():
-            name = f"llama.cpp {model['gguf_type']}" if engine == "llama.cpp" else engine
+            name = {"llama.cpp": f"llama.cpp {model['gguf_type']}",
+                    "qinfer 4-bit": f"qinfer 4-bit {model.get('scheme', '')}".strip()}.get(engine, engine)
             decode_x = f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x" if base else "-"
             prefill_x = f"{r['prefill_tok_s'] / base['prefill_tok_s']:.2f}x" if base else "-"
             lines.append(f"| {label} | {name} | {r['decode_tok_s']:.1f} | {decode_x} | {r['prefill_tok_s']:.0f} | "

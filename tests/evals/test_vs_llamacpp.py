@@ -15,8 +15,8 @@ from tests.gguf_fixtures import bpe_vocab_metadata, llamacpp_tensors, tiny_llama
 
 needs_llamacpp = pytest.mark.skipif(vs_llamacpp.llamacpp_missing() is not None,
                                     reason="llama-cpp-python is not installed")
-ROW = re.compile(r"^\| (\S+) \| (llama\.cpp \S+|qinfer bf16|qinfer 4-bit) \| (\S+) \| (\S+) \| (\S+) \| (\S+) \| "
-                 r"(\d+) \| (\d+)% \|$", re.M)
+ROW = re.compile(r"^\| (\S+) \| (llama\.cpp \S+|qinfer bf16|qinfer 4-bit(?: \S+)?) \| (\S+) \| (\S+) \| (\S+) \| "
+                 r"(\S+) \| (\d+) \| (\d+)% \|$", re.M)
 # the command the issue names: a native build (llama-cpp-python's default) crashed on an AMX Xeon
 INSTALL = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX2=ON '
            '-DGGML_FMA=ON -DGGML_F16C=ON" pip install llama-cpp-python==0.3.36')
@@ -65,7 +65,7 @@ def test_qinfer_side_writes_the_table_the_json_and_the_headline(tiny_gguf, four_
     out = tmp_path / "r.json"
     result = _run([str(tiny_gguf), "--quantized", str(four_bit), "--qinfer-only", "--out", str(out), *FAST])
     rows = ROW.findall(result.stdout)
-    assert [r[1] for r in rows] == ["qinfer bf16", "qinfer 4-bit"]
+    assert [r[1] for r in rows] == ["qinfer bf16", "qinfer 4-bit rtn-w4g32"]
     assert all(float(r[2]) > 0 and float(r[4]) > 0 and r[3] == r[5] == "-" for r in rows)
     data = json.loads(out.read_text())
     engines = data["models"][str(tiny_gguf)]["engines"]
@@ -119,7 +119,7 @@ def test_llamacpp_and_qinfer_side_by_side(tiny_gguf, four_bit, tmp_path):
     out = tmp_path / "r.json"
     result = _run([str(tiny_gguf), "--quantized", str(four_bit), "--out", str(out), *FAST])
     rows = ROW.findall(result.stdout)
-    assert [r[1] for r in rows] == ["llama.cpp GGUF", "qinfer bf16", "qinfer 4-bit"]
+    assert [r[1] for r in rows] == ["llama.cpp GGUF", "qinfer bf16", "qinfer 4-bit rtn-w4g32"]
     assert rows[0][3] == rows[0][5] == "1.00x" and all(float(r[2]) > 0 for r in rows)
     data = json.loads(out.read_text())
     assert data["llama_cpp_python"] == vs_llamacpp.LLAMACPP_VERSION
