@@ -40,21 +40,28 @@ the run's thread count):
 
 Outputs: a table, the JSON (``--out``, written atomically), and last the headline of the first model, e.g.
 ``gemma3-270m 4-bit decode = 2.10x llama.cpp Q4_K_M``. Timings on a shared machine vary: compare figures of one run.
+Each run records how many CPUs other processes kept busy meanwhile (``/proc/stat`` less this process and the run's
+own); above ``qinfer.evals.roofline.BUSY_CPUS`` a note before the headline says the figures may read low. llama.cpp
+suffers most: its threads wait for each other at every op, so one descheduled thread stalls the step.
 """
 
 import importlib.util
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
 import click
 
+# torch (and numpy) only inside functions: the llama.cpp run imports this module, and torch would bring its own
+# OpenMP runtime into llama.cpp's process
 from qinfer.cli.command import Command
 from qinfer.errors import QinferError
 from qinfer.store.atomic import write_atomic
@@ -179,8 +186,6 @@ def _qinfer_run(path: str, threads: int, prompt: list[int], decode_tokens: int) 
 
 
 def _llamacpp_run(path: str, threads: int, prompt: list[int], decode_tokens: int) -> dict:
-    import time
-
     import llama_cpp
     import numpy as np
 
@@ -214,6 +219,7 @@ def _llamacpp_run(path: str, threads: int, prompt: list[int], decode_tokens: int
 def _spawn(engine: str, path: str, threads: int, prompt: list[int], decode_tokens: int, label: str) -> dict:
     """:func:`worker` in a subprocess with ``threads`` threads; its figures."""
     import qinfer
+    from qinfer.evals.roofline import busy_cpu_seconds
 
     spec = json.dumps({"engine": engine, "path": path, "threads": threads, "prompt": prompt,
                        "decode_tokens": decode_tokens})
@@ -222,12 +228,24 @@ def _spawn(engine: str, path: str, threads: int, prompt: list[int], decode_token
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "GGML_NO_BACKTRACE": "1",
            "PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}
     code = "import sys; from qinfer.evals.vs_llamacpp import worker; worker(sys.argv[1])"
+    busy, children, start = busy_cpu_seconds(), _children_cpu_seconds(), time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", code, spec], capture_output=True, text=True, env=env)
+    wall, after = time.perf_counter() - start, busy_cpu_seconds()
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         said = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise QinferError(f"the {engine} run of {label} failed (exit status {proc.returncode}): {said}")
-    return json.loads(lines[-1])
+    run = json.loads(lines[-1])
+    if busy is not None and after is not None:
+        # every CPU's busy time less this process's and the run's own: what other processes took meanwhile
+        mine = after[1] - busy[1] + _children_cpu_seconds() - children
+        run["others_cpus"] = max(0.0, after[0] - busy[0] - mine) / wall
+    return run
+
+
+def _children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # the subprocesses waited for
+    return usage.ru_utime + usage.ru_stime
 
 
 # --- the paired benchmark -----------------------------------------------------------------------------------------
@@ -271,7 +289,7 @@ def run_bench(config: BenchConfig) -> dict:
     """Measure (see the module docstring), print the table and the headline, write the JSON; returns the JSON."""
     import torch
 
-    from qinfer.evals.roofline import measure_roofline, threads_text
+    from qinfer.evals.roofline import BUSY_CPUS, measure_roofline, threads_text
 
     missing = config.llamacpp and llamacpp_missing()
     if missing:
@@ -302,8 +320,9 @@ def run_bench(config: BenchConfig) -> dict:
                 run = _spawn(engine, result.path, config.threads, prompts[s.label], config.decode_tokens, s.label)
                 result.decode_bytes = run.pop("decode_bytes", result.decode_bytes)
                 result.runs.append(run)
+                busy = f"; other processes kept {run['others_cpus']:.1f} CPUs busy" if "others_cpus" in run else ""
                 print(f"round {r + 1}/{config.repeats} {s.label} {engine}: {run['decode_tok_s']:.1f} decode tok/s, "
-                      f"{run['prefill_tok_s']:.0f} prefill tok/s", file=sys.stderr, flush=True)
+                      f"{run['prefill_tok_s']:.0f} prefill tok/s{busy}", file=sys.stderr, flush=True)
     for per_model in results.values():
         for result in per_model.values():
             result.decode_tok_s = statistics.median(run["decode_tok_s"] for run in result.runs)
@@ -327,6 +346,10 @@ def run_bench(config: BenchConfig) -> dict:
     }
     data["headline"] = headline(data)
     print(format_table(data))
+    busiest = max((run.get("others_cpus", 0.0) for m in results.values() for e in m.values() for run in e.runs))
+    if busiest > BUSY_CPUS:
+        print(f"note: other processes kept up to {busiest:.1f} CPUs busy during a run, so some figures may read low: "
+              "measure again on an idle machine")
     write_atomic(Path(config.out), json.dumps(data, indent=2) + "\n")
     print(f"written: {config.out}")
     print(data["headline"])

@@ -1,5 +1,8 @@
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -125,3 +128,11 @@ def test_llamacpp_and_qinfer_side_by_side(tiny_gguf, four_bit, tmp_path):
     assert data["llama_cpp_python"] == vs_llamacpp.LLAMACPP_VERSION
     assert re.fullmatch(rf"{re.escape(str(tiny_gguf))} 4-bit decode = \d+\.\d\dx llama\.cpp GGUF",
                         result.stdout.strip().splitlines()[-1])
+
+
+def test_the_llamacpp_run_does_not_load_torch():
+    # the llama.cpp subprocess imports the module: torch's OpenMP runtime must stay out of llama.cpp's process
+    code = "import sys, qinfer.evals.vs_llamacpp; print('torch' in sys.modules)"
+    root = Path(__file__).resolve().parents[2]  # this checkout, not an installed qinfer
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
+    assert result.stdout == "False\n"
