@@ -9,7 +9,8 @@ MODEL: built-in names (default: every built-in) or ``.gguf`` files. Each is run 
   (``qinfer.sources.registry.fetch_gguf``; a ``.gguf`` MODEL as given);
 - **qinfer bf16**: the reference qinfer converts that GGUF to (``resolve_model``);
 - **qinfer 4-bit**: the default 4-bit quantization of the reference, found or made as the main job makes it
-  (``qinfer.evals.main_job.quantized``: GPTQ, 4 bits, groups of 128, bf16 lm_head, its calibration), or ``--quantized``.
+  (``qinfer.evals.main_job.quantized``: GPTQ, 4 bits, groups of 128, or the largest size below that divides every
+  linear, bf16 lm_head, the main job's calibration), or ``--quantized``.
 
 Every run is one subprocess per engine (llama.cpp and torch each start their own thread pools; one process each keeps
 them apart), with the same thread count (``--threads``: ``n_threads`` and ``n_threads_batch`` for llama.cpp,
@@ -23,6 +24,9 @@ builds qinfer's weight layouts), then times:
   argmax), llama.cpp through ``Llama.eval`` one token at a time and a numpy argmax of its logits;
 - **prefill**: the time to the first token of a ``--prompt-tokens`` prompt (prefill and argmax), in one batch
   on llama.cpp where the prompt fits its ``n_batch`` of 512.
+
+Without llama-cpp-python the command stops with one line naming the command that installs it (the extra's
+``pip install -e ".[llamacpp]"`` would build llama.cpp natively); ``--qinfer-only`` runs qinfer's two engines alone.
 
 Both engines get the same prompt: ``qinfer eval``'s fixed pseudo-random token ids (the work does not depend on the
 tokens), fed as ids, so no tokenizer differs.
@@ -102,7 +106,7 @@ class EngineResult:
     engine: str  # one of ENGINES
     path: str  # the GGUF or model folder it ran
     decode_bytes: int  # bytes read per decode step
-    runs: list[dict] = field(default_factory=list)  # each run's {"decode_tok_s", "prefill_tok_s"}
+    runs: list[dict] = field(default_factory=list)  # each run's {"decode_tok_s", "prefill_tok_s", "others_cpus"}
     decode_tok_s: float = 0.0  # medians over the runs
     prefill_tok_s: float = 0.0
     mbu: float = 0.0
