@@ -71,6 +71,7 @@ from qinfer.errors import QinferError
 from qinfer.store.atomic import write_atomic
 
 LLAMACPP_VERSION = "0.3.36"
+LLAMACPP_MODULE = "llama_cpp"  # what llama-cpp-python installs
 # a native build (-DGGML_NATIVE=ON, llama-cpp-python's default) crashed on an AMX Xeon: the ISA is named instead
 INSTALL = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON '
            f'-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" pip install llama-cpp-python=={LLAMACPP_VERSION}')
@@ -114,7 +115,7 @@ class EngineResult:
 
 def llamacpp_missing() -> str | None:
     """The one line that says how to install llama.cpp's binding, or None where it can be imported."""
-    if importlib.util.find_spec("llama_cpp") is not None:
+    if importlib.util.find_spec(LLAMACPP_MODULE) is not None:
         return None
     return (f"llama-cpp-python is not installed (the extra 'llamacpp'); install it with: {INSTALL} "
             "(or pass --qinfer-only)")

@@ -93,7 +93,7 @@ def test_the_table_and_headline_compare_with_llamacpp():
 
 
 def test_without_llamacpp_it_names_the_install_command_in_one_line(tiny_gguf, monkeypatch):
-    monkeypatch.setattr(vs_llamacpp.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(vs_llamacpp, "LLAMACPP_MODULE", "llama_cpp_not_installed_here")
     result = CliRunner().invoke(main, [str(tiny_gguf), *FAST])
     assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1
     assert INSTALL in result.output and "--qinfer-only" in result.output
