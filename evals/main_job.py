@@ -55,6 +55,9 @@ class MainJobConfig:
             raise QinferError("--out is empty: name a folder (--out . for this one)")
         object.__setattr__(self, "out", Path(self.out))
 
+    def calibration(self) -> CalibConfig:
+        return CalibConfig(samples=self.samples, seq_len=self.seq_len)
+
 
 def quantized_dir(model: str, name: str) -> Path:
     return cache_dir() / "quantized" / f"{model}-{name}"
@@ -74,6 +77,26 @@ def _matches(folder: Path, source: Path, scheme: QuantScheme, calib: CalibConfig
         return False
 
 
+def quantized(model: str, source: Path, name: str, calib: CalibConfig | None = None) -> Path:
+    """The folder of ``model`` (read from ``source``, its resolved folder) quantized by ``SCHEMES[name]`` with
+    ``calib`` (the main job's calibration by default): reused where it matches (:func:`_matches`), else made.
+    Where the scheme's group size does not divide every linear's in_features (SmolLM2's 576 and 128), the largest
+    that does, as ``qinfer quantize`` takes by default, in a folder named after it
+    (``smollm2-135m-instruct-gptq-w4g64``)."""
+    from qinfer.pipeline.preflight import fitted_scheme
+
+    calib = calib or MainJobConfig().calibration()
+    scheme = fitted_scheme(source, SCHEMES[name])
+    target = quantized_dir(model, name if scheme == SCHEMES[name] else scheme.tag)
+    if _matches(target, source, scheme, calib):
+        _say(f"{name}: reusing {target}")
+        return target
+    t0 = time.perf_counter()
+    report = quantize_model(source, target, scheme, calib, force=True)
+    _say(f"{name}: {report.sizes()} ({time.perf_counter() - t0:.0f} s)")
+    return target
+
+
 def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -84,7 +107,7 @@ def run_main_job(config: MainJobConfig):
     from qinfer.evals.runner import EvalConfig
 
     start = time.perf_counter()
-    calib = CalibConfig(samples=config.samples, seq_len=config.seq_len)
+    calib = config.calibration()
     eval_config = EvalConfig(models=(config.model,), limit=config.limit, max_tokens=config.max_tokens,
                              repeats=config.repeats, out=config.out)
     settings = (
@@ -102,20 +125,12 @@ def run_main_job(config: MainJobConfig):
     fetch_austen()  # calibration and held-out text
     loaded_tasks = runner.load_tasks(eval_config)
     models, skipped = [config.model], []
-    for name, scheme in SCHEMES.items():
-        target = quantized_dir(config.model, name)
-        if _matches(target, folder, scheme, calib):
-            _say(f"{name}: reusing {target}")
-        else:
-            t0 = time.perf_counter()
-            try:
-                report = quantize_model(folder, target, scheme, calib, force=True)
-            except QinferError as exc:  # (out of memory, say): the other variants are still worth the table
-                _say(f"{name}: skipped: {exc}")
-                skipped.append(name)
-                continue
-            _say(f"{name}: {report.sizes()} ({time.perf_counter() - t0:.0f} s)")
-        models.append(str(target))
+    for name in SCHEMES:
+        try:
+            models.append(str(quantized(config.model, folder, name, calib)))
+        except QinferError as exc:  # (out of memory, say): the other variants are still worth the table
+            _say(f"{name}: skipped: {exc}")
+            skipped.append(name)
     eval_config = dataclasses.replace(eval_config, models=tuple(models))
     results = runner.run_eval(eval_config, loaded_tasks)
     print(format_table(results))
