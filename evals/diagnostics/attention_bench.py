@@ -16,11 +16,12 @@ share a KV head of one-byte codes. One line per case:
 
 (int8 codes on a CPU with AVX512-VNNI: the line goes on with the default integer loop's gap from the fp32 loop's
 output, then the other loops' times, ``cpu_library.attention_loops`` and the fp32 one, timed alternating with the
-default call by call, as this VM's timings move between runs), then how many positions one GiB of KV memory holds per dtype for a whole model of this shape (``--layers``),
-and, labelled as a projection, the time the Triton kernel would take on an H100 at its datasheet bandwidth and
-bf16 peak (3.35 TB/s, 989 TFLOP/s): the larger of bytes / bandwidth and FLOPs / peak, i.e. what a kernel
-streaming at the limit would take; nothing here ran on a GPU. Defaults: gemma3-270m's attention (4 query heads,
-1 KV head, head_dim 256, 18 layers). Diagnostic only: nothing is written, nothing cached.
+default call by call, since sub-millisecond timings move between runs), then how many positions one GiB of KV memory
+holds per dtype for a whole model of this shape (``--layers``), and, labelled as a projection, the time the Triton
+kernel would take on an H100 at its datasheet bandwidth and bf16 peak (3.35 TB/s, 989 TFLOP/s): the larger of bytes
+/ bandwidth and FLOPs / peak, i.e. what a kernel streaming at the limit would take; nothing here ran on a GPU.
+Defaults: gemma3-270m's attention (4 query heads, 1 KV head, head_dim 256, 18 layers). Diagnostic only: nothing is
+written, nothing cached.
 """
 
 import contextlib
