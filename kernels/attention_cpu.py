@@ -15,9 +15,12 @@ other calls skip its dispatch. Over pages the loop is the same, each row's addre
 every sequence attends the same range of positions, its sums are those over a slice holding the same keys.
 
 Int8 codes with bf16 or fp16 queries, on a CPU with AVX512-VNNI, take integer loops instead
-(``cpu_library.attention_vnni``; ``attention_without_vnni`` turns them off): each query head in 15-bit fixed
-point times the codes widened to 16 bits (VPDPWSSD, exact int32 sums), the values' weighted sums in 16-lane fp32.
-The scores then differ from the fp32 loop's by about 1e-5 of their range (the queries' fixed-point step), where
+(``cpu_library.attention_loop``; ``attention_without_vnni`` turns them off, ``with_attention_loop`` picks one):
+each query head in 15-bit fixed point times the codes widened to 16 bits (VPDPWSSD, exact int32 sums); then the
+softmax weights (times the values' position scales) in 15-bit fixed point with a step per block of 16 positions,
+against two positions' value codes interleaved in each 32-bit lane (VPDPWSSD again), each block's int32 sums added
+to fp32 ones times its step. The scores then differ from the fp32 loop's by about 1e-5 of their range (the
+queries' fixed-point step) and the weighted sums by at most 2^-12 of the values' range (the weights' steps), where
 the fp32 loop's are exact to fp32 rounding; the fp32 loop does 4 FMAs per query head, position and channel on
 one-byte codes, which binds a small CPU before its memory does (docs/results.md, "Paged decode attention").
 """

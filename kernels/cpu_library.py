@@ -225,9 +225,9 @@ def _runs(switch: str, loops: dict[int, str], name: str) -> bool:
 
 @contextlib.contextmanager
 def _loop(switch: str, loops: dict[int, str], name: str):
-    """Inside it, the C switch ``switch`` (``qinfer_int4_vnni``, ``qinfer_bf16_dot``: 0 off, a code of ``loops``
-    that loop where the CPU has it, -1 only asks; each returns the setting before) is set to ``name``'s code ("": 0);
-    yields whether it took."""
+    """Inside it, the C switch ``switch`` (``qinfer_int4_vnni``, ``qinfer_bf16_dot``, ``qinfer_attention_i8_vnni``:
+    0 off, a code of ``loops`` that loop where the CPU has it, -1 only asks; each returns the setting before) is set
+    to ``name``'s code ("": 0); yields whether it took."""
     lib = library()[0] if available() else None
     if lib is None:
         yield False
@@ -256,23 +256,38 @@ def with_vnni(name: str):
     return _vnni_loop(name)
 
 
+ATTENTION_LOOPS = {1: "integer scores", 2: "integer scores and values"}  # qinfer_attention_i8_vnni's codes
+
+
+def attention_loop() -> str:
+    """Which loops attention over int8 KV codes takes (AVX512-VNNI, queries in bf16 or fp16): "integer scores and
+    values" (the queries and the softmax weights in 15-bit fixed point against the codes; the default where the CPU
+    has AVX512-VNNI), "integer scores" (the values' weighted sums in fp32), or "" (the fp32 loops)."""
+    return ATTENTION_LOOPS.get(library()[0].qinfer_attention_i8_vnni(-1), "") if available() else ""
+
+
 def attention_vnni() -> bool:
-    """Whether attention over int8 KV codes takes the integer loops (AVX512-VNNI: the queries quantized to int8
-    per head) rather than the fp32 ones."""
-    return available() and library()[0].qinfer_attention_i8_vnni(-1) == 1
+    """Whether attention over int8 KV codes takes integer loops (:func:`attention_loop`) rather than the fp32 ones."""
+    return attention_loop() != ""
 
 
-@contextlib.contextmanager
+def attention_loops() -> list[str]:
+    """The integer attention loops this CPU can run ("integer scores and values" first: the default)."""
+    return _loops("qinfer_attention_i8_vnni", ATTENTION_LOOPS)
+
+
 def attention_without_vnni():
     """Inside it, attention over int8 KV codes takes the fp32 loops even where the CPU has AVX512-VNNI (a
     side-by-side timing, or a test comparing the two)."""
-    lib = library()[0] if available() else None
-    prior = lib.qinfer_attention_i8_vnni(0) if lib is not None else None
-    try:
-        yield
-    finally:
-        if lib is not None:
-            lib.qinfer_attention_i8_vnni(prior)
+    return _loop("qinfer_attention_i8_vnni", ATTENTION_LOOPS, "")
+
+
+def with_attention_loop(name: str):
+    """Inside it, attention over int8 KV codes takes the loops ``name`` (one of :func:`attention_loops`; "": the
+    fp32 ones), as a test or a side-by-side timing compares them."""
+    if name and name not in attention_loops():
+        raise ValueError(f"this CPU has no {name} loop (it has: {', '.join(attention_loops()) or 'none'})")
+    return _loop("qinfer_attention_i8_vnni", ATTENTION_LOOPS, name)
 
 
 BF16_LOOPS = {1: "AVX512-BF16", 2: "AMX-BF16"}  # qinfer_bf16_dot's numbers of the bf16 dot-product loops

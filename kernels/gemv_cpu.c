@@ -296,6 +296,8 @@ static int attention_i8_vnni(void);
 static void scores_i8(const rows_t *kr, const rows_t *vr, const float *qf, int64_t G, int64_t D, int64_t j0,
                       int64_t j1, float *sc, int64_t n, float scale, const rows_t *kp, float *top);
 static void weighted_i8(const rows_t *vr, const float *p, int64_t n, int64_t j0, int64_t D, float *acc, int64_t G);
+static void weighted_i8_int(const rows_t *vr, const float *p, int64_t n, int64_t j0, int64_t D, float *acc,
+                            int64_t G);
 
 /* How many chunks of keys a sequence of S positions is split into: one per 1024 positions, at least one per
  * thread (at most S). */
@@ -360,7 +362,7 @@ static int attention_rows(const void *q, const void *k, const void *v, void *out
         }
         const float shift = kv_dtype == 4 ? 256.f : 1.f;  /* e4m3x8 reads 2^-8 times each code's value */
         const float s = kg ? scale * shift : scale;
-        const int i8 = kv_dtype == 3 && dtype != 0 && D % 32 == 0 && D <= 512 && attention_i8_vnni();
+        const int i8 = kv_dtype == 3 && dtype != 0 && D % 32 == 0 && D <= 512 ? attention_i8_vnni() : 0;
         if (i8) scores_i8(&kr, &vr, qf, G, D, j0, j1, sc, n, s, kp, top);
         for (int64_t i0 = 0; i0 < G && !i8; i0 += 4) {  /* up to 4 heads at a time, their sums in registers */
             const int m = G - i0 < 4 ? (int)(G - i0) : 4;
@@ -390,7 +392,8 @@ static int attention_rows(const void *q, const void *k, const void *v, void *out
             if (vp)  /* value j's scale joins its weight after the sum: the softmax's denominator is the keys' */
                 for (j = 0; j < n; j++) si[j] *= *(const float *)row_at(vp, j0 + j, sizeof(float));
         }
-        if (i8) weighted_i8(&vr, sc, n, j0, D, acc, G);
+        if (i8 == 2) weighted_i8_int(&vr, sc, n, j0, D, acc, G);
+        else if (i8) weighted_i8(&vr, sc, n, j0, D, acc, G);
         for (int64_t i0 = 0; i0 < G && !i8; i0 += 4) {
             const int m = G - i0 < 4 ? (int)(G - i0) : 4;
             switch (m) {
@@ -1169,8 +1172,9 @@ static void int_tile(const qinfer_weight *wt, const x_rows *x, const int *rows, 
  * (within sq / 2 of each q, where bf16 keeps 2^-9 of q itself) and VPDPWSSD multiplies it with the codes widened
  * to 16 bits, 32 products a lane-pair instruction, exact in int32 (|sum| < 32767 * 128 * D < 2^31 for D <= 512);
  * the score is that sum * sq * scale * t_j. Half-precision queries only (an fp32 row keeps the float loop, as
- * the 4-bit GEMV does). The values' weighted sums stay fp32, 32 columns a pass in two 16-lane registers per head.
- * D a multiple of 32. */
+ * the 4-bit GEMV does). The values' weighted sums: in 16-lane fp32, 64 columns a pass in four registers per head
+ * (weighted_i8, the switch's 1), or in integers too (weighted_i8_int, 2: the default), the softmax weights in
+ * 15-bit fixed point per block of 16 positions against pairs of positions' codes. D a multiple of 32. */
 #if QINFER_VNNI
 #define I8_TARGET "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"
 
@@ -1273,25 +1277,135 @@ static __attribute__((target(I8_TARGET))) void weighted_i8(const rows_t *vr, con
         }
     }
 }
+
+/* The values' weighted sums by integer dot products: acc[i] = sum_j p[i * n + j] v_(j0 + j), as weighted_i8, for M
+ * (1-4) heads in blocks of 16 positions (from j0, so a sequence's blocks follow its own chunks). In each block each
+ * head's weights (already times the values' position scales) go to 15-bit fixed point with the block's own step
+ * mx / 32767, mx their largest: a weight is within step / 2 = mx / 65534 of itself, so a block's sum is within 16
+ * mx / 65534 |v|max, and all blocks' within 2^-12 sum_j p_j |v|max (each mx is at most its block's sum): 2^-12 of the
+ * values' range where the output's bf16 rounding is 2^-9 of itself. Two positions' rows of codes are interleaved
+ * in registers (unpack the bytes of rows j and j+1, widen to 16 bits: each 32-bit lane holds one column of both),
+ * so VPDPWSSD against the broadcast pair (w_j, w_j+1) adds both products to that column's int32 sum, exact (16
+ * products of at most 32767 * 128 < 2^31). At the block's end the sums join acc in fp32, times the step. The
+ * unpack puts columns 0-7 and 16-23 of 32 in one register, 8-15 and 24-31 in the next: acc holds them in that
+ * order until the end. A block whose largest weight is below 32767 FLT_MIN (2^-111) counts as 0 (at most 2^-100
+ * of the values' range per block, next to a chunk's weights' sum of at least e^0 = 1 times a position scale); one
+ * with a NaN or infinite weight makes the head's sums NaN. */
+static inline __attribute__((always_inline, target(I8_TARGET))) void weighted_int_pass(
+        const char *const *rows, const int16_t *w, int64_t d, float *acc, int64_t D, const __m512 *step, const int M,
+        const int R) {
+    __m512i s[4][8];
+    for (int i = 0; i < M; i++)
+        for (int r = 0; r < R; r++) s[i][r] = _mm512_setzero_si512();
+    for (int k = 0; k < 16; k += 2) {
+        __m512i wk[4];
+        for (int i = 0; i < M; i++) {
+            int32_t pair;
+            memcpy(&pair, w + i * 16 + k, sizeof(pair));
+            wk[i] = _mm512_set1_epi32(pair);
+        }
+        for (int u = 0; u < R / 2; u++) {
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(rows[k] + d + 32 * u));
+            const __m256i b = _mm256_loadu_si256((const __m256i *)(rows[k + 1] + d + 32 * u));
+            const __m512i lo = _mm512_cvtepi8_epi16(_mm256_unpacklo_epi8(a, b));
+            const __m512i hi = _mm512_cvtepi8_epi16(_mm256_unpackhi_epi8(a, b));
+            for (int i = 0; i < M; i++) {
+                s[i][2 * u] = _mm512_dpwssd_epi32(s[i][2 * u], lo, wk[i]);
+                s[i][2 * u + 1] = _mm512_dpwssd_epi32(s[i][2 * u + 1], hi, wk[i]);
+            }
+        }
+    }
+    for (int i = 0; i < M; i++)
+        for (int r = 0; r < R; r++) {
+            float *a = acc + i * D + d + 16 * r;
+            _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][r]), step[i], _mm512_loadu_ps(a)));
+        }
+}
+
+static inline __attribute__((always_inline, target(I8_TARGET))) void weighted_int_m(
+        const rows_t *vr_, const float *p, int64_t n, int64_t j0, int64_t D, float *acc, const int M) {
+    for (int i = 0; i < M; i++) memset(acc + i * D, 0, sizeof(float) * D);
+    const int R = M <= 2 ? 8 : 4;  /* 16-lane registers of columns a pass: M R int32 sums in registers */
+    const char *rows[16];
+    int16_t w[4 * 16];
+    __m512 step[4];
+    for (int64_t jb = 0; jb < n; jb += 16) {
+        const int m = n - jb < 16 ? (int)(n - jb) : 16;
+        const __mmask16 live = (__mmask16)((1u << m) - 1);
+        int any = 0;
+        for (int i = 0; i < M; i++) {
+            const __m512 pi = _mm512_maskz_loadu_ps(live, p + i * n + jb);
+            const float mx = _mm512_reduce_max_ps(pi);
+            if (_mm512_cmp_ps_mask(pi, pi, _CMP_UNORD_Q) || !(mx <= FLT_MAX)) {
+                step[i] = _mm512_set1_ps(NAN);
+                memset(w + i * 16, 0, 32);
+                any = 1;
+            } else if (mx < 32767.f * FLT_MIN) {
+                step[i] = _mm512_setzero_ps();
+                memset(w + i * 16, 0, 32);
+            } else {
+                step[i] = _mm512_set1_ps(mx / 32767.f);
+                const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(pi, _mm512_set1_ps(32767.f / mx)));
+                _mm256_storeu_si256((__m256i *)(w + i * 16), _mm512_cvtepi32_epi16(q));
+                any = 1;
+            }
+        }
+        if (!any) continue;
+        for (int k = 0; k < 16; k++) rows[k] = row_at(vr_, j0 + jb + (k < m ? k : m - 1), 1);  /* weight 0 past n */
+        if (jb + 16 < n)  /* the next block's rows from L2 (the scores' loop sent them there) while this one sums */
+            for (int k = 0; k < 16 && jb + 16 + k < n; k++) {
+                const char *next = row_at(vr_, j0 + jb + 16 + k, 1);
+                for (int64_t o = 0; o < D; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
+            }
+        int64_t d = 0;
+        for (; d + 16 * R <= D; d += 16 * R) weighted_int_pass(rows, w, d, acc, D, step, M, R);
+        for (; d + 64 <= D; d += 64) weighted_int_pass(rows, w, d, acc, D, step, M, 4);
+        for (; d < D; d += 32) weighted_int_pass(rows, w, d, acc, D, step, M, 2);
+    }
+    for (int i = 0; i < M; i++)  /* columns back in order: 0-7 | 16-23 and 8-15 | 24-31 become 0-15 and 16-31 */
+        for (int64_t d = 0; d < D; d += 32) {
+            float *a = acc + i * D + d;
+            const __m512 lo = _mm512_loadu_ps(a), hi = _mm512_loadu_ps(a + 16);
+            _mm512_storeu_ps(a, _mm512_shuffle_f32x4(lo, hi, 0x44));
+            _mm512_storeu_ps(a + 16, _mm512_shuffle_f32x4(lo, hi, 0xEE));
+        }
+}
+
+static __attribute__((target(I8_TARGET))) void weighted_i8_int(const rows_t *vr, const float *p, int64_t n,
+                                                                int64_t j0, int64_t D, float *acc, int64_t G) {
+    for (int64_t i0 = 0; i0 < G; i0 += 4) {
+        const int m = G - i0 < 4 ? (int)(G - i0) : 4;
+        switch (m) {
+            case 4: weighted_int_m(vr, p + i0 * n, n, j0, D, acc + i0 * D, 4); break;
+            case 3: weighted_int_m(vr, p + i0 * n, n, j0, D, acc + i0 * D, 3); break;
+            case 2: weighted_int_m(vr, p + i0 * n, n, j0, D, acc + i0 * D, 2); break;
+            default: weighted_int_m(vr, p + i0 * n, n, j0, D, acc + i0 * D, 1);
+        }
+    }
+}
 #else
 static void scores_i8(const rows_t *kr, const rows_t *vr, const float *qf, int64_t G, int64_t D, int64_t j0,
                       int64_t j1, float *sc, int64_t n, float scale, const rows_t *kp, float *top) {}
 static void weighted_i8(const rows_t *vr, const float *p, int64_t n, int64_t j0, int64_t D, float *acc, int64_t G) {}
+static void weighted_i8_int(const rows_t *vr, const float *p, int64_t n, int64_t j0, int64_t D, float *acc,
+                            int64_t G) {}
 #endif
 
-/* -1: not asked yet; then whether int8 codes take the integer loops (1) or the fp32 ones (0) */
+/* -1: not asked yet; then which loops int8 codes take: 0 the fp32 ones, 1 the integer scores (the values' sums in
+ * fp32), 2 the integer scores and values' sums */
 static int i8_vnni = -1;
 
 static int attention_i8_vnni(void) {
-    if (i8_vnni < 0) i8_vnni = vnni_on_cpu(2) && __builtin_cpu_supports("avx512bw");
+    if (i8_vnni < 0) i8_vnni = vnni_on_cpu(2) && __builtin_cpu_supports("avx512bw") ? 2 : 0;
     return i8_vnni;
 }
 
-/* Whether attention over int8 codes takes the integer loops: 0 turns them off, 1 on (where the CPU has
- * AVX512-VNNI and AVX512BW), any other value only asks. Returns the setting before. */
+/* Which loops attention over int8 codes takes: 0 the fp32 ones, 1 or 2 the integer loops above (1: the scores
+ * only; 2, where the CPU has AVX512-VNNI and AVX512BW: the scores and the values' sums), any other value only
+ * asks. Returns the setting before. */
 int qinfer_attention_i8_vnni(int on) {
     int before = attention_i8_vnni();
-    if (on == 0 || (on == 1 && vnni_on_cpu(2) && __builtin_cpu_supports("avx512bw"))) i8_vnni = on;
+    if (on == 0 || ((on == 1 || on == 2) && vnni_on_cpu(2) && __builtin_cpu_supports("avx512bw"))) i8_vnni = on;
     return before;
 }
 

@@ -14,13 +14,17 @@ share a KV head of one-byte codes. One line per case:
 
     int8 4k batch 1: 12.3 GB/s = 71% of 17.2 GB/s (0.18 ms, 2.2 MB; fp32 FLOPs at 40% of the peak)
 
-then how many positions one GiB of KV memory holds per dtype for a whole model of this shape (``--layers``),
-and, labelled as a projection, the time the Triton kernel would take on an H100 at its datasheet bandwidth and
-bf16 peak (3.35 TB/s, 989 TFLOP/s): the larger of bytes / bandwidth and FLOPs / peak, i.e. what a kernel
-streaming at the limit would take; nothing here ran on a GPU. Defaults: gemma3-270m's attention (4 query heads,
-1 KV head, head_dim 256, 18 layers). Diagnostic only: nothing is written, nothing cached.
+(int8 codes on a CPU with AVX512-VNNI: the line goes on with the default integer loop's gap from the fp32 loop's
+output, then the other loops' times, ``cpu_library.attention_loops`` and the fp32 one, timed alternating with the
+default call by call, since sub-millisecond timings move between runs), then how many positions one GiB of KV memory
+holds per dtype for a whole model of this shape (``--layers``), and, labelled as a projection, the time the Triton
+kernel would take on an H100 at its datasheet bandwidth and bf16 peak (3.35 TB/s, 989 TFLOP/s): the larger of bytes
+/ bandwidth and FLOPs / peak, i.e. what a kernel streaming at the limit would take; nothing here ran on a GPU.
+Defaults: gemma3-270m's attention (4 query heads, 1 KV head, head_dim 256, 18 layers). Diagnostic only: nothing is
+written, nothing cached.
 """
 
+import contextlib
 import statistics
 import time
 
@@ -103,8 +107,9 @@ def _per_gib(kind: str, kv_heads: int, head_dim: int, layers: int) -> int:
 
 def _time_case(kind, context, batch, heads, kv_heads, head_dim, repeats) -> tuple[float, tuple[int, int], str]:
     """The median seconds of one decode step's attention over ``batch`` sequences of ``context`` positions, the
-    (bytes, FLOPs) it must move and do, and for int8 codes through the integer loop, how far its output lands from
-    the fp32 loop's (the largest difference over the largest output)."""
+    (bytes, FLOPs) it must move and do, and for int8 codes through the integer loops, the other loops' times (timed
+    alternating with the default, call by call: this one's timings move between runs) and how far each loop's
+    output lands from the fp32 loop's (the largest difference over the largest output)."""
     g = torch.Generator().manual_seed(0)
     per_seq = -(-context // BLOCK)
     blocks = batch * per_seq
@@ -122,26 +127,26 @@ def _time_case(kind, context, batch, heads, kv_heads, head_dim, repeats) -> tupl
         scales = (ones, ones, k_pos, v_pos)
     q = torch.randn(batch, heads, 1, head_dim, generator=g).bfloat16()
     call = lambda: paged_decode(q, k_pages, v_pages, tables, 0, context, head_dim ** -0.5, scales)  # noqa: E731
-    both = kind == "int8" and cpu_library.attention_vnni()  # also the fp32 loop, alternating call by call
-    times, fp32_times = [], []
+    # int8 codes through an integer loop: also the other integer loops and the fp32 one, alternating call by call
+    loops = cpu_library.attention_loops() if kind == "int8" and cpu_library.attention_vnni() else []
+    times = {name: [] for name in [None, *loops[1:], ""]} if loops else {None: []}  # None: the default
+    outs = {}
     for i in range(repeats + 1):
-        t0 = time.perf_counter()
-        out = call()
-        if i:  # the first calls warm up
-            times.append(time.perf_counter() - t0)
-        if both:
-            with cpu_library.attention_without_vnni():
+        for name, spent in times.items():
+            with contextlib.nullcontext() if name is None else cpu_library.with_attention_loop(name):
                 t0 = time.perf_counter()
-                exact = call()
-                if i:
-                    fp32_times.append(time.perf_counter() - t0)
+                outs[name] = call()
+                if i:  # the first calls warm up
+                    spent.append(time.perf_counter() - t0)
     note = ""
-    if both:  # how far the integer loop lands from the fp32 one, and how much faster it is in the same run
-        gap = float((out.float() - exact.float()).abs().max() / exact.float().abs().max())
-        note = (f"; integer loop, within {gap:.1e} of the fp32 loop, which took "
-                f"{statistics.median(fp32_times) * 1e3:.3f} ms")
+    if loops:  # how far the integer loops land from the fp32 one, and their times in the same run
+        exact = outs[""].float()
+        gaps = {name: float((out.float() - exact).abs().max() / exact.abs().max()) for name, out in outs.items()}
+        note = f"; {loops[0]}, within {gaps[None]:.1e} of the fp32 loop" + "".join(
+            f"; {name or 'fp32 loop'} {statistics.median(times[name]) * 1e3:.3f} ms"
+            + (f" (within {gaps[name]:.1e})" if name else "") for name in times if name is not None)
     kv_bytes = PAGE_DTYPES[kind].itemsize
-    return statistics.median(times), decode_cost([context] * batch, heads, kv_heads, head_dim, kv_bytes), note
+    return statistics.median(times[None]), decode_cost([context] * batch, heads, kv_heads, head_dim, kv_bytes), note
 
 
 if __name__ == "__main__":

@@ -167,25 +167,57 @@ def test_c_paged_decode_gives_each_sequence_what_it_gets_alone(kv_dtype):
         assert torch.equal(together[b:b + 1], alone), b
 
 
-@pytest.mark.parametrize("D, group", [(64, 1), (128, 4), (256, 8), (256, 3)])
-def test_int8_codes_through_integer_dot_products_stay_close_to_the_fp32_loop(D, group):
-    # the queries quantized to int8 per head: scores within a few thousandths of their range, the output
-    # within a bf16 rounding or two of the fp32 loop's
+def _integer_loop(loop):
+    from qinfer.kernels import cpu_library
+
+    _c_loop()
+    if loop not in cpu_library.attention_loops():
+        pytest.skip(f"this CPU has no {loop} loop (no AVX512-VNNI)")
+
+
+@pytest.mark.parametrize("loop", ["integer scores and values", "integer scores"])
+@pytest.mark.parametrize("D, group", [(64, 1), (128, 4), (256, 8), (256, 3), (96, 2)])
+def test_int8_codes_through_integer_dot_products_stay_close_to_the_fp32_loop(loop, D, group):
+    # the queries (and the softmax weights) quantized to 15 bits per head (per block of 16 positions): scores
+    # within a few thousandths of their range, the output within a bf16 rounding or two of the fp32 loop's
     from qinfer.kernels import cpu_library
     from qinfer.kernels.attention_cpu import paged_decode_attention
 
-    _c_loop()
-    if not cpu_library.attention_vnni():
-        pytest.skip("this CPU has no AVX512-VNNI")
-    Hkv, P, lengths = 2, 16, [1, 5, 123, 1000]
+    _integer_loop(loop)
+    Hkv, P, lengths = 2, 16, [1, 5, 123, 1000, 32, 17]
     k_pages, v_pages, scales, tables, _ = _fill(lengths, Hkv, D, P, "int8")
     q = torch.randn(len(lengths), Hkv * group, 1, D, dtype=torch.bfloat16)
     ends = torch.tensor(lengths)
     args = (q, k_pages, v_pages, tables, torch.zeros_like(ends), ends, D ** -0.5)
-    fast = paged_decode_attention(*args, **scales)
+    with cpu_library.with_attention_loop(loop):
+        assert cpu_library.attention_loop() == loop
+        fast = paged_decode_attention(*args, **scales)
     with cpu_library.attention_without_vnni():
         assert not cpu_library.attention_vnni()
         exact = paged_decode_attention(*args, **scales)
-    assert cpu_library.attention_vnni()
+    assert cpu_library.attention_loop() == cpu_library.attention_loops()[0]  # the default, back
     torch.testing.assert_close(fast.float(), exact.float(), rtol=2e-2, atol=2e-2)
     assert not torch.equal(fast, exact)  # (the integer loop did run)
+
+
+def test_int8_value_sums_keep_small_weights_beside_a_large_one():
+    # one position takes nearly all the weight (1 against e^-11.2 each for the other 2999, 4% in all), and its
+    # value is 0, the others' 1: the output is the small weights' share. Each block of 16 positions has its own
+    # fixed-point step, so the small weights keep 15 bits (one step for the whole chunk would round them all to 0)
+    from qinfer.kernels.attention_cpu import decode_attention
+
+    _integer_loop("integer scores and values")
+    S, D = 3000, 64
+    q = torch.zeros(1, 1, 1, D, dtype=torch.bfloat16)
+    q[..., 0] = 1.0
+    k, v = torch.zeros(1, 1, S, D, dtype=torch.int8), torch.zeros(1, 1, S, D, dtype=torch.int8)
+    k[..., 0], v[:] = 127, 127
+    v[..., 1234, :] = 0
+    k_pos, v_pos = torch.zeros(1, 1, S), torch.full((1, 1, S), 1 / 127)
+    k_pos[..., 1234] = 11.2 / 127
+    ones = torch.ones(1, D)
+    out = decode_attention(q, k, v, 1.0, ones, ones, k_pos, v_pos)
+    small = (S - 1) * torch.tensor(-11.2).double().exp()
+    exact = torch.ones(D).double() * small / (1 + small)
+    bound = exact.abs() * 2.0 ** -8 + 2.0 ** -12  # a bf16 rounding, plus the weights' fixed point against |v| <= 1
+    assert float(((out[0, 0, 0].double() - exact).abs() / bound).max()) <= 1.0
