@@ -20,8 +20,10 @@ words, for reports and result-cache keys.
 the C code takes the first this CPU has, and :func:`without_vnni` and :func:`with_vnni` choose another for a
 side-by-side timing or a test. bf16 rows against a bf16 weight have two (AMX-BF16, AVX512-BF16) beside the fp32
 loop, chosen the same way (:func:`bf16_loop`, :func:`bf16_without_amx`, :func:`with_bf16_loop`,
-:func:`bf16_without_dot`). The kernels take tensors as data pointers and a dtype code (:data:`DTYPE_CODES`;
-a quantized KV cache's keys and values also :data:`KV_CODES`), the numbering ``gemv_cpu.c`` uses.
+:func:`bf16_without_dot`); 8-bit codes' loop over tiles has AMX-INT8 beside AVX512-VNNI (:func:`int8_loop`,
+:func:`int8_without_amx`, :func:`with_int8_loop`). The kernels take tensors as data pointers and a dtype code
+(:data:`DTYPE_CODES`; a quantized KV cache's keys and values also :data:`KV_CODES`), the numbering ``gemv_cpu.c``
+uses.
 """
 
 import contextlib
@@ -102,6 +104,7 @@ def library() -> tuple[ctypes.CDLL | None, str]:
     lib.qinfer_int4_vnni.argtypes, lib.qinfer_int4_vnni.restype = [ctypes.c_int], ctypes.c_int
     lib.qinfer_attention_i8_vnni.argtypes, lib.qinfer_attention_i8_vnni.restype = [ctypes.c_int], ctypes.c_int
     lib.qinfer_bf16_dot.argtypes, lib.qinfer_bf16_dot.restype = [ctypes.c_int], ctypes.c_int
+    lib.qinfer_int8_amx.argtypes, lib.qinfer_int8_amx.restype = [ctypes.c_int], ctypes.c_int
     return lib, ""
 
 
@@ -150,6 +153,8 @@ def describe() -> str:
     loops = []
     if int4_vnni():
         loops.append(f"4-bit codes through {int4_vnni()}")
+    if int8_loop():
+        loops.append(f"8-bit codes through {int8_loop()}")
     if bf16_loop():
         loops.append(f"bf16 rows through {bf16_loop()}")
     return f"qinfer's C GEMVs ({', '.join(loops)})" if loops else "qinfer's C GEMVs"
@@ -225,7 +230,7 @@ def _runs(switch: str, loops: dict[int, str], name: str) -> bool:
 
 @contextlib.contextmanager
 def _loop(switch: str, loops: dict[int, str], name: str):
-    """Inside it, the C switch ``switch`` (``qinfer_int4_vnni``, ``qinfer_bf16_dot``, ``qinfer_attention_i8_vnni``:
+    """Inside it, the C switch ``switch`` (``qinfer_int4_vnni``, ``qinfer_bf16_dot``, ``qinfer_attention_i8_vnni``,
     0 off, a code of ``loops`` that loop where the CPU has it, -1 only asks; each returns the setting before) is set
     to ``name``'s code ("": 0); yields whether it took."""
     lib = library()[0] if available() else None
@@ -336,6 +341,34 @@ def with_bf16_loop(name: str):
     if name not in bf16_loops():
         raise ValueError(f"this CPU has no {name} loop (it has: {', '.join(bf16_loops()) or 'none'})")
     return _bf16_loop(name)
+
+
+INT8_LOOPS = {1: "AMX-INT8"}  # qinfer_int8_amx's number of the AMX loop for 8-bit codes (0: the AVX512-VNNI loop)
+
+
+def int8_loop() -> str:
+    """Which loop 8-bit codes take where they take the loop over tiles (``gemv_cpu._tiled``): "AMX-INT8" (TDPBSUD on
+    tiles; the same outputs bit for bit) where the CPU has it, the OS lets the process use the tiles and
+    :func:`int8_without_amx` is off; else "" (the AVX512-VNNI loop)."""
+    return INT8_LOOPS.get(library()[0].qinfer_int8_amx(-1), "") if available() else ""
+
+
+def int8_loops() -> list[str]:
+    """The AMX loops for 8-bit codes this CPU can run (["AMX-INT8"] or [])."""
+    return _loops("qinfer_int8_amx", INT8_LOOPS)
+
+
+def int8_without_amx():
+    """Inside it, 8-bit codes take the AVX512-VNNI loop over tiles even where the CPU has AMX-INT8 (a side-by-side
+    timing, or a test comparing the two)."""
+    return _loop("qinfer_int8_amx", INT8_LOOPS, "")
+
+
+def with_int8_loop(name: str):
+    """Inside it, 8-bit codes take the loop ``name`` (one of :func:`int8_loops`; "": the AVX512-VNNI loop)."""
+    if name and name not in int8_loops():
+        raise ValueError(f"this CPU has no {name} loop (it has: {', '.join(int8_loops()) or 'none'})")
+    return _loop("qinfer_int8_amx", INT8_LOOPS, name)
 
 
 # The operators torch.compile sees, a fragment of the qinfer namespace: each kernel's module defines its own

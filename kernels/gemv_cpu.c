@@ -934,23 +934,24 @@ static __attribute__((target(AMX_TARGET))) int bf16_amx_gemv(const qinfer_weight
     return 0;
 }
 
-/* Whether the CPU has AMX-TILE and AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22) beside the AVX512-BF16 loop's
- * extensions (the AMX loop's repacking and stores use them), and Linux lets this process use the tiles'
- * state: asked once (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), for every thread of the process. */
-static int bf16_amx_on_cpu(void) {
+/* Whether the CPU has AMX-TILE (CPUID leaf 7: EDX bit 24) and the AMX extension at EDX bit `bit` (22: AMX-BF16, 25:
+ * AMX-INT8), and Linux lets this process use the tiles' state: asked once (ARCH_REQ_XCOMP_PERM for
+ * XFEATURE_XTILEDATA), for every thread of the process. The AMX-BF16 loop also needs the AVX512-BF16 loop's extensions
+ * (its repacking and stores use them). */
+static int amx_on_cpu(int bit) {
     static int granted = -1;
-    if (granted < 0) {
-        unsigned a, b, c, d;
-        granted = bf16_dot_on_cpu() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 22 & 1) &&
-                  syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-    }
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d >> 24 & 1) || !(d >> bit & 1)) return 0;
+    if (granted < 0) granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
     return granted;
 }
+static int bf16_amx_on_cpu(void) { return bf16_dot_on_cpu() && amx_on_cpu(22); }
 #else
 #define QINFER_BF16_AMX 0
 static int bf16_amx_gemv(const qinfer_weight *wt, const void *x, const void *b, void *y, int64_t M) {
     return 1;  /* never called: qinfer_bf16_dot says no AMX */
 }
+static int amx_on_cpu(int bit) { return 0; }
 static int bf16_amx_on_cpu(void) { return 0; }
 #endif
 
@@ -1605,9 +1606,167 @@ static void prepare_tiled(const void *x, int dtype, int64_t M, int64_t K, int64_
                           int8_t *xc) {}  /* never called: no VNNI loop here */
 #endif
 
+/* 8-bit codes against M rows of x by AMX (TDPBSUD: 16 x 64 signed bytes times 64 x 16 unsigned bytes, summed into 16 x
+ * 16 int32), the work of int_tile_m's 8-bit loop on tiles: x's fixed-point high and low bytes (prepare_tiled's, of
+ * the rows that take the loop, 16 a block, zero rows past them) are the A operand, repacked per call (amx8_pack) per
+ * group into 16 rows of P = G rounded up to 64 bytes, zeros past G; the weight's tiles as int4_tiles.py lays them out
+ * are the B operand as they are (64 columns' 1 KiB: 16 rows of 4 columns x 16 output rows); the C tiles hold 16 rows
+ * of x x 16 output rows, one for the high bytes and one for the low. The codes are unsigned and x signed, so x is A
+ * and the weight B: C = x W^T, whose rows are each row of x's 16 outputs, as int_tile_m's lanes. A group's last
+ * chunk of 64 columns may reach past the group: its B rows there hold the next group's codes (or, past the last
+ * tile, a zero-padded copy's), which meet x's zero columns. The sums over a group are exact in int32 (G <= 512, as
+ * the VNNI loop needs), so they are the integers the VNNI loop sums, in another order; at the group's end they
+ * become t = 256 sum q h + sum q l and s (t step - z sum x) in fp32 by the same operations in the same order as
+ * int_tile_m's: the outputs are the VNNI loop's bit for bit, and each output's arithmetic depends on its own row of
+ * x alone. The tiles need the OS's leave (amx_on_cpu) and a configuration per thread (AMX_CONFIG's shapes: 16 rows
+ * of 64 bytes for every tile). */
+#if QINFER_BF16_AMX && QINFER_VNNI
+#define I8_AMX_TARGET TILE_TARGET ",avx512bw,amx-tile,amx-int8"
+
+/* The fixed-point bytes (xc, as prepare_tiled writes them) of x rows rows[0..nv) as A tiles: for block c of 16 rows
+ * and group g, 16 rows of high bytes then 16 of low ones, P bytes apart, at xa + (c ng + g) 32 P; zeros past nv and
+ * past G */
+static void amx8_pack(const int8_t *xc, const int *rows, int64_t nv, int64_t K, int64_t G, int64_t P, int8_t *xa) {
+    const int64_t ng = K / G;
+    memset(xa, 0, (size_t)((nv + 15) / 16 * ng * 32 * P));
+    for (int64_t i = 0; i < nv; i++)
+        for (int64_t g = 0; g < ng; g++)
+            for (int hl = 0; hl < 2; hl++)
+                memcpy(xa + ((i / 16 * ng + g) * 32 + 16 * hl + i % 16) * P, xc + 2 * rows[i] * K + hl * K + g * G,
+                       (size_t)G);
+}
+
+/* Output tiles t and (TWO) t + 1 against block c of x's rows (rows 16 c.., nv in all): per group, C tiles 0-1 (high,
+ * low bytes by tile t) and 2-3 (by tile t + 1) summed over its chunks of 64 columns (A tiles 4-5, B tiles 6-7), stored
+ * to ct and added into acc (fp32: per tile, 16 rows of x x 16 outputs) as int_tile_m does; then stored into y. The
+ * first block's pass prefetches the next pair of tiles' chunk into L2 as it goes. */
+static inline __attribute__((always_inline, target(I8_AMX_TARGET))) void amx8_pass(
+        const qinfer_weight *wt, const x_rows *x, const int *rows, int64_t nv, const int8_t *xa, int64_t P, int64_t c,
+        int64_t t, const void *b, void *y, int dtype, uint8_t *part, int32_t *ct, float *acc, const int TWO) {
+    const int64_t N = wt->N, K = wt->K, G = wt->group, ng = K / G, T = (N + 15) / 16, chunks = P / 64;
+    const int64_t n_rows = nv - 16 * c < 16 ? nv - 16 * c : 16;
+    for (int i = 0; i < 512; i++) acc[i] = 0.f;
+    for (int64_t g = 0; g < ng; g++) {
+        _tile_zero(0);
+        _tile_zero(1);
+        if (TWO) {
+            _tile_zero(2);
+            _tile_zero(3);
+        }
+        for (int64_t j = 0; j < chunks; j++) {
+            const int64_t k = g * G + 64 * j;
+            const int8_t *a = xa + (c * ng + g) * 32 * P + 64 * j;
+            const uint8_t *w[2];
+            for (int u = 0; u <= TWO; u++) {
+                w[u] = wt->tiles + (t + u) * 16 * K + 16 * k;
+                if (c == 0)
+                    for (int i = 0; i < 1024; i += 64) _mm_prefetch((const char *)(w[u] + 32 * K + i), _MM_HINT_T1);
+                if (t + u == T - 1 && k + 64 > K) {  /* past the last tile's end: a zero-padded copy */
+                    COMPILER_BARRIER();
+                    memset(part, 0, 1024);
+                    memcpy(part, w[u], (size_t)(16 * (K - k)));
+                    COMPILER_BARRIER();
+                    w[u] = part;
+                }
+            }
+            _tile_loadd(4, a, P);
+            _tile_loadd(5, a + 16 * P, P);
+            _tile_loadd(6, w[0], 64);
+            _tile_dpbsud(0, 4, 6);
+            _tile_dpbsud(1, 5, 6);
+            if (TWO) {
+                _tile_loadd(7, w[1], 64);
+                _tile_dpbsud(2, 4, 7);
+                _tile_dpbsud(3, 5, 7);
+            }
+        }
+        _tile_stored(0, ct, 64);
+        _tile_stored(1, ct + 256, 64);
+        if (TWO) {
+            _tile_stored(2, ct + 512, 64);
+            _tile_stored(3, ct + 768, 64);
+        }
+        COMPILER_BARRIER();
+        for (int u = 0; u <= TWO; u++) {
+            const float *sz = wt->tile_sz + (t + u) * ng * 32 + g * 32;
+            const __m512 s = _mm512_loadu_ps(sz), z = _mm512_loadu_ps(sz + 16);
+            for (int64_t r = 0; r < n_rows; r++) {
+                const int64_t mg = rows[16 * c + r] * ng + g;
+                const __m512i h = _mm512_load_si512((const void *)(ct + 512 * u + 16 * r));
+                const __m512i l = _mm512_load_si512((const void *)(ct + 512 * u + 256 + 16 * r));
+                __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(h, 8), l);
+                __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(x->step[mg]));
+                f = _mm512_fnmadd_ps(z, _mm512_set1_ps(x->xs[mg]), f);
+                _mm512_store_ps(acc + 256 * u + 16 * r,
+                                _mm512_fmadd_ps(f, s, _mm512_load_ps(acc + 256 * u + 16 * r)));
+            }
+        }
+    }
+    for (int u = 0; u <= TWO; u++)
+        for (int64_t r = 0; r < n_rows; r++)
+            for (int64_t j = 0; j < 16 && 16 * (t + u) + j < N; j++)
+                store_out(y, b, dtype, rows[16 * c + r], N, 16 * (t + u) + j, acc[256 * u + 16 * r + j]);
+}
+
+/* The rows rows[0..nv) of x that take the integer loops (x_rows r and xc from prepare_tiled) against 8-bit codes with
+ * tiles built: x repacked (amx8_pack), then pairs of output tiles split over the threads, each pair meeting the
+ * blocks of x in turn (a block after the first reads the pair's codes again from the caches). 1: out of memory. */
+static __attribute__((target(I8_AMX_TARGET))) int int8_amx_gemv(const qinfer_weight *wt, const x_rows *r,
+                                                                 const int *rows, int64_t nv, const int8_t *xc,
+                                                                 const void *b, void *y, int dtype) {
+    const int64_t K = wt->K, G = wt->group, P = (G + 63) / 64 * 64, T = (wt->N + 15) / 16, blocks = (nv + 15) / 16;
+    int8_t *xa = aligned_alloc(64, (size_t)(blocks * (K / G) * 32 * P));
+    if (!xa) return 1;
+    amx8_pack(xc, rows, nv, K, G, P, xa);
+    #pragma omp parallel
+    {
+        uint8_t part[1024] __attribute__((aligned(64)));
+        int32_t ct[1024] __attribute__((aligned(64)));
+        float acc[512] __attribute__((aligned(64)));
+        _tile_loadconfig(&AMX_CONFIG);  /* the tiles' shapes are each thread's own state */
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t += 2)
+            for (int64_t c = 0; c < blocks; c++) {  /* the loop built for a pair of tiles or the last one alone */
+                if (t + 1 < T)
+                    amx8_pass(wt, r, rows, nv, xa, P, c, t, b, y, dtype, part, ct, acc, 1);
+                else
+                    amx8_pass(wt, r, rows, nv, xa, P, c, t, b, y, dtype, part, ct, acc, 0);
+            }
+        _tile_release();
+    }
+    free(xa);
+    return 0;
+}
+
+/* Whether the CPU has AMX-INT8 (and the OS grants the tiles) beside the AVX512-VNNI loop's extensions */
+static int int8_amx_on_cpu(void) {
+    return vnni_on_cpu(2) && __builtin_cpu_supports("avx512bw") && amx_on_cpu(25);
+}
+#else
+static int int8_amx_gemv(const qinfer_weight *wt, const x_rows *r, const int *rows, int64_t nv, const int8_t *xc,
+                         const void *b, void *y, int dtype) {
+    return 1;  /* never called: qinfer_int8_amx says no AMX */
+}
+static int int8_amx_on_cpu(void) { return 0; }
+#endif
+
+/* -1: not asked yet; then which loop 8-bit codes with tiles take: 0 the AVX512-VNNI one, 1 AMX-INT8 */
+static int int8_amx = -1;
+
+/* Which loop qinfer_int_gemv's loop over tiles takes for 8-bit codes (at first AMX-INT8 where it runs here, else the
+ * AVX512-VNNI one): loop = 0 takes the VNNI loop, 1 AMX-INT8 where it runs here (else leaves the setting), any other
+ * value only asks. Returns the setting before. */
+int qinfer_int8_amx(int loop) {
+    if (int8_amx < 0) int8_amx = int8_amx_on_cpu();
+    int before = int8_amx;
+    if (loop == 0 || (loop == 1 && int8_amx_on_cpu())) int8_amx = loop;
+    return before;
+}
+
 /* M rows of x (bf16 or fp16) against 4- or 8-bit codes with tiles built (see qinfer_int_gemv): the rows that take
  * the VNNI loop through int_tile, tile after tile split over the threads, 8 rows a pass, their outputs stored (with
- * the bias); any others (a NaN or infinity) through the float loop (int_rows_gemv). */
+ * the bias), or for 8-bit codes where qinfer_int8_amx says so the AMX-INT8 loop (int8_amx_gemv: the same bits); any
+ * others (a NaN or infinity) through the float loop (int_rows_gemv). */
 static int int_tiles_gemv(const qinfer_weight *wt, const void *x, const void *b, void *y, int64_t M, int dtype) {
     const int64_t N = wt->N, K = wt->K, G = wt->group, T = (N + 15) / 16, ng = K / G;
     x_rows *r = malloc(sizeof(x_rows) + sizeof(float) * 2 * M * ng + sizeof(int) * 2 * M + 2 * M * K);
@@ -1619,15 +1778,20 @@ static int int_tiles_gemv(const qinfer_weight *wt, const void *x, const void *b,
     int64_t nv = 0, failed = 0;
     for (int64_t m = 0; m < M; m++)
         if (r->vnni[m]) rows[nv++] = (int)m;
-    #pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < T; t++) {
-        float out[8 * 16];
-        for (int64_t i = 0; i < nv; i += 8) {
-            const int R = nv - i < 8 ? (int)(nv - i) : 8;
-            int_tile(wt, r, rows + i, xc, t, out, R);
-            for (int q = 0; q < R; q++)
-                for (int64_t j = 0; j < 16 && 16 * t + j < N; j++)
-                    store_out(y, b, dtype, rows[i + q], N, 16 * t + j, out[16 * q + j]);
+    /* 8-bit codes: the AMX-INT8 loop where it is on (the same bits); else, and for 4-bit codes, the VNNI loop */
+    if (wt->bits == 8 && nv && qinfer_int8_amx(-1) == 1) {
+        failed = int8_amx_gemv(wt, r, rows, nv, xc, b, y, dtype);
+    } else {
+        #pragma omp parallel for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            float out[8 * 16];
+            for (int64_t i = 0; i < nv; i += 8) {
+                const int R = nv - i < 8 ? (int)(nv - i) : 8;
+                int_tile(wt, r, rows + i, xc, t, out, R);
+                for (int q = 0; q < R; q++)
+                    for (int64_t j = 0; j < 16 && 16 * t + j < N; j++)
+                        store_out(y, b, dtype, rows[i + q], N, 16 * t + j, out[16 * q + j]);
+            }
         }
     }
     if (nv < M) {  /* the float loop's rows, prepared as it reads them */
