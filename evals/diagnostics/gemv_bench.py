@@ -4,6 +4,7 @@ RMSNorm, attention) against PyTorch's, side by side on one model.
     python -m qinfer.evals.diagnostics.gemv_bench MODEL [--prompt-tokens 512] [--steps 8] [--rounds 5] [--calls 50]
     python -m qinfer.evals.diagnostics.gemv_bench MODEL --rows 1,4,16,64 [--rounds 5] [--calls 50]
     python -m qinfer.evals.diagnostics.gemv_bench MODEL --bf16-loops [--rows 1,4,16,64] [--rounds 5] [--calls 50]
+    python -m qinfer.evals.diagnostics.gemv_bench MODEL --int8-loops [--rows 1,4,16,64] [--rounds 5] [--calls 50]
 
 Two parts, each alternating the two paths so a machine that slows down for a while slows both:
 1. every distinct linear of the model (kind, shape), one bf16 row through ``qinfer.kernels.linear``: the
@@ -30,7 +31,9 @@ a quarter second of them per path and round), then the median over rounds; ``rat
 With ``--bf16-loops``, instead: every distinct bf16 linear's C GEMV on M rows of x (``--rows``, else one) through
 each bf16 dot-product loop this CPU has (``cpu_library.bf16_loops``: AMX-BF16, AVX512-BF16) side by side in
 alternating rounds, timed as ``--rows`` times them; the time and the weight's bytes over it per loop, and ``ratio``,
-the last loop's time over the first's (AVX512-BF16 over AMX-BF16 where the CPU has both).
+the last loop's time over the first's (AVX512-BF16 over AMX-BF16 where the CPU has both). ``--int8-loops`` does the
+same for every 8-bit linear (an ``--quantize-lm-head`` lm_head) that takes the loop over tiles, through AMX-INT8
+(where ``cpu_library.int8_loops`` has it) and the AVX512-VNNI loop (``cpu_library.int8_without_amx``).
 
 Diagnostic only, CPU only: nothing is written, nothing cached.
 """
@@ -65,14 +68,18 @@ from qinfer.sources.resolve import resolve_model
               "C GEMV against the path taken before and M one-row calls, instead of the one-row table and the steps.")
 @click.option("--bf16-loops", is_flag=True, help="Time each bf16 linear's C GEMV on M rows (--rows, else 1) through "
               "each bf16 dot-product loop this CPU has (AMX-BF16, AVX512-BF16) side by side, instead.")
-def main(model, prompt_tokens, steps, rounds, calls, rows, bf16_loops):
+@click.option("--int8-loops", is_flag=True, help="Time each 8-bit linear's C GEMV on M rows (--rows, else 1) through "
+              "AMX-INT8 (where this CPU has it) and the AVX512-VNNI loop side by side, instead.")
+def main(model, prompt_tokens, steps, rounds, calls, rows, bf16_loops, int8_loops):
     if min(prompt_tokens, steps, rounds, calls) < 1:
         raise QinferError("--prompt-tokens, --steps, --rounds and --calls must be at least 1")
     counts = _row_counts(rows) if rows is not None else None
     if not cpu_library.available():
         raise QinferError(f"the C GEMV kernels are not in use here ({cpu_library.unavailable_reason()})")
     if bf16_loops:
-        _bf16_loops_report(model, counts or [1], rounds, calls)
+        _loops_report(model, counts or [1], rounds, calls, "bf16")
+    elif int8_loops:
+        _loops_report(model, counts or [1], rounds, calls, "int8")
     elif counts:
         _rows_report(model, counts, rounds, calls)
     else:
@@ -176,27 +183,45 @@ def _rows_report(model_name: str, counts: list[int], rounds: int, calls: int) ->
                   f"{b / c:6.2f}")
 
 
+def _loop_choices(which: str) -> dict:
+    """The loops ``--bf16-loops`` or ``--int8-loops`` compares on this CPU: name -> the context that selects it"""
+    if which == "bf16":
+        return {name: lambda name=name: cpu_library.with_bf16_loop(name) for name in cpu_library.bf16_loops()}
+    if "AMX-INT8" not in cpu_library.int8_loops() or cpu_library.int4_vnni() != "AVX512-VNNI":
+        return {}
+    return {"AMX-INT8": lambda: cpu_library.with_int8_loop("AMX-INT8"), "AVX512-VNNI": cpu_library.int8_without_amx}
+
+
 @torch.no_grad()
-def _bf16_loops_report(model_name: str, counts: list[int], rounds: int, calls: int) -> None:
-    loops = cpu_library.bf16_loops()
-    if not loops:
+def _loops_report(model_name: str, counts: list[int], rounds: int, calls: int, which: str) -> None:
+    choices = _loop_choices(which)
+    if not choices:
         raise QinferError("no bf16 dot-product loop here (the CPU, compiler or OS allow neither AMX-BF16 nor "
-                          "AVX512-BF16)")
+                          "AVX512-BF16)" if which == "bf16" else "no AMX-INT8 loop beside AVX512-VNNI here (the "
+                          "CPU, compiler or OS do not allow it)")
+    loops = list(choices)
     model = load_model(resolve_model(model_name), run=True)
     print(f"{model_name}: {threads_text(torch.get_num_threads())}; medians over {rounds} alternating rounds; "
-          f"one C GEMV call of M bf16 rows through each loop")
+          f"one C GEMV call of M {'bf16' if which == 'bf16' else str(model.dtype).replace('torch.', '')} rows "
+          "through each loop")
     print(f"{'N x K':>13} {'M':>3} " + " ".join(f"{name + ' us':>14} {'GB/s':>6}" for name in loops) + f" {'ratio':>6}")
-    bf16 = [(shape, w) for (kind, shape), (w, _) in _linears(model).items() if kind == "bfloat16"]
-    if not bf16:
-        print(f"no bf16 linears in {model_name}")
-    for (N, K), w in bf16:
+    if which == "bf16":
+        weights = [(shape, w) for (kind, shape), (w, _) in _linears(model).items() if kind == "bfloat16"]
+    else:  # the 8-bit linears the loop over tiles takes
+        weights = [(shape, w) for (kind, shape), (w, _) in _linears(model).items() if kind.startswith("int8")
+                   and gemv_cpu._tiled(model.dtype, shape[1] if w.group_size == -1 else w.group_size, 8)]
+    if not weights:
+        print(f"no {'bf16' if which == 'bf16' else '8-bit tiled'} linears in {model_name}")
+    for (N, K), w in weights:
+        gemv = _c_gemv(w)
         for M in counts:
-            x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(torch.bfloat16)
+            x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(
+                torch.bfloat16 if which == "bf16" else model.dtype)
             times: dict[str, list[float]] = {name: [] for name in loops}
             for r in range(rounds):
                 for name in loops if r % 2 == 0 else loops[::-1]:
-                    with cpu_library.with_bf16_loop(name):
-                        times[name].append(_timed_budget(lambda: gemv_cpu.bf16_gemv(x, w), calls))
+                    with choices[name]():
+                        times[name].append(_timed_budget(lambda: gemv(x), calls))
             t = [statistics.median(times[name]) for name in loops]
             gb = _weight_bytes(w) / 1e9
             print(f"{f'{N} x {K}':>13} {M:3d} " + " ".join(f"{s * 1e6:14.1f} {gb / s:6.1f}" for s in t)

@@ -99,3 +99,17 @@ def test_gemv_bench_bf16_loops_times_each_loop_side_by_side(tiny):
         figures = [float(f) for f in r[3].split()]
         assert len(figures) == 2 * len(cpu_library.bf16_loops()) and min(figures[::2]) > 0 and float(r[4]) > 0
     assert "decode step" not in result.stdout
+
+
+@pytest.mark.skipif("AMX-INT8" not in cpu_library.int8_loops() or cpu_library.int4_vnni() != "AVX512-VNNI",
+                    reason="no AMX-INT8 loop beside AVX512-VNNI here")
+def test_gemv_bench_int8_loops_times_both_loops_or_says_there_is_no_8bit_linear(tiny):
+    result = CliRunner().invoke(main, [str(tiny), "--int8-loops", "--rows", "1,17", "--rounds", "2", "--calls", "2"])
+    assert result.exit_code == 0, result.output
+    header = next(line for line in result.stdout.splitlines() if line.strip().startswith("N x K"))
+    assert "AMX-INT8 us" in header and "AVX512-VNNI us" in header
+    rows = LOOPS.findall(result.stdout)
+    assert rows or "no 8-bit tiled linears in" in result.stdout
+    for r in rows:
+        assert len(r[3].split()) == 4 and int(r[2]) in (1, 17)
+    assert "decode step" not in result.stdout
