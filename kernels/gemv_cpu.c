@@ -942,7 +942,8 @@ static int amx_on_cpu(int bit) {
     static int granted = -1;
     unsigned a, b, c, d;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d >> 24 & 1) || !(d >> bit & 1)) return 0;
-    if (granted < 0) granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    if (granted < 0)
+        granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
     return granted;
 }
 static int bf16_amx_on_cpu(void) { return bf16_dot_on_cpu() && amx_on_cpu(22); }
@@ -1636,10 +1637,35 @@ static void amx8_pack(const int8_t *xc, const int *rows, int64_t nv, int64_t K, 
                        (size_t)G);
 }
 
+/* 16 fp32 sums (v) plus their bias (b + n: 16 of dtype, or NULL) in fp32, each rounded once to dtype (bf16 or fp16)
+ * and stored at y + at: store_out's bits, a NaN's included (bf16: its quiet bit set, as f32_to_bf16) */
+static inline __attribute__((always_inline, target(I8_AMX_TARGET))) void amx8_out(const float *v, const void *b,
+                                                                                 void *y, int dtype, int64_t at,
+                                                                                 int64_t n) {
+    __m512 f = _mm512_load_ps(v);
+    if (b) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)b + n));
+        f = _mm512_add_ps(f, dtype == 1 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+                                        : _mm512_cvtph_ps(h));
+    }
+    __m256i out;
+    if (dtype == 1) {
+        const __m512i u = _mm512_castps_si512(f);
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        __m512i up = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16);
+        const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+        up = _mm512_mask_or_epi32(up, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+        out = _mm512_cvtepi32_epi16(up);
+    } else {
+        out = _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    }
+    _mm256_storeu_si256((__m256i *)((uint16_t *)y + at), out);
+}
+
 /* Output tiles t and (TWO) t + 1 against block c of x's rows (rows 16 c.., nv in all): per group, C tiles 0-1 (high,
  * low bytes by tile t) and 2-3 (by tile t + 1) summed over its chunks of 64 columns (A tiles 4-5, B tiles 6-7), stored
- * to ct and added into acc (fp32: per tile, 16 rows of x x 16 outputs) as int_tile_m does; then stored into y. The
- * first block's pass prefetches the next pair of tiles' chunk into L2 as it goes. */
+ * to ct and added into acc (fp32: per tile, 16 rows of x x 16 outputs) as int_tile_m does; then stored into y (16 at
+ * a time: amx8_out). The first block's pass prefetches the next pair of tiles' chunk into L2 as it goes. */
 static inline __attribute__((always_inline, target(I8_AMX_TARGET))) void amx8_pass(
         const qinfer_weight *wt, const x_rows *x, const int *rows, int64_t nv, const int8_t *xa, int64_t P, int64_t c,
         int64_t t, const void *b, void *y, int dtype, uint8_t *part, int32_t *ct, float *acc, const int TWO) {
@@ -1702,10 +1728,17 @@ static inline __attribute__((always_inline, target(I8_AMX_TARGET))) void amx8_pa
             }
         }
     }
-    for (int u = 0; u <= TWO; u++)
-        for (int64_t r = 0; r < n_rows; r++)
-            for (int64_t j = 0; j < 16 && 16 * (t + u) + j < N; j++)
-                store_out(y, b, dtype, rows[16 * c + r], N, 16 * (t + u) + j, acc[256 * u + 16 * r + j]);
+    for (int u = 0; u <= TWO; u++) {
+        const int64_t n0 = 16 * (t + u);
+        for (int64_t r = 0; r < n_rows; r++) {
+            if (n0 + 16 <= N) {
+                amx8_out(acc + 256 * u + 16 * r, b, y, dtype, rows[16 * c + r] * N + n0, n0);
+                continue;
+            }
+            for (int64_t j = 0; n0 + j < N; j++)  /* the last tile, in part */
+                store_out(y, b, dtype, rows[16 * c + r], N, n0 + j, acc[256 * u + 16 * r + j]);
+        }
+    }
 }
 
 /* The rows rows[0..nv) of x that take the integer loops (x_rows r and xc from prepare_tiled) against 8-bit codes with

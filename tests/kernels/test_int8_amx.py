@@ -83,3 +83,17 @@ def test_8bit_codes_take_the_amx_loop_first_and_the_switch_chooses():
 def test_an_int8_loop_the_cpu_lacks_is_refused():
     with pytest.raises(ValueError, match="this CPU has no nonsense loop"):
         cpu_library.with_int8_loop("nonsense")
+
+
+@needs_amx8
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_amx_int8_outputs_round_as_the_vnni_loops_a_nan_and_infinities_in_the_bias_too(dtype):
+    # the outputs of whole tiles of 16 are rounded 16 at a time, those of the last tile in part one by one
+    weight = _int(37, 640, 128, False, bits=8)
+    x = _rows(20, 640, dtype, seed=7)
+    bias = _bias(37, dtype, True)
+    bias[[1, 18, 36]] = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=dtype)
+    bias[3] = torch.finfo(dtype).max
+    amx, vnni = _both(x, weight, bias)
+    assert torch.equal(_bits(amx), _bits(vnni))
+    assert torch.isnan(amx[:, 1]).all() and torch.isnan(amx[:, 18]).logical_not().all()
