@@ -343,18 +343,21 @@ def with_bf16_loop(name: str):
     return _bf16_loop(name)
 
 
-INT8_LOOPS = {1: "AMX-INT8"}  # qinfer_int8_amx's number of the AMX loop for 8-bit codes (0: the AVX512-VNNI loop)
+# qinfer_int8_amx's numbers of the AMX loop for 8-bit codes (0: the AVX512-VNNI loop): from a few rows of x on (the
+# VNNI loop below: the same bits, and there the faster), or at every M (tests, timings)
+INT8_LOOPS = {1: "AMX-INT8", 2: "AMX-INT8 at every M"}
 
 
 def int8_loop() -> str:
     """Which loop 8-bit codes take where they take the loop over tiles (``gemv_cpu._tiled``): "AMX-INT8" (TDPBSUD on
-    tiles; the same outputs bit for bit) where the CPU has it, the OS lets the process use the tiles and
-    :func:`int8_without_amx` is off; else "" (the AVX512-VNNI loop)."""
+    tiles; the same outputs bit for bit; from 5 rows of x on, the VNNI loop below) where the CPU has it, the OS lets
+    the process use the tiles and :func:`int8_without_amx` is off; "AMX-INT8 at every M" inside
+    ``with_int8_loop("AMX-INT8 at every M")``; else "" (the AVX512-VNNI loop)."""
     return INT8_LOOPS.get(library()[0].qinfer_int8_amx(-1), "") if available() else ""
 
 
 def int8_loops() -> list[str]:
-    """The AMX loops for 8-bit codes this CPU can run (["AMX-INT8"] or [])."""
+    """The AMX loops for 8-bit codes this CPU can run (["AMX-INT8 at every M", "AMX-INT8"] or [])."""
     return _loops("qinfer_int8_amx", INT8_LOOPS)
 
 

@@ -1783,16 +1783,18 @@ static int int8_amx_gemv(const qinfer_weight *wt, const x_rows *r, const int *ro
 static int int8_amx_on_cpu(void) { return 0; }
 #endif
 
-/* -1: not asked yet; then which loop 8-bit codes with tiles take: 0 the AVX512-VNNI one, 1 AMX-INT8 */
+/* -1: not asked yet; then which loop 8-bit codes with tiles take: 0 the AVX512-VNNI one, 1 AMX-INT8 from
+ * AMX8_MIN_ROWS rows of x on (the VNNI loop below: the same bits, and at a few rows the faster), 2 AMX-INT8 for any M */
 static int int8_amx = -1;
+#define AMX8_MIN_ROWS 5
 
-/* Which loop qinfer_int_gemv's loop over tiles takes for 8-bit codes (at first AMX-INT8 where it runs here, else the
- * AVX512-VNNI one): loop = 0 takes the VNNI loop, 1 AMX-INT8 where it runs here (else leaves the setting), any other
- * value only asks. Returns the setting before. */
+/* Which loop qinfer_int_gemv's loop over tiles takes for 8-bit codes (at first 1 where AMX-INT8 runs here, else the
+ * AVX512-VNNI loop): loop = 0 takes the VNNI loop, 1 or 2 AMX-INT8 (from AMX8_MIN_ROWS rows on, or always) where it
+ * runs here (else leaves the setting), any other value only asks. Returns the setting before. */
 int qinfer_int8_amx(int loop) {
     if (int8_amx < 0) int8_amx = int8_amx_on_cpu();
     int before = int8_amx;
-    if (loop == 0 || (loop == 1 && int8_amx_on_cpu())) int8_amx = loop;
+    if (loop == 0 || ((loop == 1 || loop == 2) && int8_amx_on_cpu())) int8_amx = loop;
     return before;
 }
 
@@ -1812,7 +1814,8 @@ static int int_tiles_gemv(const qinfer_weight *wt, const void *x, const void *b,
     for (int64_t m = 0; m < M; m++)
         if (r->vnni[m]) rows[nv++] = (int)m;
     /* 8-bit codes: the AMX-INT8 loop where it is on (the same bits); else, and for 4-bit codes, the VNNI loop */
-    if (wt->bits == 8 && nv && qinfer_int8_amx(-1) == 1) {
+    const int amx = wt->bits == 8 && nv ? qinfer_int8_amx(-1) : 0;
+    if (amx == 2 || (amx == 1 && nv >= AMX8_MIN_ROWS)) {
         failed = int8_amx_gemv(wt, r, rows, nv, xc, b, y, dtype);
     } else {
         #pragma omp parallel for schedule(static)

@@ -189,7 +189,8 @@ def _loop_choices(which: str) -> dict:
         return {name: lambda name=name: cpu_library.with_bf16_loop(name) for name in cpu_library.bf16_loops()}
     if "AMX-INT8" not in cpu_library.int8_loops() or cpu_library.int4_vnni() != "AVX512-VNNI":
         return {}
-    return {"AMX-INT8": lambda: cpu_library.with_int8_loop("AMX-INT8"), "AVX512-VNNI": cpu_library.int8_without_amx}
+    return {"AMX-INT8": lambda: cpu_library.with_int8_loop("AMX-INT8 at every M"),
+            "AVX512-VNNI": cpu_library.int8_without_amx}
 
 
 @torch.no_grad()

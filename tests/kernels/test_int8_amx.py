@@ -14,7 +14,7 @@ needs_amx8 = pytest.mark.skipif("AMX-INT8" not in cpu_library.int8_loops(),
 
 
 def _both(x, weight, bias):
-    with cpu_library.with_int8_loop("AMX-INT8"):
+    with cpu_library.with_int8_loop("AMX-INT8 at every M"):
         amx = gemv_cpu.int_gemv(x, weight, bias)
     with cpu_library.int8_without_amx():
         vnni = gemv_cpu.int_gemv(x, weight, bias)
@@ -54,7 +54,7 @@ def test_amx_int8_a_nan_row_takes_the_float_loop_and_the_others_keep_their_bits(
     amx, vnni = _both(x, weight, None)
     assert torch.equal(_bits(amx), _bits(vnni))
     assert torch.isnan(amx[2]).all() and not torch.isfinite(amx[32]).any() and torch.isfinite(amx[others]).all()
-    with cpu_library.with_int8_loop("AMX-INT8"):
+    with cpu_library.with_int8_loop("AMX-INT8 at every M"):
         _same_as_alone(gemv_cpu.int_gemv, x, weight)
         assert torch.equal(_bits(gemv_cpu.int_gemv(clean, weight)[others]), _bits(amx[others]))
 
@@ -63,7 +63,7 @@ def test_amx_int8_a_nan_row_takes_the_float_loop_and_the_others_keep_their_bits(
 def test_amx_int8_rows_keep_their_bits_in_any_batch():
     weight = _int(1000, 640, 128, False, bits=8)
     x = _rows(64, 640, torch.bfloat16, seed=5)
-    with cpu_library.with_int8_loop("AMX-INT8"):
+    with cpu_library.with_int8_loop("AMX-INT8 at every M"):
         full = _same_as_alone(gemv_cpu.int_gemv, x, weight)
         for lo, hi in [(0, 1), (40, 41), (3, 20), (0, 16), (17, 50), (30, 64)]:
             assert torch.equal(_bits(gemv_cpu.int_gemv(x[lo:hi], weight)), _bits(full[lo:hi]))
@@ -71,7 +71,7 @@ def test_amx_int8_rows_keep_their_bits_in_any_batch():
 
 @needs_amx8
 def test_8bit_codes_take_the_amx_loop_first_and_the_switch_chooses():
-    assert cpu_library.int8_loops() == ["AMX-INT8"]
+    assert cpu_library.int8_loops() == ["AMX-INT8 at every M", "AMX-INT8"]
     assert cpu_library.int8_loop() == "AMX-INT8" and "8-bit codes through AMX-INT8" in cpu_library.describe()
     with cpu_library.int8_without_amx():
         assert cpu_library.int8_loop() == "" and "8-bit codes" not in cpu_library.describe()
