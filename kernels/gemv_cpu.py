@@ -48,11 +48,12 @@ and output over a group, then one vector ``s * (t * step - z * sum x)`` per grou
 ones. Its cost grows little per row, and each output's arithmetic does not depend on the rows beside it. 8-bit
 codes (an ``--quantize-lm-head`` lm_head) take the same loop where their groups are 16 to 512 long (longer ones could
 overflow its int32 sums): 16 output rows x 4 columns of codes per vector, used as bytes as they are. On a CPU with
-AMX-INT8 (and the OS's leave to use its tiles) 8-bit codes take AMX instead, for any M: TDPBSUD multiplies x's
+AMX-INT8 (and the OS's leave to use its tiles) 8-bit codes take AMX instead from 5 rows of x on: TDPBSUD multiplies x's
 fixed-point bytes (16 rows a tile, zero rows past M, repacked per call per group) by 64 columns of the same repacked
 tiles, whose 64-byte vectors are already the B operand's rows; each group's exact int32 sums then become fp32 by the
-VNNI loop's own operations, so the outputs are that loop's bit for bit. ``cpu_library.int8_without_amx`` takes the
-VNNI loop instead (a side-by-side timing: ``gemv_bench --int8-loops``).
+VNNI loop's own operations, so the outputs are that loop's bit for bit, and fewer rows keep the VNNI loop (there the
+faster) without a row's bits depending on its batch. ``cpu_library.int8_without_amx`` takes the VNNI loop at every
+M (a side-by-side timing: ``gemv_bench --int8-loops``).
 
 bf16 rows against a bf16 weight on a CPU with AVX512-BF16 take a loop of their own for any M, one row included, on
 the weight's own layout (gemma3's lm_head is also its embedding table: no repacked copy): VDPBF16PS multiplies 32
