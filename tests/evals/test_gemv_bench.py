@@ -95,9 +95,10 @@ def test_gemv_bench_bf16_loops_times_each_loop_side_by_side(tiny):
     assert [f"{name} us" in header for name in cpu_library.bf16_loops()] == [True] * len(cpu_library.bf16_loops())
     rows = LOOPS.findall(result.stdout)
     assert {int(r[2]) for r in rows} == {1, 17}
-    for r in rows:  # a time and the bytes over it per loop (a tiny weight's: 0.0 GB/s)
+    for r in rows:  # a time and the bytes over it per loop (a tiny weight's: 0.0 GB/s); the ratio of two times,
+        # printed to 2 decimals, may show 0.00 when one call of a tiny weight stalls on a loaded machine
         figures = [float(f) for f in r[3].split()]
-        assert len(figures) == 2 * len(cpu_library.bf16_loops()) and min(figures[::2]) > 0 and float(r[4]) > 0
+        assert len(figures) == 2 * len(cpu_library.bf16_loops()) and min(figures[::2]) > 0 and float(r[4]) >= 0
     assert "decode step" not in result.stdout
 
 
