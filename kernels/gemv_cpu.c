@@ -1267,18 +1267,23 @@ static inline __attribute__((always_inline, target(I8_TARGET))) void weighted_i8
     }
 }
 
-static __attribute__((target(I8_TARGET))) void weighted_i8(const rows_t *vr, const float *p, int64_t n, int64_t j0,
-                                                            int64_t D, float *acc, int64_t G) {
-    for (int64_t i0 = 0; i0 < G; i0 += 4) {
-        const int m = G - i0 < 4 ? (int)(G - i0) : 4;
-        switch (m) {
-            case 4: weighted_i8_m(vr, p + i0 * n, n, j0, D, acc + i0 * D, 4); break;
-            case 3: weighted_i8_m(vr, p + i0 * n, n, j0, D, acc + i0 * D, 3); break;
-            case 2: weighted_i8_m(vr, p + i0 * n, n, j0, D, acc + i0 * D, 2); break;
-            default: weighted_i8_m(vr, p + i0 * n, n, j0, D, acc + i0 * D, 1);
-        }
-    }
+/* weighted_i8 and weighted_i8_int: the query heads 4 at a time through one loop of values (fn: built for each count
+ * of heads, a constant where inlined) */
+#define WEIGHTED_BY_HEADS(name, fn)                                                                                \
+static __attribute__((target(I8_TARGET))) void name(const rows_t *vr, const float *p, int64_t n, int64_t j0,       \
+                                                    int64_t D, float *acc, int64_t G) {                            \
+    for (int64_t i0 = 0; i0 < G; i0 += 4) {                                                                        \
+        const int m = G - i0 < 4 ? (int)(G - i0) : 4;                                                             \
+        switch (m) {                                                                                               \
+            case 4: fn(vr, p + i0 * n, n, j0, D, acc + i0 * D, 4); break;                                          \
+            case 3: fn(vr, p + i0 * n, n, j0, D, acc + i0 * D, 3); break;                                          \
+            case 2: fn(vr, p + i0 * n, n, j0, D, acc + i0 * D, 2); break;                                          \
+            default: fn(vr, p + i0 * n, n, j0, D, acc + i0 * D, 1);                                                \
+        }                                                                                                          \
+    }                                                                                                              \
 }
+
+WEIGHTED_BY_HEADS(weighted_i8, weighted_i8_m)
 
 /* The values' weighted sums by integer dot products: acc[i] = sum_j p[i * n + j] v_(j0 + j), as weighted_i8, for M
  * (1-4) heads in blocks of 16 positions (from j0, so a sequence's blocks follow its own chunks). In each block each
@@ -1373,18 +1378,7 @@ static inline __attribute__((always_inline, target(I8_TARGET))) void weighted_in
         }
 }
 
-static __attribute__((target(I8_TARGET))) void weighted_i8_int(const rows_t *vr, const float *p, int64_t n,
-                                                                int64_t j0, int64_t D, float *acc, int64_t G) {
-    for (int64_t i0 = 0; i0 < G; i0 += 4) {
-        const int m = G - i0 < 4 ? (int)(G - i0) : 4;
-        switch (m) {
-            case 4: weighted_int_m(vr, p + i0 * n, n, j0, D, acc + i0 * D, 4); break;
-            case 3: weighted_int_m(vr, p + i0 * n, n, j0, D, acc + i0 * D, 3); break;
-            case 2: weighted_int_m(vr, p + i0 * n, n, j0, D, acc + i0 * D, 2); break;
-            default: weighted_int_m(vr, p + i0 * n, n, j0, D, acc + i0 * D, 1);
-        }
-    }
-}
+WEIGHTED_BY_HEADS(weighted_i8_int, weighted_int_m)
 #else
 static void scores_i8(const rows_t *kr, const rows_t *vr, const float *qf, int64_t G, int64_t D, int64_t j0,
                       int64_t j1, float *sc, int64_t n, float scale, const rows_t *kp, float *top) {}
@@ -1835,7 +1829,7 @@ static int int_tiles_gemv(const qinfer_weight *wt, const void *x, const void *b,
         if (!f) failed = 1;
         else {
             memcpy(f->vnni, r->vnni, sizeof(int) * M);
-            failed = int_rows_gemv(wt, f, b, y, M, dtype, 0, 1);
+            failed |= int_rows_gemv(wt, f, b, y, M, dtype, 0, 1);  /* an AMX-INT8 failure stays reported */
             free(f);
         }
     }
