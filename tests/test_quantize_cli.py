@@ -8,6 +8,7 @@ import time
 
 import pytest
 import transformers
+from safetensors.torch import load_file
 
 from qinfer.format import QuantScheme
 from qinfer.model.loader import load_model
@@ -107,7 +108,8 @@ def test_the_clip_search_is_gptqs_default_only(tiny, tmp_path, calib_file, args,
         (["--fp-target-damp", "0.1"], "add --fp-target"),
         (["--bits", "8", "--format", "fp8", "--group-size", "32"], "drop --group-size"),
         (["--bits", "8", "--format", "fp8", "--quantize-lm-head", "--lm-head-bits", "4"], "drop --lm-head-bits"),
-        (["--lm-head-bits", "4", "--group-size", "32"], "add --quantize-lm-head"),
+        (["--lm-head-bits", "4", "--group-size", "32", "--no-quantize-lm-head"], "drop --no-quantize-lm-head"),
+        (["--format", "fp8", "--lm-head-bits", "8"], "add --quantize-lm-head"),  # (fp8 keeps it bf16 by default)
         (["--bits", "8", "--format", "fp8", "--asym"], "drop --asym"),
         (["--method", "awq", "--act-order", "--group-size", "32"], "drop --act-order"),
         (["--method", "awq", "--mse-clip", "--group-size", "32"], "drop --mse-clip for --method awq"),
@@ -147,7 +149,8 @@ def test_without_out_the_model_and_scheme_name_a_folder_here(tiny, tmp_path):
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / f"{tiny.name}-rtn-w4g32"
     assert f"wrote {out.name}" in proc.stdout
-    assert QuantScheme.load(out) == QuantScheme(method="rtn", bits=4, group_size=32, symmetric=False)
+    assert QuantScheme.load(out) == QuantScheme(method="rtn", bits=4, group_size=32, symmetric=False,
+                                                quantize_lm_head=True)  # int8 lm_head, the default
     # run again: the folder is there, refused as any OUT is without --force
     again = run_qinfer("quantize", str(tiny) + "/", "--method", "rtn", "--group-size", "32", cwd=tmp_path)
     assert_one_line_error(again, out.name, "--force")
@@ -163,6 +166,13 @@ def test_the_default_folder_names_the_group_size_the_run_used(tiny, tmp_path):
     fp8 = run_qinfer("quantize", str(tiny), "--method", "rtn", "--format", "fp8", cwd=tmp_path)
     assert fp8.returncode == 0, fp8.stderr
     assert QuantScheme.load(tmp_path / f"{tiny.name}-fp8").bits == 8
+    assert QuantScheme.load(tmp_path / f"{tiny.name}-fp8").quantize_lm_head is False  # (bf16 unless asked)
+    # --no-quantize-lm-head keeps an integer model's lm_head (and tied embedding) in bf16
+    bf16 = run_qinfer("quantize", str(tiny), "--method", "rtn", "--no-quantize-lm-head", "-o", "bf16-head", cwd=tmp_path)
+    assert bf16.returncode == 0, bf16.stderr
+    assert QuantScheme.load(tmp_path / "bf16-head").quantize_lm_head is False
+    assert "lm_head.qweight" not in load_file(tmp_path / "bf16-head" / "model.safetensors")
+    assert "lm_head.qweight" in load_file(out / "model.safetensors")
     assert_one_line_error(run_qinfer("quantize", str(tiny), "--format", "fp8", "--bits", "4", cwd=tmp_path),
                           "bits (--bits) must be 8; got 4")
 

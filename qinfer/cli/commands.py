@@ -332,8 +332,12 @@ def _model_name(model: str) -> str:
 @click.option("--samples", type=int, default=128, show_default=True)
 @click.option("--seq-len", type=int, default=512, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--quantize-lm-head", is_flag=True, help="Also quantize lm_head (to --lm-head-bits).")
-@click.option("--lm-head-bits", type=int, default=8, show_default=True)
+@click.option("--quantize-lm-head/--no-quantize-lm-head", default=None,
+              help="Quantize the lm_head (and a tied embedding, read from it) to --lm-head-bits integers in the "
+                   "linears' groups. Default on for --format int (most of a small model's bytes a decode step); "
+                   "off for fp8, where --quantize-lm-head stores it in FP8.")
+@click.option("--lm-head-bits", type=int, default=8, show_default=True,
+              help="Bits of the quantized lm_head (--format int): 2, 3, 4 or 8.")
 @click.option("--tune-steps", type=int, default=0, show_default=True,
               help="After each block is quantized, tune its group scales and norms for N steps towards the "
                    "unquantized model's block output (integer formats; each step is a forward and backward pass of one "
@@ -387,8 +391,9 @@ def quantize(model, out, bits, method, group_size, sym, act_order, fmt, kv_cache
         _check_out_name(out)
     ctx = click.get_current_context()
     given = {name for name in ctx.params if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE}
-    if "lm_head_bits" in given and not quantize_lm_head:
-        raise QinferError("--lm-head-bits sets the bits of a quantized lm_head: add --quantize-lm-head, or drop it")
+    if "lm_head_bits" in given and not (fmt == "int" if quantize_lm_head is None else quantize_lm_head):
+        fix = "drop --no-quantize-lm-head" if quantize_lm_head is False else "add --quantize-lm-head"
+        raise QinferError(f"--lm-head-bits sets the bits of a quantized lm_head: {fix}, or drop --lm-head-bits")
     if fmt == "fp8":  # GPTQ's error feedback onto the FP8 grid, or (--method rtn) plain round to nearest
         if "group_size" in given and group_size != -1:
             raise QinferError("--format fp8 scales each output channel, not groups: drop --group-size")

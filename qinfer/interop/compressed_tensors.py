@@ -36,7 +36,8 @@ adds ``2^(b-1)`` to every value, zero points included, so the stored bits of ``q
 
 Config: one ``config_groups`` entry targeting ``Linear`` with ``weights: {num_bits: b, type: "int",
 symmetric, strategy: "group" (group_size G) | "channel" (group_size null), dynamic: false}``, no activation
-quantization, ``ignore``: ``"lm_head"`` unless it is quantized, and the name of each decoder linear a checkpoint
+quantization (and a second, targeting ``lm_head`` by name, which outranks the class in the library's matching,
+where the lm_head has other bits: qinfer's default int8 lm_head beside 4-bit linears), ``ignore``: ``"lm_head"`` unless it is quantized, and the name of each decoder linear a checkpoint
 imported from elsewhere left unquantized. On import the tensors say which linears are quantized (``ignore`` is
 not parsed: its entries may be patterns); the others run unquantized. A ``weight_g_idx`` that is
 not ``k // G`` (act-order groups, G channels each, from writers before the library removed ``actorder:
@@ -80,16 +81,11 @@ QUANT_METHOD = "compressed-tensors"
 PACKED = "pack-quantized"
 FLOAT = "float-quantized"
 NAIVE = "naive-quantized"  # what llm-compressor infers for weight-only FP8; same tensors as float-quantized
+LM_HEAD = "lm_head"
 
 
 def compressed_tensors_config(scheme: QuantScheme) -> dict:
     """The ``quantization_config`` entry of ``config.json`` for ``scheme``'s weights."""
-    if scheme.quantize_lm_head and scheme.lm_head_bits != scheme.bits:
-        raise QinferError(
-            f"a compressed-tensors export writes one weight scheme, but the lm_head has {scheme.lm_head_bits} bits "
-            f"and the other linears {scheme.bits}: quantize with --lm-head-bits {scheme.bits}, or without "
-            "--quantize-lm-head"
-        )
     if scheme.format == "fp8":
         fmt = FLOAT
         weights = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None}
@@ -102,11 +98,15 @@ def compressed_tensors_config(scheme: QuantScheme) -> dict:
         weights["strategy"] = "channel" if per_channel else "group"
     weights["dynamic"] = False
     group = {"targets": ["Linear"], "weights": weights, "input_activations": None, "output_activations": None}
+    groups = {"group_0": {**group, "format": fmt}}
+    if scheme.quantize_lm_head and scheme.lm_head_bits != scheme.bits:  # (an exact name outranks the class)
+        groups["group_1"] = {**group, "targets": [LM_HEAD], "weights": {**weights, "num_bits": scheme.lm_head_bits},
+                             "format": fmt}
     return {
         "quant_method": QUANT_METHOD,
         "format": fmt,
         "quantization_status": "compressed",
-        "config_groups": {"group_0": {**group, "format": fmt}},
+        "config_groups": groups,
         "ignore": [] if scheme.quantize_lm_head else ["lm_head"],
         "kv_cache_scheme": None,
     }
@@ -146,13 +146,23 @@ def scheme_from_compressed_tensors_config(config: dict, *, method: str = "rtn") 
     groups = config.get("config_groups") or {}
     if not isinstance(groups, dict):
         raise _config_error(f"config_groups is of type {type(groups).__name__}, not an object of named groups")
-    if len(groups) != 1:
+    for g in groups.values():
+        if not isinstance(g, dict):
+            raise _config_error(f"the config group is of type {type(g).__name__}, not an object")
+    heads = [g for g in groups.values() if g.get("targets") in ([LM_HEAD], [f"re:.*{LM_HEAD}$"])]
+    if len(groups) != 1 + (len(heads) == 1):
         raise _config_error(
-            f"{len(groups)} config groups; qinfer converts checkpoints with exactly one (no mixed precision)"
+            f"{len(groups)} config groups; qinfer converts checkpoints with one, or one and a second for the lm_head "
+            "alone (no other mixed precision)"
         )
-    (group,) = groups.values()
-    if not isinstance(group, dict):
-        raise _config_error(f"the config group is of type {type(group).__name__}, not an object")
+    (group,) = [g for g in groups.values() if g not in heads]
+    head_bits = None
+    if heads:  # the same weights but for the bits
+        head_weights = heads[0].get("weights")
+        if not isinstance(head_weights, dict) or {**head_weights, "num_bits": None} != {
+                **(group.get("weights") or {}), "num_bits": None} or heads[0].get("input_activations"):
+            raise _config_error("the lm_head's config group differs from the other linears' in more than num_bits")
+        head_bits = head_weights.get("num_bits")
     weights = group.get("weights")
     fmt = group.get("format") or config.get("format")
     if not isinstance(weights, dict):
@@ -180,7 +190,7 @@ def scheme_from_compressed_tensors_config(config: dict, *, method: str = "rtn") 
             bits=bits,
             group_size=weights.get("group_size") if strategy == "group" else -1,
             symmetric=weights.get("symmetric", True),
-            lm_head_bits=bits if quantize_lm_head else 8,
+            lm_head_bits=(head_bits or bits) if quantize_lm_head else 8,
         )
     elif kind == "float":
         if bits != 8:

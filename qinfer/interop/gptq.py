@@ -52,7 +52,9 @@ false). The layout does not record the algorithm: RTN and AWQ weights export as
 ``"gptq"`` checkpoints too (AutoAWQ's own GEMM layout is a different, interleaved format).
 
 ``quantization_config`` (the ``config.json`` entry): ``quant_method "gptq"``, ``bits``, ``group_size``,
-``desc_act``, ``sym``, ``checkpoint_format "gptq"``, ``lm_head`` and ``damp_percent``.
+``desc_act``, ``sym``, ``checkpoint_format "gptq"``, ``lm_head`` and ``damp_percent``; where a quantized lm_head
+has other bits than the linears (qinfer's default int8 lm_head beside 4-bit linears), GPTQModel's per-module
+override ``"dynamic": {"+:^lm_head$": {"bits": 8}}``, which vLLM reads too.
 """
 
 from __future__ import annotations
@@ -79,12 +81,7 @@ def gptq_quantization_config(scheme: QuantScheme) -> dict:
     """The ``quantization_config`` entry of ``config.json`` for a GPTQ v1 checkpoint of ``scheme``."""
     if scheme.format != "int":
         raise QinferError(f"GPTQ checkpoints hold integer weights; scheme format is {scheme.format!r}")
-    if scheme.quantize_lm_head and scheme.lm_head_bits != scheme.bits:
-        raise QinferError(
-            f"a GPTQ config has one bit width, but the lm_head has {scheme.lm_head_bits} bits and the other linears "
-            f"{scheme.bits}: quantize with --lm-head-bits {scheme.bits}, or without --quantize-lm-head"
-        )
-    return {
+    config = {
         "quant_method": "gptq",
         "bits": scheme.bits,
         "group_size": scheme.group_size,
@@ -94,6 +91,36 @@ def gptq_quantization_config(scheme: QuantScheme) -> dict:
         "lm_head": scheme.quantize_lm_head,
         "damp_percent": scheme.damp,
     }
+    if scheme.quantize_lm_head and scheme.lm_head_bits != scheme.bits:
+        config["dynamic"] = {LM_HEAD_PATTERN: {"bits": scheme.lm_head_bits}}
+    return config
+
+
+# GPTQModel's per-module overrides ("dynamic": {pattern: {key: value}}, a "+:" pattern overriding the config's
+# keys for the modules it re.match-es, as vLLM's gptq_utils.get_dynamic_override reads them): qinfer writes one,
+# the lm_head's bits, and reads back that one alone.
+LM_HEAD_PATTERN = "+:^lm_head$"
+_LM_HEAD_PATTERNS = ("lm_head", "^lm_head", "lm_head$", "^lm_head$", ".*lm_head", ".*lm_head$")
+
+
+def _lm_head_bits(config: dict, bits: int) -> int:
+    """The lm_head's bits under ``config``'s ``dynamic`` overrides (``bits`` without one); refuses any other
+    override, which would give linears other schemes than the config's."""
+    dynamic = config.get("dynamic") or {}
+    if not isinstance(dynamic, dict):
+        raise QinferError(f"quantization_config: dynamic is of type {type(dynamic).__name__}, not an object")
+    fixed = {key: config.get(key, default) for key, default in (("group_size", None), ("sym", True), ("desc_act", False))}
+    for pattern, override in dynamic.items():
+        if (not isinstance(pattern, str) or pattern.startswith("-:") or pattern.removeprefix("+:") not in
+                _LM_HEAD_PATTERNS or not isinstance(override, dict) or set(override) - {"bits", *fixed}
+                or any(override.get(key, value) != value for key, value in fixed.items())):
+            raise QinferError(
+                f"quantization_config: the per-module override ('dynamic') {pattern!r}: {override!r} is not "
+                "supported; qinfer reads GPTQ checkpoints with one bits and group_size for every linear but the "
+                "lm_head's bits"
+            )
+        bits = override.get("bits", bits)
+    return bits
 
 
 def scheme_from_gptq_config(config: dict) -> QuantScheme:
@@ -109,14 +136,12 @@ def scheme_from_gptq_config(config: dict) -> QuantScheme:
                 f"quantization_config: {key} {fmt!r} is not supported; qinfer reads GPTQ format v1 "
                 "('gptq'): convert the checkpoint to v1 with GPTQModel first"
             )
-    if config.get("dynamic"):
-        raise QinferError("quantization_config: per-module overrides ('dynamic') are not supported; qinfer reads "
-                          "GPTQ checkpoints with one bits and group_size for every linear")
     for key in ("bits", "group_size"):
         if key not in config:
             raise QinferError(f"quantization_config: missing {key!r}")
     bits = config["bits"]
     lm_head = config.get("lm_head", False)
+    head_bits = _lm_head_bits(config, bits)
     damp = config.get("damp_percent", 0.01)
     try:
         return QuantScheme(
@@ -126,7 +151,7 @@ def scheme_from_gptq_config(config: dict) -> QuantScheme:
             symmetric=config.get("sym", True),
             act_order=config.get("desc_act", False),
             quantize_lm_head=lm_head,
-            lm_head_bits=bits if lm_head is True else 8,
+            lm_head_bits=head_bits if lm_head is True else 8,
             damp=damp if isinstance(damp, (int, float)) and 0 < damp <= 1 else 0.01,
         )
     except QinferError as e:

@@ -11,16 +11,19 @@ from qinfer.format import QuantScheme
 
 def quant_scheme(method: str = "gptq", bits: int | None = None, group_size: int | None = None, format: str = "int",
                  symmetric: bool | None = None, act_order: bool | None = None, mse_clip: bool | None = None,
-                 kv_cache: str = "none", quantize_lm_head: bool = False, lm_head_bits: int | None = None
+                 kv_cache: str = "none", quantize_lm_head: bool | None = None, lm_head_bits: int | None = None
                  ) -> QuantScheme:
     """The scheme ``qinfer quantize`` writes for these choices; None takes the default for the method and format.
 
     Integer weights: 4 bits in groups of 128 with a zero point per group (asymmetric: more accurate than symmetric
     at 4 bits for the same storage, see docs/results.md); GPTQ visits columns by decreasing Hessian diagonal
     (act-order, with static groups) and searches each group's clipping (``mse_clip``); RTN and AWQ keep the
-    plain min/max (RTN is the baseline; AWQ searches its own clipping). FP8 (E4M3): one scale per output channel,
-    symmetric, 8 bits, the lm_head too; ``method="rtn"`` rounds to nearest (the scheme's method "fp8"),
-    ``"gptq"`` adds error feedback.
+    plain min/max (RTN is the baseline; AWQ searches its own clipping). The lm_head (and a tied embedding, read
+    from it) is quantized too, to 8-bit integers in the linears' groups (``lm_head_bits``): on a small model it is
+    most of a decode step's bytes, and int8 costs little accuracy (docs/results.md, "The lm_head in 8 and 4 bits").
+    FP8 (E4M3): one scale per output channel, symmetric, 8 bits, the lm_head too when ``quantize_lm_head`` is set
+    (it is not by default); ``method="rtn"`` rounds to nearest (the scheme's method "fp8"), ``"gptq"`` adds error
+    feedback.
     """
     fp8 = format == "fp8"
     if fp8 and method == "awq":
@@ -30,7 +33,8 @@ def quant_scheme(method: str = "gptq", bits: int | None = None, group_size: int 
     if fp8 and method == "rtn":
         method = "fp8"
     return QuantScheme(
-        method=method, format=format, kv_cache=kv_cache, quantize_lm_head=quantize_lm_head,
+        method=method, format=format, kv_cache=kv_cache,
+        quantize_lm_head=quantize_lm_head if quantize_lm_head is not None else not fp8,
         bits=bits if bits is not None else 8 if fp8 else 4,
         group_size=group_size if group_size is not None else -1 if fp8 else 128,
         symmetric=symmetric if symmetric is not None else fp8,

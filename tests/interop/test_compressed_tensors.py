@@ -140,6 +140,7 @@ LIFECYCLE = [
     QuantScheme(bits=8, group_size=-1),
     QuantScheme(bits=3, group_size=-1, symmetric=False),
     FP8_SCHEMES[0],
+    QuantScheme(bits=4, group_size=32, symmetric=False, quantize_lm_head=True),  # + an int8 lm_head (group_1)
 ]
 
 
@@ -161,15 +162,20 @@ def test_model_compressor_lifecycle(scheme):
 
     model = Model().half()
     config = QuantizationConfig.model_validate(compressed_tensors_config(scheme))
-    assert config.ignore == ["lm_head"] and config.quantization_status == QuantizationStatus.COMPRESSED
+    head = scheme.quantize_lm_head
+    assert config.ignore == ([] if head else ["lm_head"]) and config.quantization_status == QuantizationStatus.COMPRESSED
     apply_quantization_config(model, config)
     compressor = ModelCompressor(quantization_config=config)
     compressor.compress_model(model)
 
     g = torch.Generator().manual_seed(3)
-    linears = [(n, m) for n, m in model.named_modules() if n.endswith("_proj")]
-    weights = {n: _quantize(torch.randn(m.out_features, m.in_features, generator=g), scheme) for n, m in linears}
-    state = {"lm_head.weight": model.lm_head.weight.data}
+    linears = [(n, m) for n, m in model.named_modules() if n.endswith("_proj") or (head and n == "lm_head")]
+    weights = {n: _quantize(torch.randn(m.out_features, m.in_features, generator=g),
+                            scheme.lm_head_scheme() if n == "lm_head" else scheme) for n, m in linears}
+    if head:  # the library's own matching gave the lm_head its 8 bits (an exact name outranks the class)
+        assert model.lm_head.quantization_scheme.weights.num_bits == 8 and weights["lm_head"].bits == 8
+        assert model.layers[0].up_proj.quantization_scheme.weights.num_bits == 4
+    state = {} if head else {"lm_head.weight": model.lm_head.weight.data}
     for name, w in weights.items():
         state.update(to_compressed_tensors(w, name))
     model.load_state_dict(state, strict=True)
@@ -196,8 +202,20 @@ def test_config_and_scheme_round_trip():
     assert cfg["config_groups"]["group_0"]["weights"] == {
         "num_bits": 4, "type": "int", "symmetric": True, "group_size": 128, "strategy": "group", "dynamic": False,
     }
-    with pytest.raises(QinferError, match="lm_head has 8 bits and the other linears 4: quantize with --lm-head-bits 4"):
-        compressed_tensors_config(QuantScheme(quantize_lm_head=True))
+    head8 = QuantScheme(quantize_lm_head=True)  # 4-bit linears, int8 lm_head: a second group, by name
+    cfg = compressed_tensors_config(head8)
+    assert cfg["ignore"] == [] and cfg["config_groups"]["group_1"]["targets"] == ["lm_head"]
+    assert cfg["config_groups"]["group_1"]["weights"] == {**cfg["config_groups"]["group_0"]["weights"], "num_bits": 8}
+    assert scheme_from_compressed_tensors_config(cfg) == head8
+    for bad in ({"num_bits": 8, "group_size": 32}, {"num_bits": 8, "symmetric": False}):
+        cfg = compressed_tensors_config(head8)
+        cfg["config_groups"]["group_1"]["weights"].update(bad)
+        with pytest.raises(QinferError, match="lm_head's config group differs"):
+            scheme_from_compressed_tensors_config(cfg)
+    cfg = compressed_tensors_config(head8)
+    cfg["config_groups"]["group_1"]["targets"] = ["re:.*down_proj$"]
+    with pytest.raises(QinferError, match="2 config groups; qinfer converts checkpoints with one, or one and a second"):
+        scheme_from_compressed_tensors_config(cfg)
 
 
 def _preset_config(name, fmt):

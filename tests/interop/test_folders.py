@@ -30,6 +30,9 @@ SCHEMES = {
     "int8-channel": QuantScheme(method="rtn", bits=8, group_size=-1, symmetric=True),
     "fp8": QuantScheme(method="fp8", format="fp8", bits=8, group_size=-1),
     "int4-lm-head": QuantScheme(method="rtn", bits=4, group_size=32, quantize_lm_head=True, lm_head_bits=4),
+    # qinfer quantize's default: an int8 lm_head beside 4-bit linears (GPTQ's dynamic override, a second
+    # compressed-tensors group)
+    "int4-lm-head8": QuantScheme(method="rtn", bits=4, group_size=32, symmetric=False, quantize_lm_head=True),
 }
 
 
@@ -79,7 +82,9 @@ def test_export_then_import_is_exact(quantized, tmp_path, fmt, name):
     assert back != tmp_path / "out" and (back / QUANT_CONFIG_FILE).exists()
     assert resolve_model(str(tmp_path / "out")) == back
     assert torch.equal(logits(back), logits(quantized / name))
-    assert QuantScheme.load(back).bits == SCHEMES[name].bits
+    back_scheme = QuantScheme.load(back)
+    assert back_scheme.bits == SCHEMES[name].bits and back_scheme.quantize_lm_head == SCHEMES[name].quantize_lm_head
+    assert back_scheme.lm_head_bits == SCHEMES[name].lm_head_bits
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors"])
@@ -87,7 +92,7 @@ def test_tied_embedding_exports_as_a_table_beside_an_untied_lm_head(tmp_path, fm
     # qinfer reads a tied embedding from the quantized lm_head; other readers get the table (bf16) and untied
     make_model("gemma3", tmp_path / "gemma")
     q, out = tmp_path / "q", tmp_path / "out"
-    scheme = QuantScheme(method="rtn", bits=4, group_size=32, quantize_lm_head=True, lm_head_bits=4)
+    scheme = QuantScheme(method="rtn", bits=4, group_size=32, quantize_lm_head=True)  # an int8 lm_head
     quantize_model(tmp_path / "gemma", q, scheme, CalibConfig(samples=2, seq_len=16))
     assert "model.embed_tokens.weight" not in read_folder_tensors(q)
     export_folder(q, out, fmt)

@@ -212,11 +212,19 @@ def test_config():
     }
     back = scheme_from_gptq_config(cfg)
     assert back == QuantScheme(method="gptq", bits=4, group_size=128, symmetric=False, damp=0.05)
-    lm = QuantScheme(bits=3, group_size=-1, quantize_lm_head=True, lm_head_bits=3)
-    assert scheme_from_gptq_config(gptq_quantization_config(lm)).lm_head_bits == 3
     # a typical AutoGPTQ config (no checkpoint_format key, desc_act true)
     auto = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True, "sym": True, "damp_percent": 0.01}
     assert scheme_from_gptq_config(auto).act_order is True
+    lm = QuantScheme(bits=3, group_size=-1, quantize_lm_head=True, lm_head_bits=3)
+    assert scheme_from_gptq_config(gptq_quantization_config(lm)).lm_head_bits == 3
+    assert "dynamic" not in gptq_quantization_config(lm)
+    # an int8 lm_head beside 4-bit linears: GPTQModel's per-module override, which vLLM reads too
+    head8 = gptq_quantization_config(QuantScheme(quantize_lm_head=True))
+    assert head8["lm_head"] is True and head8["bits"] == 4 and head8["dynamic"] == {"+:^lm_head$": {"bits": 8}}
+    back = scheme_from_gptq_config(head8)
+    assert (back.bits, back.quantize_lm_head, back.lm_head_bits) == (4, True, 8)
+    gptqmodel = {**auto, "lm_head": True, "dynamic": {"+:lm_head": {"bits": 8, "group_size": 128, "sym": True}}}
+    assert scheme_from_gptq_config(gptqmodel).lm_head_bits == 8
 
 
 @pytest.mark.parametrize(
@@ -229,6 +237,10 @@ def test_config():
         ({"quant_method": "gptq", "bits": 4, "group_size": 128, "format": "gptq", "checkpoint_format": "marlin"},
          "checkpoint_format 'marlin'"),
         ({"quant_method": "gptq", "bits": 4, "group_size": 128, "dynamic": {"-:.*down_proj": {}}}, "'dynamic'"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "dynamic": {"+:.*down_proj": {"bits": 8}}},
+         "'dynamic'"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "dynamic": {"+:^lm_head$": {"group_size": 32}}},
+         "'dynamic'"),
         ({"quant_method": "gptq", "bits": 4, "group_size": 256}, "group_size"),
         ({"quant_method": "gptq", "bits": 5, "group_size": 128}, "bits"),
         ({"quant_method": "gptq", "group_size": 128}, "missing 'bits'"),
@@ -242,8 +254,6 @@ def test_config_errors(cfg, match):
 def test_export_errors():
     with pytest.raises(QinferError, match="integer weights"):
         gptq_quantization_config(QuantScheme(method="fp8", format="fp8", bits=8, group_size=-1))
-    with pytest.raises(QinferError, match="lm_head has 8 bits and the other linears 4: quantize with --lm-head-bits 4"):
-        gptq_quantization_config(QuantScheme(quantize_lm_head=True))
     asym = QuantScheme(bits=4, group_size=32, symmetric=False)
     W = _weight(N=32, K=64)
     W[5, 32:64] = W[5, 32:64].abs()  # a group with no negative value: zero point 0
