@@ -168,7 +168,8 @@ def test_the_default_folder_names_the_group_size_the_run_used(tiny, tmp_path):
     assert QuantScheme.load(tmp_path / f"{tiny.name}-fp8").bits == 8
     assert QuantScheme.load(tmp_path / f"{tiny.name}-fp8").quantize_lm_head is False  # (bf16 unless asked)
     # --no-quantize-lm-head keeps an integer model's lm_head (and tied embedding) in bf16
-    bf16 = run_qinfer("quantize", str(tiny), "--method", "rtn", "--no-quantize-lm-head", "-o", "bf16-head", cwd=tmp_path)
+    bf16 = run_qinfer("quantize", str(tiny), "--method", "rtn", "--no-quantize-lm-head", "-o", "bf16-head",
+                      cwd=tmp_path)
     assert bf16.returncode == 0, bf16.stderr
     assert QuantScheme.load(tmp_path / "bf16-head").quantize_lm_head is False
     assert "lm_head.qweight" not in load_file(tmp_path / "bf16-head" / "model.safetensors")

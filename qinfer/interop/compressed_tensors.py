@@ -37,7 +37,8 @@ adds ``2^(b-1)`` to every value, zero points included, so the stored bits of ``q
 Config: one ``config_groups`` entry targeting ``Linear`` with ``weights: {num_bits: b, type: "int",
 symmetric, strategy: "group" (group_size G) | "channel" (group_size null), dynamic: false}``, no activation
 quantization (and a second, targeting ``lm_head`` by name, which outranks the class in the library's matching,
-where the lm_head has other bits: qinfer's default int8 lm_head beside 4-bit linears), ``ignore``: ``"lm_head"`` unless it is quantized, and the name of each decoder linear a checkpoint
+where the lm_head has other bits: qinfer's default int8 lm_head beside 4-bit linears), ``ignore``: ``"lm_head"``
+unless it is quantized, and the name of each decoder linear a checkpoint
 imported from elsewhere left unquantized. On import the tensors say which linears are quantized (``ignore`` is
 not parsed: its entries may be patterns); the others run unquantized. A ``weight_g_idx`` that is
 not ``k // G`` (act-order groups, G channels each, from writers before the library removed ``actorder:

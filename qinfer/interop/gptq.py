@@ -109,7 +109,8 @@ def _lm_head_bits(config: dict, bits: int) -> int:
     dynamic = config.get("dynamic") or {}
     if not isinstance(dynamic, dict):
         raise QinferError(f"quantization_config: dynamic is of type {type(dynamic).__name__}, not an object")
-    fixed = {key: config.get(key, default) for key, default in (("group_size", None), ("sym", True), ("desc_act", False))}
+    fixed = {key: config.get(key, default)
+             for key, default in (("group_size", None), ("sym", True), ("desc_act", False))}
     for pattern, override in dynamic.items():
         if (not isinstance(pattern, str) or pattern.startswith("-:") or pattern.removeprefix("+:") not in
                 _LM_HEAD_PATTERNS or not isinstance(override, dict) or set(override) - {"bits", *fixed}

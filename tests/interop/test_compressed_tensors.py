@@ -163,7 +163,8 @@ def test_model_compressor_lifecycle(scheme):
     model = Model().half()
     config = QuantizationConfig.model_validate(compressed_tensors_config(scheme))
     head = scheme.quantize_lm_head
-    assert config.ignore == ([] if head else ["lm_head"]) and config.quantization_status == QuantizationStatus.COMPRESSED
+    assert config.ignore == ([] if head else ["lm_head"])
+    assert config.quantization_status == QuantizationStatus.COMPRESSED
     apply_quantization_config(model, config)
     compressor = ModelCompressor(quantization_config=config)
     compressor.compress_model(model)
