@@ -18,7 +18,7 @@ from qinfer.model.loader import load_model
 from qinfer.calib.capture import calibrate_in_stages, capture_block, embed_samples, run_block
 import qinfer.pipeline.quantize
 from qinfer.pipeline.config import CalibConfig
-from qinfer.pipeline.quantize import calibration_batch, quantize_model
+from qinfer.pipeline.quantize import _head_scheme, calibration_batch, quantize_model
 from qinfer.quantizers.gptq import fp_target
 from qinfer.sources.tokenizer import Tokenizer
 from tests.tiny_models import COMMON, CONFIGS, TEXT, VOCAB, make_model
@@ -164,7 +164,7 @@ def test_output_folder_is_complete_and_loads_packed(tiny, tmp_path, calib_file, 
     assert set(model.kv_scales) == {0, 1, 2}
     assert 4.0 < report.effective_bits < 8.5
     assert report.bytes_after < report.bytes_before
-    assert json.loads((out / "quantize_report.json").read_text())["lm_head_method"] == "gptq"
+    assert json.loads((out / "quantize_report.json").read_text())["lm_head_method"] == "rtn"  # 8 bits: to nearest
     # the fp32 source's config.json, saying the dtype its unquantized tensors are now stored in
     source, config = json.loads((tiny / "config.json").read_text()), json.loads((out / "config.json").read_text())
     assert source["dtype"] == "float32" and config == {**source, "dtype": "bfloat16"}
@@ -243,6 +243,15 @@ def test_the_bos_position_is_stored_from_the_unquantized_model(tiny, tmp_path, c
     save_file(tensors, tmp_path / "q" / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(QinferError, match="BOS position"):
         load_model(tmp_path / "q")
+
+
+def test_an_8_bit_head_is_rounded_to_nearest_a_lower_one_takes_the_method():
+    gptq = QuantScheme(method="gptq", bits=4, group_size=32, act_order=True, mse_clip=True, quantize_lm_head=True)
+    head8 = _head_scheme(gptq)
+    assert (head8.method, head8.bits, head8.group_size, head8.mse_clip, head8.act_order) == ("rtn", 8, 32, False, False)
+    assert _head_scheme(replace(gptq, lm_head_bits=4)) == replace(gptq, bits=4, lm_head_bits=4)
+    fp8 = QuantScheme(method="gptq", format="fp8", bits=8, group_size=-1, quantize_lm_head=True)
+    assert _head_scheme(fp8) == fp8
 
 
 @pytest.mark.parametrize("scheme", [
@@ -559,7 +568,7 @@ def test_the_lm_head_hessian_leaves_out_a_stored_bos_position(tmp_path, calib_fi
                         or real_lm_head(model, X, *a))
     monkeypatch.setattr(qinfer.pipeline.quantize, "_quantize_rows",
                         lambda W, H, *a, **k: seen.update(H=H) or real_rows(W, H, *a, **k))
-    scheme = QuantScheme(method="gptq", bits=4, group_size=32, quantize_lm_head=True)
+    scheme = QuantScheme(method="gptq", bits=4, group_size=32, quantize_lm_head=True, lm_head_bits=4)
     quantize_model(tmp_path / "src", tmp_path / "q", scheme, CalibConfig(str(calib_file), 4, 32))
     with torch.no_grad():
         h = seen["model"].model.norm(seen["X"])
