@@ -112,6 +112,8 @@ def library() -> tuple[ctypes.CDLL | None, str]:
     lib.qinfer_bf16_dot.argtypes, lib.qinfer_bf16_dot.restype = [ctypes.c_int], ctypes.c_int
     lib.qinfer_int8_amx.argtypes, lib.qinfer_int8_amx.restype = [ctypes.c_int], ctypes.c_int
     lib.qinfer_decode_layers.argtypes, lib.qinfer_decode_layers.restype = [_P, _P], ctypes.c_int
+    lib.qinfer_argmax.argtypes = [_P, _I64, _I64, _I64, ctypes.c_int, _P]
+    lib.qinfer_argmax.restype = None
     return lib, ""
 
 

@@ -151,3 +151,42 @@ int qinfer_decode_layers(const qinfer_model *m, const qinfer_step *s) {
     return failed;
 }
 
+/* Greedy sampling's pick: out[m] = the index of the largest of row m's V logits (x: M rows of dtype, ld elements
+ * apart), the first of a tie and the first NaN where the row holds one, as torch.max(dim=-1).indices picks it.
+ * One pass for the largest value and whether a NaN is there (8 lanes: a lane's NaN is kept apart, since
+ * _mm256_max_ps drops it), then one for the first index holding it. */
+void qinfer_argmax(const void *x, int64_t M, int64_t V, int64_t ld, int dtype, int64_t *out) {
+    const size_t esz = esize(dtype);
+    for (int64_t m = 0; m < M; m++) {
+        const char *row = (const char *)x + m * ld * esz;
+        __m256 top = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+        int64_t v = 0;
+        for (; v + 8 <= V; v += 8) {
+            __m256 e = load8(row, dtype, v);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(e, e, _CMP_UNORD_Q));
+            top = _mm256_max_ps(top, e);
+        }
+        float lanes[8], best;
+        _mm256_storeu_ps(lanes, top);
+        best = lanes[0];
+        for (int i = 1; i < 8; i++) best = lanes[i] > best ? lanes[i] : best;
+        int any_nan = _mm256_movemask_ps(nan) != 0;
+        for (int64_t j = v; j < V; j++) {
+            float e = load_one(row, dtype, j);
+            any_nan |= e != e;
+            best = e > best ? e : best;
+        }
+        const __m256 b8 = _mm256_set1_ps(best);
+        int64_t found = -1, j = 0;
+        for (; j + 8 <= V && found < 0; j += 8) {
+            __m256 e = load8(row, dtype, j);
+            int hit = _mm256_movemask_ps(any_nan ? _mm256_cmp_ps(e, e, _CMP_UNORD_Q) : _mm256_cmp_ps(e, b8, _CMP_EQ_OQ));
+            if (hit) found = j + __builtin_ctz(hit);
+        }
+        for (; j < V && found < 0; j++) {
+            float e = load_one(row, dtype, j);
+            if (any_nan ? e != e : e == best) found = j;
+        }
+        out[m] = found < 0 ? 0 : found;
+    }
+}

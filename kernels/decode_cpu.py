@@ -84,3 +84,25 @@ def decode_layers(model: Model, step: Step) -> None:
     if failed:
         raise MemoryError("out of memory for a decode step's scratch")
 
+
+def argmax_supported(logits: torch.Tensor) -> bool:
+    """Rows of logits [M, V] on CPU (each row contiguous, V > 0, fp32, bf16 or fp16), eagerly, the library built."""
+    return (
+        logits.dim() == 2 and logits.is_cpu and logits.dtype in cpu_library.DTYPE_CODES and logits.shape[1] > 0
+        and logits.stride(1) == 1 and not torch.compiler.is_compiling() and cpu_library.available()
+    )
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[M] int64: each row's ``torch.max(dim=-1).indices`` (the first of a tie, the first NaN where a row holds
+    one), in one C pass over a row or two where PyTorch's reduction over a vocabulary of bf16 logits is several
+    times slower; for logits :func:`argmax_supported` accepts."""
+    M, V = logits.shape
+    out = torch.empty(M, dtype=torch.int64)
+    run = cpu_library.library()[0].qinfer_argmax
+    if profiler._is_profiler_enabled:
+        with torch.profiler.record_function("qinfer::argmax"):
+            run(logits.data_ptr(), M, V, logits.stride(0), cpu_library.DTYPE_CODES[logits.dtype], out.data_ptr())
+    else:
+        run(logits.data_ptr(), M, V, logits.stride(0), cpu_library.DTYPE_CODES[logits.dtype], out.data_ptr())
+    return out
