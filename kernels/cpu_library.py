@@ -3,10 +3,12 @@ switches that send the callers back to PyTorch's kernels for side-by-side timing
 GEMV's VNNI loop.
 
 One C file holds every kernel (a decode row's GEMVs and a prompt's dequantize loops: ``gemv_cpu``; a decode
-step's RMSNorm rows: ``norm_cpu``; its attention: ``attention_cpu``), so they are built and loaded once, as one
-library, with AVX2/FMA/F16C and OpenMP: the GEMVs' rows and the attention's chunks of keys split across
-PyTorch's own threads (``torch.set_num_threads``). Those modules call the library through :func:`library` and
-define their operators (``torch.ops.qinfer.*``, opaque to inductor, named in the profiler) on :data:`OPS`.
+step's RMSNorm rows: ``norm_cpu``; its attention: ``attention_cpu``), and a second, compiled after it as one
+translation unit, a decode step's layers made of those kernels (``decode_cpu.c``: ``decode_cpu``), so they are
+built and loaded once, as one library, with AVX2/FMA/F16C and OpenMP: the GEMVs' rows and the attention's chunks
+of keys split across PyTorch's own threads (``torch.set_num_threads``). Those modules call the library through
+:func:`library` and define their operators (``torch.ops.qinfer.*``, opaque to inductor, named in the profiler)
+on :data:`OPS`.
 
 The C source is compiled at first use with the system's C compiler into ``<cache>/kernels`` (a one-time cost:
 docs/results.md, "Figures formerly in code comments") and loaded with ``ctypes``. The file name carries a hash
@@ -44,9 +46,13 @@ from qinfer.store.paths import cache_dir
 from qinfer.store.temp import temp_path
 
 SOURCE = Path(__file__).with_name("gemv_cpu.c")
+# a decode step's layers in one call (decode_cpu): compiled after gemv_cpu.c in one translation unit, as it calls
+# that file's kernels
+STEP_SOURCE = Path(__file__).with_name("decode_cpu.c")
 # read once, with this module: the library is built from (and keyed by) the C this module's calls were written for,
-# even if the file changes while a process runs (None: unreadable, and the callers keep PyTorch's kernels)
-_SOURCE_BYTES = SOURCE.read_bytes() if SOURCE.is_file() else None
+# even if the files change while a process runs (None: unreadable, and the callers keep PyTorch's kernels)
+_SOURCE_BYTES = (SOURCE.read_bytes() + b"\n" + STEP_SOURCE.read_bytes()
+                 if SOURCE.is_file() and STEP_SOURCE.is_file() else None)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 KV_CODES = {torch.int8: 3, torch.float8_e4m3fn: 4}  # a quantized KV cache's keys and values
@@ -74,7 +80,7 @@ def library() -> tuple[ctypes.CDLL | None, str]:
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None, f"the CPU's vector capability is {torch.backends.cpu.get_cpu_capability()}, not AVX2"
     if _SOURCE_BYTES is None:
-        return None, f"{SOURCE} is missing"
+        return None, f"{STEP_SOURCE if SOURCE.is_file() and not STEP_SOURCE.is_file() else SOURCE} is missing"
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if not cc:
         return None, "no C compiler (gcc or $CC)"
@@ -105,6 +111,9 @@ def library() -> tuple[ctypes.CDLL | None, str]:
     lib.qinfer_attention_i8_vnni.argtypes, lib.qinfer_attention_i8_vnni.restype = [ctypes.c_int], ctypes.c_int
     lib.qinfer_bf16_dot.argtypes, lib.qinfer_bf16_dot.restype = [ctypes.c_int], ctypes.c_int
     lib.qinfer_int8_amx.argtypes, lib.qinfer_int8_amx.restype = [ctypes.c_int], ctypes.c_int
+    lib.qinfer_decode_layers.argtypes, lib.qinfer_decode_layers.restype = [_P, _P], ctypes.c_int
+    lib.qinfer_argmax.argtypes = [_P, _I64, _I64, _I64, ctypes.c_int, _P]
+    lib.qinfer_argmax.restype = None
     return lib, ""
 
 

@@ -208,11 +208,31 @@ def fp8_gemv(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = Non
 
 
 def _bf16_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return _run(cpu_library.library()[0].qinfer_bf16_gemv, x, _bf16_weight(weight), bias)
+
+
+def _bf16_weight(weight: torch.Tensor) -> Weight:
     def build():
         return Weight(weight.data_ptr(), None, None, *weight.shape, weight.stride(0), 0)
 
-    prepared = _prepared(_PREPARED["bf16"], weight, (weight,), build)
-    return _run(cpu_library.library()[0].qinfer_bf16_gemv, x, prepared, bias)
+    return _prepared(_PREPARED["bf16"], weight, (weight,), build)
+
+
+def prepared(weight, x: torch.Tensor) -> tuple[str, Weight] | None:
+    """(kind, Weight): what ``linear(x, weight)`` hands the C GEMV, where it takes ``x``'s rows against ``weight``
+    (kind "bf16", "int" or "fp8": which of them), else None. For a caller that makes the same calls from C
+    (``decode_cpu``); the Weight points into ``weight``'s tensors, and holds what it built itself."""
+    if isinstance(weight, torch.Tensor):
+        return ("bf16", _bf16_weight(weight)) if bf16_supported(x, weight) else None
+    if isinstance(weight, QuantizedWeight):
+        w = weight
+        if not int_supported(x, w) or w.perm is not None or not all(
+                t is None or t.is_contiguous() for t in (w.qweight, w.scale, w.zero)):
+            return None
+        return "int", _int_weight(w.qweight, w.scale, w.zero, w.bits, w.group_size)
+    if isinstance(weight, Fp8Weight) and fp8_supported(x, weight) and weight.scale.is_contiguous():
+        return "fp8", _fp8_weight(weight.weight, weight.scale)
+    return None
 
 
 def _int_op(x, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, group_size: int,

@@ -22,6 +22,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: floa
 
 
 all_rows = norm_cpu.all_rows  # the C loop for every row count (an engine step's decode rows)
+norm_rows_max = norm_cpu.rows_max  # the most rows the C loop takes now
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, scale_in_fp32: bool) -> torch.Tensor:

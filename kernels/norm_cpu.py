@@ -35,6 +35,11 @@ def all_rows():
         _LIMIT[0] = before
 
 
+def rows_max() -> int:
+    """The most rows the C loop takes now: ``NORM_MAX_ROWS``, or any number inside :func:`all_rows`."""
+    return _LIMIT[0]
+
+
 def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor, scale_in_fp32: bool) -> bool:
     """Up to ``NORM_MAX_ROWS`` rows (any number inside :func:`all_rows`) of RMSNorm (``qinfer.kernels.norm``), eagerly: a compiled graph fuses the
     norm with its neighbours itself."""

@@ -1,7 +1,7 @@
 """Where a decode step's time goes: the ops of a few decode steps under ``torch.profiler``.
 
     python -m qinfer.evals.diagnostics.decode_profile MODEL [--prompt-tokens 512] [--steps 8] [--top 12] [--min-share 0.01]
-        [--compile [--rounds 3]]
+        [--compile [--rounds 3]] [--layer-by-layer] [--against-layers [--rounds 3]]
 
 The setting is ``qinfer eval``'s speed run (:mod:`qinfer.evals.speed`): a fixed pseudo-random prompt prefilled
 into a bf16 KV cache, then greedy decode steps at batch 1. It prints the median step time without the profiler,
@@ -14,6 +14,11 @@ worker threads are inside it), so the rows add up to at most the profiled step.
 ``qinfer generate --compile`` and ``qinfer chat --compile`` decode through) against the eager step: the
 compile's seconds and graphs, then both step times in alternating rounds from the same cache state, and
 whether their greedy tokens agree.
+
+A decode step whose layers the C call takes (``qinfer.model.decode_plan``) shows them as one op,
+``qinfer::decode_layers``; ``--layer-by-layer`` profiles the layers run as modules instead (the eager path that
+call replaces), and ``--against-layers`` then times the two steps in alternating rounds from the same cache state,
+and says whether their greedy tokens agree.
 
 Diagnostic only, CPU only: nothing is written, nothing cached (but inductor's own cache).
 """
@@ -36,6 +41,7 @@ from qinfer.evals.roofline import threads_text
 from qinfer.evals.speed import checked_prompt
 from qinfer.engine.generate import compiled_decode_step, decode_step, prefill
 from qinfer.engine.sampling import greedy
+from qinfer.model.decode_plan import layer_by_layer
 from qinfer.model.kv_cache import KVCache, make_cache
 from qinfer.model.loader import load_model
 from qinfer.sources.resolve import resolve_model
@@ -52,20 +58,30 @@ WARMUP_STEPS = 4
               help="Vocabulary-wide ops taking less of the profiled time than this share (0..1) are left out.")
 @click.option("--compile", "compiled", is_flag=True,
               help="Also time a torch.compile'd decode step against the eager one (minutes to compile).")
-@click.option("--rounds", type=int, default=3, show_default=True, help="With --compile: rounds of --steps each.")
-def main(model, prompt_tokens, steps, top, min_share, compiled, rounds):
+@click.option("--rounds", type=int, default=3, show_default=True,
+              help="With --compile or --against-layers: rounds of --steps each.")
+@click.option("--layer-by-layer", "by_layer", is_flag=True,
+              help="Profile the decode step with its layers run as modules, not in one C call.")
+@click.option("--against-layers", "against", is_flag=True,
+              help="Also time the one-call decode step against the layer-by-layer one.")
+def main(model, prompt_tokens, steps, top, min_share, compiled, rounds, by_layer, against):
     if steps < 1 or top < 1 or prompt_tokens < 1 or rounds < 1:
         raise QinferError("--prompt-tokens, --steps, --top and --rounds must be at least 1")
     if not 0 <= min_share <= 1:
         raise QinferError(f"--min-share is a share of the profiled time, in 0..1; got {min_share}")
-    _report(model, prompt_tokens, steps, top, min_share, rounds if compiled else 0)
+    with layer_by_layer() if by_layer else contextlib.nullcontext():
+        _report(model, prompt_tokens, steps, top, min_share, rounds if compiled else 0, rounds if against else 0)
 
 
 @torch.no_grad()
-def _report(model_name: str, prompt_tokens: int, steps: int, top: int, min_share: float, rounds: int) -> None:
+def _report(model_name: str, prompt_tokens: int, steps: int, top: int, min_share: float, rounds: int,
+            layer_rounds: int = 0) -> None:
     model = load_model(resolve_model(model_name), run=True)
-    n_steps = 2 * steps + (1 + rounds * steps if rounds else 0)  # timed, profiled, then the compile and its rounds
-    check_context(model, prompt_tokens, n_steps, {"--steps": steps, **({"--rounds": rounds} if rounds else {})})
+    # timed, profiled, then the compile and its rounds, or the rounds against the layers run as modules (each on
+    # copies of one cache state)
+    given = max(rounds, layer_rounds)
+    n_steps = 2 * steps + (1 + given * steps if given else 0)
+    check_context(model, prompt_tokens, n_steps, {"--steps": steps, **({"--rounds": given} if given else {})})
     token, pos, cache = warmed_up(model, prompt_tokens, n_steps)
     times = []
     for pos in range(pos, pos + steps):
@@ -94,6 +110,18 @@ def _report(model_name: str, prompt_tokens: int, steps: int, top: int, min_share
             print(f"vocabulary-wide: {e.self_cpu_time_total / 1e6 * ms:.2f} ms/step in {e.key} on {e.input_shapes}")
     if rounds:
         _compare_compiled(model, token, pos + 1, cache, steps, rounds)
+    if layer_rounds:  # (from the same state: the rounds above ran on copies of the cache)
+        _compare_layers(model, token, pos + 1, cache, steps, layer_rounds)
+
+
+def _compare_layers(model, token: torch.Tensor, pos: int, cache, steps: int, rounds: int) -> None:
+    """The decode step with its layers in one C call against the one running them as modules."""
+    paths = {"one call": (decode_step, contextlib.nullcontext), "layer by layer": (decode_step, layer_by_layer)}
+    times, agree = alternating_rounds(model, token, pos, cache, steps, rounds, paths)
+    fast, eager = (statistics.median(times[k]) * 1000 for k in paths)
+    print(f"layers in one C call: {fast:.2f} ms a step against {eager:.2f} layer by layer ({eager / fast:.2f}x; "
+          f"medians of {rounds * steps} steps each, alternating rounds); greedy tokens "
+          f"{'the same' if agree else 'differ'}")
 
 
 def _compare_compiled(model, token: torch.Tensor, pos: int, cache, steps: int, rounds: int) -> None:

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from qinfer.errors import check_seed, QinferError
+from qinfer.kernels import decode_cpu
 
 
 class ContextFull(QinferError):
@@ -37,8 +38,11 @@ class SamplingParams:
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """[B, V] logits -> [B] ids of each row's largest logit (the first of a tie, a NaN's if any), as ``argmax``
-    gives them. Through ``torch.max``, whose CPU kernel reads a vocabulary row faster than argmax's
-    (gemma3's 262144 bf16 logits: docs/results.md, "Figures formerly in code comments")."""
+    gives them. On CPU through ``decode_cpu.argmax``'s C pass; else through ``torch.max``, whose CPU kernel reads a
+    vocabulary row faster than argmax's (gemma3's 262144 bf16 logits: docs/results.md, "Figures formerly in code
+    comments")."""
+    if decode_cpu.argmax_supported(logits):
+        return decode_cpu.argmax(logits)
     return torch.max(logits, dim=-1).indices
 
 

@@ -7,6 +7,7 @@ H query heads, Hkv key/value heads, D head dim, C hidden size.
 """
 
 import contextlib
+import ctypes
 import math
 from dataclasses import dataclass
 
@@ -18,7 +19,8 @@ from qinfer.model.arch import ModelConfig, RopeConfig
 from qinfer.format import Fp8Weight, QuantizedWeight
 from qinfer.kernels.attention import attention
 from qinfer.kernels.linear import linear, matmul_dtype, rowwise
-from qinfer.kernels.norm import all_rows as norm_all_rows, rms_norm
+from qinfer.kernels.norm import all_rows as norm_all_rows, norm_rows_max, rms_norm
+from qinfer.model.decode_plan import Rows, plan_for
 from qinfer.model.kv_cache import DecodeRows, KVCache
 
 
@@ -405,7 +407,10 @@ class Transformer(nn.Module):
 
     def rope(self, layer_idx: int, input_pos: torch.Tensor, dtype: torch.dtype):
         """(cos, signed sin) [T, D] in ``dtype`` for :func:`apply_rope`: the sin's first half negated."""
-        rope = self.config.rope[layer_idx]
+        return self.rope_tables(self.config.rope[layer_idx], input_pos, dtype)
+
+    def rope_tables(self, rope: RopeConfig, input_pos: torch.Tensor, dtype: torch.dtype):
+        """:meth:`rope` of the layers with the RoPE config ``rope``."""
         if rope not in self._inv_freq:
             self._inv_freq[rope] = rope_inv_freq(rope, self.config.head_dim).to(input_pos.device)
         freqs = input_pos.float()[:, None] * self._inv_freq[rope][None, :]  # [T, D/2]
@@ -462,6 +467,11 @@ class Transformer(nn.Module):
         x = self.embed(input_ids)
         span = span or (int(input_pos[0]), int(input_pos[-1]))  # the positions' range, read once, not per layer
         bos = self.bos_rows(input_ids, input_pos, span[0])
+        if x.shape[1] == 1 and bos is None and type(cache) is KVCache and not torch.compiler.is_compiling():
+            # a decode step: its layers in one call, where the plan runs them
+            h = self._planned_step(x, input_pos, span[0], cache)
+            if h is not None:
+                return h
         masks = self.masks(input_pos, span[1] + 1 if cache is not None else 0)
         ropes = {}  # cos/sin per distinct RopeConfig (Gemma 3: two), not per layer
         for i, layer in enumerate(self.model.layers):
@@ -482,6 +492,9 @@ class Transformer(nn.Module):
         and attention is per row."""
         x = self.embed(input_ids[:, None])  # [M, 1, C]
         positions = rows.positions
+        h = None if torch.compiler.is_compiling() else self._planned_rows(x[:, 0].contiguous(), rows)
+        if h is not None:
+            return h
         span = (int(positions.min()), int(positions.max()))  # (unused by the rows' attention; read once)
         ropes = {}
         with norm_all_rows():  # every row's norms in one loop, whatever the row count
@@ -492,6 +505,37 @@ class Transformer(nn.Module):
                     ropes[rope] = cos[:, None, None], sin[:, None, None]  # [M, 1, 1, D] against [M, H, 1, D]
                 x = layer(x, *ropes[rope], None, rows, positions, None, span)
             return self.model.norm(x)[:, 0]
+
+    def _planned_step(self, x: torch.Tensor, input_pos: torch.Tensor, pos: int, cache: KVCache):
+        """The final-norm hidden states [B, 1, C] of a decode step of the B bound sequences at position ``pos``
+        through the plan's one C call (``qinfer.model.decode_plan``), or None where it does not run them."""
+        B, _, C = x.shape
+        P, plan = cache.block_size, plan_for(self)
+        if plan is None or not FusedLinear.enabled or pos // P >= len(cache.block_rows[0]) or not plan.runs(
+                x[:, 0], cache, norm_rows_max()):
+            return None  # (separate_linears: a timing of the eager path; past the cache's blocks: the layers say so)
+        longs = ctypes.c_int64 * B
+        slots, ends = longs(*(row[pos // P] * P + pos % P for row in cache.block_rows)), longs(*[pos + 1] * B)
+        starts = [longs(*[0 if w is None else max(0, pos - w + 1)] * B) for w in plan.windows]
+        ropes = [self.rope_tables(rope, input_pos, x.dtype) for rope in plan.ropes]  # [1, D] each: every row's
+        rows = Rows(B, ctypes.addressof(slots), cache.block_tables.data_ptr(), cache.block_tables.stride(0),
+                    ctypes.addressof(ends), [ctypes.addressof(s) for s in starts], [c for c, _ in ropes],
+                    [s for _, s in ropes], 0)
+        return plan.run(x.reshape(B, C).contiguous(), rows, cache).view(B, 1, C)
+
+    def _planned_rows(self, x: torch.Tensor, rows: DecodeRows) -> torch.Tensor | None:
+        """:meth:`decode_rows`' hidden states [M, C] of the embedded ``x`` [M, C] through the plan's one C call,
+        or None where it does not run them (its norms take any row count, as the eager rows' do)."""
+        plan = plan_for(self)
+        if plan is None or not FusedLinear.enabled or type(rows.cache) is not KVCache or not plan.runs(
+                x, rows.cache, 1 << 62):
+            return None
+        ropes = [self.rope_tables(rope, rows.positions, x.dtype) for rope in plan.ropes]  # [M, D] each
+        tables = rows.block_tables
+        found = Rows(x.shape[0], rows.slots.data_ptr(), tables.data_ptr(), tables.stride(0), rows.ends.data_ptr(),
+                     [rows.starts(window).data_ptr() for window in plan.windows], [c for c, _ in ropes],
+                     [s for _, s in ropes], self.config.head_dim)
+        return plan.run(x, found, rows.cache)
 
     def forward(self, input_ids, input_pos=None, cache: KVCache | None = None, last_only: bool = False, span=None):
         """Logits [B, T, V] (or [B, 1, V] with ``last_only``) in the model's dtype; ``span`` as in

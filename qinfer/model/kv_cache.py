@@ -245,6 +245,7 @@ class KVCache:
         width = max([len(t.blocks) for t in tables] + [1])
         rows = [t.blocks + [0] * (width - len(t.blocks)) for t in tables]  # (padding: never read)
         self.tables = list(tables)
+        self.block_rows = rows  # block_tables as lists (a decode step's slots, read without a tensor op)
         self.block_tables = torch.tensor(rows, dtype=torch.long, device=self.k[0].device)
 
     def slots(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
