@@ -35,7 +35,8 @@ CACHE_VERSION = 2
 
 # Modules whose code decides what an eval measures (besides the kernels package, which is read whole): the
 # decoder and every qinfer module it imports that computes (errors and the cache's paths do not).
-RUNTIME_MODULES = ("qinfer.model.arch", "qinfer.model.decoder", "qinfer.model.kv_cache", "qinfer.model.loader",
+RUNTIME_MODULES = ("qinfer.model.arch", "qinfer.model.decoder", "qinfer.model.decode_plan", "qinfer.model.kv_cache",
+                   "qinfer.model.loader",
                    "qinfer.format", "qinfer.engine.generate", "qinfer.engine.engine", "qinfer.engine.sampling",
                    "qinfer.engine.scheduler", "qinfer.sources.tokenizer")
 
