@@ -82,8 +82,9 @@ LM_HEAD_ROWS = 32768
 QUANTIZE_MODULES = (
     "qinfer.pipeline.quantize", "qinfer.pipeline.config", "qinfer.pipeline.awq", "qinfer.pipeline.block_tune",
     "qinfer.pipeline.preflight", "qinfer.calib.capture", "qinfer.calib.sampling", "qinfer.calib.sources",
-    "qinfer.calib.austen", "qinfer.calib.debian", "qinfer.calib.rlazyload", "qinfer.sources.tokenizer", "qinfer.model.arch",
-    "qinfer.model.decoder", "qinfer.model.decode_plan", "qinfer.model.kv_cache", "qinfer.model.loader", "qinfer.format",
+    "qinfer.calib.austen", "qinfer.calib.debian", "qinfer.calib.rlazyload", "qinfer.sources.tokenizer",
+    "qinfer.model.arch", "qinfer.model.decoder", "qinfer.model.decode_plan", "qinfer.model.kv_cache",
+    "qinfer.model.loader", "qinfer.format",
 )
 QUANTIZE_PACKAGES = ("qinfer.quantizers", "qinfer.kernels")  # read whole
 
